@@ -1,0 +1,32 @@
+// Python bindings of nelssa._C. Every kernel releases the GIL while it runs.
+#include "common.h"
+
+namespace nelssa {
+std::tuple<at::Tensor, at::Tensor> sparse_attention(
+    const at::Tensor& q, const std::vector<std::vector<at::Tensor>>& parts, const std::vector<at::Tensor>& cpart,
+    const std::vector<at::Tensor>& cstart, const std::vector<at::Tensor>& csize, const std::vector<at::Tensor>& sel,
+    const std::vector<at::Tensor>& nsel, double scale, int64_t work_tokens);
+void copy_rows(const at::Tensor& src, const at::Tensor& si, at::Tensor& dst, const at::Tensor& di);
+std::tuple<double, double> read_bandwidth(const at::Tensor& buf, int64_t iters);
+void set_pool(int64_t threads, const std::vector<int64_t>& cores);
+at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype);
+}  // namespace nelssa
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.doc() = "NELSSA CPU kernels (C++17/OpenMP)";
+  m.def("sparse_attention", &nelssa::sparse_attention, release(),
+        "Fused sparse attention over selected clusters -> (out [B,Hq,D] fp32, lse [B,Hq] fp32, natural log)");
+  m.def("copy_rows", &nelssa::copy_rows, release(), "dst[h, di[h,i]] = src[h, si[h,i]]");
+  m.def("read_bandwidth", &nelssa::read_bandwidth, release(), "(seconds, checksum) to read buf iters times");
+  m.def("host_empty", &nelssa::host_empty, release(), "uninitialised host-tier tensor on huge pages");
+  m.def("set_pool", &nelssa::set_pool, release(), "threads and optional core pinning for the kernels");
+#if defined(__AVX512F__)
+  m.attr("isa") = "avx512";
+#elif defined(__AVX2__)
+  m.attr("isa") = "avx2";
+#else
+  m.attr("isa") = "generic";
+#endif
+}

@@ -1,0 +1,86 @@
+// Shared helpers for the NELSSA CPU kernels: dtype loads, vector exp2, the thread pool settings.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace nelssa {
+
+// ---- element loads: any KV dtype -> fp32 (loops auto-vectorise with -O3 -march=...) ----
+inline void to_f32(const float* __restrict s, float* __restrict d, int n) { std::memcpy(d, s, n * sizeof(float)); }
+
+inline void to_f32(const at::BFloat16* __restrict s, float* __restrict d, int n) {
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(s);
+  uint32_t* o = reinterpret_cast<uint32_t*>(d);
+#pragma omp simd
+  for (int i = 0; i < n; ++i) o[i] = static_cast<uint32_t>(u[i]) << 16;
+}
+
+inline void to_f32(const at::Half* __restrict s, float* __restrict d, int n) {
+#if defined(__AVX512F__)
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i))));
+  for (; i < n; ++i) d[i] = static_cast<float>(s[i]);
+#else
+  for (int i = 0; i < n; ++i) d[i] = static_cast<float>(s[i]);
+#endif
+}
+
+// ---- exp2 over a block of lanes; x = -inf gives 0 ----
+#if defined(__AVX512F__)
+inline __m512 exp2_ps(__m512 x) {
+  // 2^x = 2^round(x) * 2^f, f in [-0.5, 0.5]; degree-6 fit, max rel. error 2e-9 (+ fp32 rounding)
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
+  __m512 xi = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_sub_ps(x, xi);
+  __m512 p = _mm512_set1_ps(1.5337577497120947e-04f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399859890341759e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618519805371761e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550329014658928e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022646248340607e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471824645996e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, xi);
+}
+#endif
+
+// y[i] = 2^(x[i] - m) for i < n (n <= 16)
+inline void exp2_shift16(const float* x, float m, float* y, int n) {
+#if defined(__AVX512F__)
+  __mmask16 k = static_cast<__mmask16>((1u << n) - 1u);
+  __m512 v = _mm512_maskz_loadu_ps(k, x);
+  __m512 r = exp2_ps(_mm512_sub_ps(v, _mm512_set1_ps(m)));
+  _mm512_storeu_ps(y, _mm512_maskz_mov_ps(k, r));
+#else
+  for (int i = 0; i < n; ++i) y[i] = std::exp2(x[i] - m);
+  for (int i = n; i < 16; ++i) y[i] = 0.f;
+#endif
+}
+
+// ---- host attention pool: threads and optional core pinning (set from Python once) ----
+struct PoolSettings {
+  int threads = 1;
+  std::vector<int> cores;  // empty: no pinning
+  int generation = 0;
+};
+PoolSettings& pool();
+void pin_this_thread();  // call inside a parallel region: pins thread i to cores[i % n] once per generation
+
+#define NELSSA_DISPATCH_KV(DT, NAME, ...)                                          \
+  [&] {                                                                           \
+    if ((DT) == at::kBFloat16) { using scalar_t = at::BFloat16; return __VA_ARGS__(); } \
+    if ((DT) == at::kHalf) { using scalar_t = at::Half; return __VA_ARGS__(); }    \
+    if ((DT) == at::kFloat) { using scalar_t = float; return __VA_ARGS__(); }      \
+    TORCH_CHECK(false, NAME ": unsupported KV dtype ", DT);                        \
+  }()
+
+}  // namespace nelssa

@@ -1,0 +1,120 @@
+// Cluster-contiguous reorganisation of K/V rows and the memory read-bandwidth probe.
+#include "common.h"
+
+#include <omp.h>
+#include <sched.h>
+#include <sys/mman.h>
+
+#include <chrono>
+
+namespace nelssa {
+
+PoolSettings& pool() {
+  static PoolSettings p;
+  return p;
+}
+
+void pin_this_thread() {
+  thread_local int pinned = -1;
+  const PoolSettings& p = pool();
+  if (p.cores.empty() || pinned == p.generation) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(p.cores[omp_get_thread_num() % p.cores.size()], &set);
+  sched_setaffinity(0, sizeof(set), &set);
+  pinned = p.generation;
+}
+
+void set_pool(int64_t threads, const std::vector<int64_t>& cores) {
+  TORCH_CHECK(threads >= 1, "pool threads must be >= 1");
+  PoolSettings& p = pool();
+  p.threads = static_cast<int>(threads);
+  p.cores.assign(cores.begin(), cores.end());
+  ++p.generation;
+}
+
+// Host-tier buffer: anonymous memory, 2 MiB aligned, transparent huge pages requested. Cluster
+// gathers touch a new 4 KiB page per cluster; huge pages keep those walks out of the TLB.
+at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  const size_t bytes = static_cast<size_t>(n) * c10::elementSize(dtype);
+  constexpr size_t HUGE_PAGE = 2u << 20;
+  if (bytes < HUGE_PAGE) return at::empty(sizes, at::TensorOptions().dtype(dtype));
+  const size_t len = (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+  // over-map by one huge page to align the start
+  void* raw = mmap(nullptr, len + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(raw != MAP_FAILED, "host_empty: mmap of ", len, " bytes failed (host memory exhausted?)");
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(raw) + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
+  const size_t head = a - reinterpret_cast<uintptr_t>(raw);
+  if (head) munmap(raw, head);
+  if (HUGE_PAGE - head) munmap(reinterpret_cast<char*>(a) + len, HUGE_PAGE - head);
+  madvise(reinterpret_cast<void*>(a), len, MADV_HUGEPAGE);
+  return at::from_blob(
+      reinterpret_cast<void*>(a), sizes, [len](void* ptr) { munmap(ptr, len); },
+      at::TensorOptions().dtype(dtype));
+}
+
+// dst[h, di[h, i], :] = src[h, si[h, i], :] for every kv head h (rows of D elements, any dtype).
+void copy_rows(const at::Tensor& src, const at::Tensor& si, at::Tensor& dst, const at::Tensor& di) {
+  TORCH_CHECK(src.dim() == 3 && src.is_contiguous() && src.device().is_cpu(), "src must be contiguous CPU [H, L, D]");
+  TORCH_CHECK(dst.dim() == 3 && dst.is_contiguous() && dst.device().is_cpu() && dst.scalar_type() == src.scalar_type() &&
+                  dst.size(0) == src.size(0) && dst.size(2) == src.size(2),
+              "dst must be contiguous CPU [H, M, D] of src's dtype");
+  TORCH_CHECK(si.dim() == 2 && si.scalar_type() == at::kLong && si.is_contiguous() && si.size(0) == src.size(0) &&
+                  di.sizes() == si.sizes() && di.scalar_type() == at::kLong && di.is_contiguous(),
+              "row indices must be int64 [H, N], equal shapes");
+  const int64_t H = src.size(0), L = src.size(1), M = dst.size(1), N = si.size(1);
+  const int64_t rb = src.size(2) * src.element_size();
+  const char* s = static_cast<const char*>(src.data_ptr());
+  char* d = static_cast<char*>(dst.data_ptr());
+  const int64_t* sp = si.data_ptr<int64_t>();
+  const int64_t* dp = di.data_ptr<int64_t>();
+  int bad = 0;
+#pragma omp parallel for schedule(static) num_threads(pool().threads) reduction(| : bad)
+  for (int64_t i = 0; i < H * N; ++i) {
+    const int64_t h = i / N, a = sp[i], z = dp[i];
+    if (a < 0 || a >= L || z < 0 || z >= M) { bad = 1; continue; }
+    std::memcpy(d + (h * M + z) * rb, s + (h * L + a) * rb, rb);
+  }
+  TORCH_CHECK(!bad, "copy_rows: row index out of range");
+}
+
+// Seconds to read every byte of buf `iters` times with the pool's threads; the checksum keeps the
+// reads from being optimised away.
+std::tuple<double, double> read_bandwidth(const at::Tensor& buf, int64_t iters) {
+  TORCH_CHECK(buf.is_contiguous() && buf.device().is_cpu() && buf.scalar_type() == at::kFloat,
+              "buf must be a contiguous CPU float32 tensor");
+  const float* p = buf.data_ptr<float>();
+  const int64_t n = buf.numel();
+  double check = 0.0;
+  auto t0 = std::chrono::steady_clock::now();
+  for (int64_t it = 0; it < iters; ++it) {
+    double part = 0.0;
+#pragma omp parallel for schedule(static) num_threads(pool().threads) reduction(+ : part)
+    for (int64_t c = 0; c < n; c += 4096) {
+      const int64_t e = std::min<int64_t>(n, c + 4096);
+      float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+      int64_t i = c;
+      for (; i + 64 <= e; i += 64) {
+        float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+#pragma omp simd reduction(+ : s0)
+        for (int k = 0; k < 16; ++k) s0 += p[i + k];
+#pragma omp simd reduction(+ : s1)
+        for (int k = 16; k < 32; ++k) s1 += p[i + k];
+#pragma omp simd reduction(+ : s2)
+        for (int k = 32; k < 48; ++k) s2 += p[i + k];
+#pragma omp simd reduction(+ : s3)
+        for (int k = 48; k < 64; ++k) s3 += p[i + k];
+        a0 += s0, a1 += s1, a2 += s2, a3 += s3;
+      }
+      for (; i < e; ++i) a0 += p[i];
+      part += static_cast<double>(a0 + a1 + a2 + a3);
+    }
+    check += part;
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return {secs, check};
+}
+
+}  // namespace nelssa

@@ -1,0 +1,539 @@
+// Fused sparse attention over selected clusters of cluster-contiguous host KV.
+//
+// One pass over the selected K/V rows: gather (by pointer, no copy) + QK + online softmax + AV.
+// Parallel over work items (request, kv_head, cluster chunk of ~work_tokens rows), each producing
+// (max, sum, acc) for the G query heads of its GQA group; a final per-head LSE combine.
+#include "common.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <limits>
+#include <type_traits>
+
+namespace nelssa {
+namespace {
+
+constexpr int BLK = 16;  // rows per softmax block
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// Rows [0, n) of one selected cluster (or a piece of one) for one kv head: K rows at k, V rows at v.
+struct Span {
+  const char* k;
+  const char* v;
+  int64_t n;
+};
+
+struct Work {
+  int32_t bh;      // request * Hkv + kv_head
+  int32_t s0, s1;  // span range within spans[bh]
+};
+
+template <int DC>
+inline float dot(const float* __restrict a, const float* __restrict b, int D) {
+  const int n = DC > 0 ? DC : D;
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int d = 0; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+template <int DC>
+inline void axpy(float a, const float* __restrict x, float* __restrict y, int D) {
+  const int n = DC > 0 ? DC : D;
+#pragma omp simd
+  for (int d = 0; d < n; ++d) y[d] += a * x[d];
+}
+
+constexpr int64_t PF_ROWS = 32;  // rows prefetched ahead, one row per row computed (bursts stall)
+
+template <int LINES>
+inline void prefetch_row(const void* k, const void* v) {
+  for (int i = 0; i < LINES; ++i) {
+    __builtin_prefetch(static_cast<const char*>(k) + 64 * i, 0, 0);
+    __builtin_prefetch(static_cast<const char*>(v) + 64 * i, 0, 0);
+  }
+}
+
+// The work item's rows, across its spans, as K and V row pointers (records of [K row, V row]).
+template <typename T>
+inline void collect_rows(const std::vector<Span>& spans, const Work& w, int D, std::vector<const T*>& kr,
+                         std::vector<const T*>& vr) {
+  kr.clear(), vr.clear();
+  for (int si = w.s0; si < w.s1; ++si) {
+    const T* K = reinterpret_cast<const T*>(spans[si].k);
+    const T* V = reinterpret_cast<const T*>(spans[si].v);
+    for (int64_t r = 0; r < spans[si].n; ++r) kr.push_back(K + 2 * r * D), vr.push_back(V + 2 * r * D);
+  }
+}
+
+struct Ctx {
+  int B, Hq, Hkv, G, D;
+  const float* q;              // [B, Hq, D], pre-scaled to log2 units
+  const uint16_t* qb = nullptr;  // [B, Hq, D] bf16, unscaled (bf16 fast path only)
+  float qscale = 1.f;          // scale * log2(e), for the bf16 path
+};
+
+// Portable path (any D): attention of one work item; writes m[G], l[G] (log2 units), acc[G*D].
+template <typename T, int DC>
+void run_work(const Ctx& c, const std::vector<const T*>& kr, const std::vector<const T*>& vr, const Work& w,
+              float* m, float* l, float* acc, float* kf, float* vf, float* s, float* p) {
+  const int G = c.G, D = DC > 0 ? DC : c.D;
+  const int b = w.bh / c.Hkv, h = w.bh % c.Hkv;
+  const float* qg = c.q + (static_cast<int64_t>(b) * c.Hq + static_cast<int64_t>(h) * G) * D;
+  for (int g = 0; g < G; ++g) m[g] = NEG_INF, l[g] = 0.f;
+  std::fill(acc, acc + static_cast<int64_t>(G) * D, 0.f);
+  const int64_t N = static_cast<int64_t>(kr.size());
+  for (int64_t t0 = 0; t0 < N; t0 += BLK) {
+    const int nb = static_cast<int>(std::min<int64_t>(BLK, N - t0));
+    for (int64_t r = t0 + PF_ROWS; r < std::min(N, t0 + PF_ROWS + BLK); ++r) prefetch_row<1>(kr[r], vr[r]);
+    for (int t = 0; t < nb; ++t) {
+      to_f32(kr[t0 + t], kf, D);
+      for (int g = 0; g < G; ++g) s[g * BLK + t] = dot<DC>(qg + g * D, kf, D);
+    }
+    for (int g = 0; g < G; ++g) {
+      float mb = NEG_INF;
+      for (int t = 0; t < nb; ++t) mb = std::max(mb, s[g * BLK + t]);
+      if (mb > m[g]) {
+        const float alpha = std::exp2(m[g] - mb);  // 0 when m = -inf
+        if (l[g] != 0.f) {
+          l[g] *= alpha;
+          float* a = acc + g * D;
+#pragma omp simd
+          for (int d = 0; d < D; ++d) a[d] *= alpha;
+        }
+        m[g] = mb;
+      }
+      exp2_shift16(s + g * BLK, m[g], p + g * BLK, nb);
+      float sum = 0.f;
+      for (int t = 0; t < nb; ++t) sum += p[g * BLK + t];
+      l[g] += sum;
+    }
+    for (int t = 0; t < nb; ++t) {
+      to_f32(vr[t0 + t], vf, D);
+      for (int g = 0; g < G; ++g) axpy<DC>(p[g * BLK + t], vf, acc + g * D, D);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+template <>
+inline __m512 load16<at::Half>(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <>
+inline __m512 load16<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+
+// v[0..15] -> one vector whose lane t is the horizontal sum of v[t] (45 shuffles/adds in all).
+inline __m512 reduce16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(u01, u23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// AVX-512 path for D = 16 * NV. The work item's rows (across clusters) are listed as pointers and
+// processed in full blocks of 16: scores of 16 rows per query head in one vector (transposed
+// reduction), vector exp2, AV with the accumulators in registers; rows PF ahead are prefetched.
+template <typename T, int NV>
+void run_work_avx512(const Ctx& c, const std::vector<const T*>& kr, const std::vector<const T*>& vr,
+                     const Work& w, float* m, float* l, float* acc, float* scratch) {
+  constexpr int D = NV * 16;
+  constexpr int HALF = NV > 4 ? 4 : NV;  // accumulator vectors per pass of the AV loop
+  constexpr int LINES = (D * sizeof(T) + 63) / 64;
+  const int G = c.G;
+  const int b = w.bh / c.Hkv, h = w.bh % c.Hkv;
+  const float* qg = c.q + (static_cast<int64_t>(b) * c.Hq + static_cast<int64_t>(h) * G) * D;
+  __m512* part = reinterpret_cast<__m512*>(scratch);  // [G][16] partial-sum vectors
+  float* p = scratch + G * 16 * 16;                      // [G][16] probabilities
+  for (int g = 0; g < G; ++g) m[g] = NEG_INF, l[g] = 0.f;
+  std::fill(acc, acc + static_cast<int64_t>(G) * D, 0.f);
+  const int64_t N = static_cast<int64_t>(kr.size());
+  for (int64_t r = 0; r < std::min(N, PF_ROWS); ++r) prefetch_row<LINES>(kr[r], vr[r]);
+
+  for (int64_t t0 = 0; t0 < N; t0 += BLK) {
+    const int nb = static_cast<int>(std::min<int64_t>(BLK, N - t0));
+    // QK: partial-sum vector per (head, row)
+    for (int t = 0; t < nb; ++t) {
+      if (t0 + t + PF_ROWS < N) prefetch_row<LINES>(kr[t0 + t + PF_ROWS], vr[t0 + t + PF_ROWS]);
+      const T* kp = kr[t0 + t];
+      __m512 kv[NV];
+      for (int j = 0; j < NV; ++j) kv[j] = load16<T>(kp + 16 * j);
+      for (int g = 0; g < G; ++g) {
+        const float* qq = qg + g * D;
+        __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qq), kv[0]);
+        __m512 a1 = NV > 1 ? _mm512_mul_ps(_mm512_loadu_ps(qq + 16), kv[1]) : _mm512_setzero_ps();
+        for (int j = 2; j < NV; j += 2) {
+          a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qq + 16 * j), kv[j], a0);
+          if (j + 1 < NV) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qq + 16 * (j + 1)), kv[j + 1], a1);
+        }
+        part[g * 16 + t] = _mm512_add_ps(a0, a1);
+      }
+    }
+    const __mmask16 live = static_cast<__mmask16>((1u << nb) - 1u);
+    for (int g = 0; g < G; ++g) {
+      for (int t = nb; t < 16; ++t) part[g * 16 + t] = _mm512_setzero_ps();
+      const __m512 s = _mm512_mask_blend_ps(live, _mm512_set1_ps(NEG_INF), reduce16(part + g * 16));
+      const float mb = _mm512_reduce_max_ps(s);
+      if (mb > m[g]) {
+        const float alpha = std::exp2(m[g] - mb);
+        if (l[g] != 0.f) {
+          l[g] *= alpha;
+          const __m512 al = _mm512_set1_ps(alpha);
+          for (int j = 0; j < NV; ++j)
+            _mm512_storeu_ps(acc + g * D + 16 * j, _mm512_mul_ps(al, _mm512_loadu_ps(acc + g * D + 16 * j)));
+        }
+        m[g] = mb;
+      }
+      const __m512 e = _mm512_maskz_mov_ps(live, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(m[g]))));
+      l[g] += _mm512_reduce_add_ps(e);
+      _mm512_storeu_ps(p + g * 16, e);
+    }
+    // AV: accumulators of HALF vectors x up to 4 heads stay in registers across the block's rows
+    for (int j0 = 0; j0 < NV; j0 += HALF) {
+      for (int g0 = 0; g0 < G; g0 += 4) {
+        const int gn = std::min(4, G - g0);
+        __m512 a[4][HALF];
+        for (int g = 0; g < gn; ++g)
+          for (int j = 0; j < HALF; ++j) a[g][j] = _mm512_loadu_ps(acc + (g0 + g) * D + 16 * (j0 + j));
+        for (int t = 0; t < nb; ++t) {
+          const T* vp = vr[t0 + t];
+          __m512 vv[HALF];
+          for (int j = 0; j < HALF; ++j) vv[j] = load16<T>(vp + 16 * (j0 + j));
+          for (int g = 0; g < gn; ++g) {
+            const __m512 pb = _mm512_set1_ps(p[(g0 + g) * 16 + t]);
+            for (int j = 0; j < HALF; ++j) a[g][j] = _mm512_fmadd_ps(pb, vv[j], a[g][j]);
+          }
+        }
+        for (int g = 0; g < gn; ++g)
+          for (int j = 0; j < HALF; ++j) _mm512_storeu_ps(acc + (g0 + g) * D + 16 * (j0 + j), a[g][j]);
+      }
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// bf16 KV fast path (AVX512-BF16), D = 32 * NC. QK with vdpbf16ps on the stored rows (no
+// conversion; q is bf16-exact). AV with vdpbf16ps on row pairs interleaved by vpunpck{l,h}wd and
+// the probabilities rounded to bf16, as FlashAttention does for its PV product; accumulation and
+// the softmax statistics stay fp32 (l sums the rounded probabilities, so weights sum to 1). The
+// accumulators hold a fixed lane permutation of D, undone once at the end of the work item.
+template <int NC>
+void run_work_bf16(const Ctx& c, const std::vector<const at::BFloat16*>& kr,
+                   const std::vector<const at::BFloat16*>& vr, const Work& w, float* m, float* l, float* acc,
+                   float* scratch) {
+  constexpr int D = NC * 32;
+  constexpr int LINES = D * 2 / 64;
+  constexpr int GB = 16 / (2 * NC) > 0 ? 16 / (2 * NC) : 1;  // heads per AV pass (accumulators in registers)
+  const int G = c.G;
+  const int b = w.bh / c.Hkv, h = w.bh % c.Hkv;
+  const uint16_t* qg = c.qb + (static_cast<int64_t>(b) * c.Hq + static_cast<int64_t>(h) * G) * D;
+  __m512* part = reinterpret_cast<__m512*>(scratch);          // [G][16] partial sums
+  uint32_t* pp = reinterpret_cast<uint32_t*>(scratch + G * 16 * 16);  // [G][8] bf16 probability pairs
+  __m512i qv[8][NC];
+  const int gq = std::min(G, 8);
+  for (int g = 0; g < gq; ++g)
+    for (int j = 0; j < NC; ++j) qv[g][j] = _mm512_loadu_si512(qg + g * D + 32 * j);
+  for (int g = 0; g < G; ++g) m[g] = NEG_INF, l[g] = 0.f;
+  std::fill(acc, acc + static_cast<int64_t>(G) * D, 0.f);
+  const __m512 sc = _mm512_set1_ps(c.qscale);
+  const int64_t N = static_cast<int64_t>(kr.size());
+  for (int64_t r = 0; r < std::min(N, PF_ROWS); ++r) prefetch_row<LINES>(kr[r], vr[r]);
+
+  for (int64_t t0 = 0; t0 < N; t0 += BLK) {
+    const int nb = static_cast<int>(std::min<int64_t>(BLK, N - t0));
+    for (int t = 0; t < nb; ++t) {
+      if (t0 + t + PF_ROWS < N) prefetch_row<LINES>(kr[t0 + t + PF_ROWS], vr[t0 + t + PF_ROWS]);
+      const at::BFloat16* kp = kr[t0 + t];
+      __m512i kv[NC];
+      for (int j = 0; j < NC; ++j) kv[j] = _mm512_loadu_si512(kp + 32 * j);
+      for (int g = 0; g < G; ++g) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        for (int j = 0; j < NC; ++j) {
+          const __m512i qj = g < 8 ? qv[g][j] : _mm512_loadu_si512(qg + g * D + 32 * j);
+          if (j % 2 == 0) a0 = _mm512_dpbf16_ps(a0, (__m512bh)qj, (__m512bh)kv[j]);
+          else a1 = _mm512_dpbf16_ps(a1, (__m512bh)qj, (__m512bh)kv[j]);
+        }
+        part[g * 16 + t] = _mm512_add_ps(a0, a1);
+      }
+    }
+    const __mmask16 live = static_cast<__mmask16>((1u << nb) - 1u);
+    for (int g = 0; g < G; ++g) {
+      for (int t = nb; t < 16; ++t) part[g * 16 + t] = _mm512_setzero_ps();
+      const __m512 s =
+          _mm512_mask_blend_ps(live, _mm512_set1_ps(NEG_INF), _mm512_mul_ps(sc, reduce16(part + g * 16)));
+      const float mb = _mm512_reduce_max_ps(s);
+      if (mb > m[g]) {
+        const float alpha = std::exp2(m[g] - mb);
+        if (l[g] != 0.f) {
+          l[g] *= alpha;
+          const __m512 al = _mm512_set1_ps(alpha);
+          for (int j = 0; j < 2 * NC; ++j)
+            _mm512_storeu_ps(acc + g * D + 16 * j, _mm512_mul_ps(al, _mm512_loadu_ps(acc + g * D + 16 * j)));
+        }
+        m[g] = mb;
+      }
+      const __m512 e = _mm512_maskz_mov_ps(live, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(m[g]))));
+      const __m256bh eb = _mm512_cvtneps_pbh(e);
+      l[g] += _mm512_reduce_add_ps(_mm512_cvtpbh_ps(eb));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + g * 8), (__m256i)eb);
+    }
+    const int npair = (nb + 1) / 2;
+    for (int g0 = 0; g0 < G; g0 += GB) {
+      const int gn = std::min(GB, G - g0);
+      __m512 a[GB][2 * NC];
+      for (int g = 0; g < gn; ++g)
+        for (int j = 0; j < 2 * NC; ++j) a[g][j] = _mm512_loadu_ps(acc + (g0 + g) * D + 16 * j);
+      for (int k = 0; k < npair; ++k) {
+        const at::BFloat16* ra = vr[t0 + 2 * k];
+        const at::BFloat16* rb = 2 * k + 1 < nb ? vr[t0 + 2 * k + 1] : ra;  // its probability is 0
+        __m512i lo[NC], hi[NC];
+        for (int j = 0; j < NC; ++j) {
+          const __m512i x = _mm512_loadu_si512(ra + 32 * j), y = _mm512_loadu_si512(rb + 32 * j);
+          lo[j] = _mm512_unpacklo_epi16(x, y);
+          hi[j] = _mm512_unpackhi_epi16(x, y);
+        }
+        for (int g = 0; g < gn; ++g) {
+          const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[(g0 + g) * 8 + k]));
+          for (int j = 0; j < NC; ++j) {
+            a[g][2 * j] = _mm512_dpbf16_ps(a[g][2 * j], (__m512bh)lo[j], pb);
+            a[g][2 * j + 1] = _mm512_dpbf16_ps(a[g][2 * j + 1], (__m512bh)hi[j], pb);
+          }
+        }
+      }
+      for (int g = 0; g < gn; ++g)
+        for (int j = 0; j < 2 * NC; ++j) _mm512_storeu_ps(acc + (g0 + g) * D + 16 * j, a[g][j]);
+    }
+  }
+  // undo the lane permutation: acc[16*(2j+u) + 4k + r] holds element 32j + 8k + 4u + r
+  float tmp[D];
+  for (int g = 0; g < G; ++g) {
+    float* a = acc + g * D;
+    for (int j = 0; j < NC; ++j)
+      for (int u = 0; u < 2; ++u)
+        for (int k = 0; k < 4; ++k)
+          for (int r = 0; r < 4; ++r) tmp[32 * j + 8 * k + 4 * u + r] = a[16 * (2 * j + u) + 4 * k + r];
+    std::memcpy(a, tmp, sizeof(tmp));
+  }
+}
+#endif
+
+template <typename T, int DC>
+void run_all(const Ctx& c, const std::vector<std::vector<Span>>& spans_bh, const std::vector<Work>& works,
+             std::vector<float>& pm, std::vector<float>& pl, std::vector<float>& pacc) {
+  const int G = c.G, D = c.D;
+  const int64_t nw = static_cast<int64_t>(works.size());
+#pragma omp parallel num_threads(pool().threads)
+  {
+    pin_this_thread();
+    std::vector<const T*> kr, vr;
+    std::vector<float> kf(D), vf(D), s(G * BLK), p(G * BLK);
+#if defined(__AVX512F__)
+    std::vector<__m512> scratch(G * 17 + 1);  // [G][16] partial sums + [G][16] floats of p
+#endif
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < nw; ++i) {
+      const Work& w = works[i];
+      float *wm = pm.data() + i * G, *wl = pl.data() + i * G, *wa = pacc.data() + i * G * D;
+      collect_rows<T>(spans_bh[w.bh], w, D, kr, vr);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, at::BFloat16> && DC > 0 && DC % 32 == 0) {
+        if (c.qb != nullptr) {
+          run_work_bf16<DC / 32>(c, kr, vr, w, wm, wl, wa, reinterpret_cast<float*>(scratch.data()));
+          continue;
+        }
+      }
+#endif
+#if defined(__AVX512F__)
+      if constexpr (DC > 0 && DC % 16 == 0) {
+        run_work_avx512<T, DC / 16>(c, kr, vr, w, wm, wl, wa, reinterpret_cast<float*>(scratch.data()));
+        continue;
+      }
+#endif
+      run_work<T, DC>(c, kr, vr, w, wm, wl, wa, kf.data(), vf.data(), s.data(), p.data());
+    }
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> sparse_attention(
+    const at::Tensor& q,                         // [B, Hq, D] fp32
+    const std::vector<std::vector<at::Tensor>>& parts,  // [B][P_b] of [Hkv, Lp, 2, D]: token records [K row, V row]
+    const std::vector<at::Tensor>& cpart,        // [B] of int32 [C_b]: part of each cluster
+    const std::vector<at::Tensor>& cstart,       // [B] of int64 [Hkv, C_b]: first token of the cluster in its part
+    const std::vector<at::Tensor>& csize,        // [B] of int32 [Hkv, C_b]: tokens of the cluster
+    const std::vector<at::Tensor>& sel,          // [B] of int64 [Hkv, S_b]: selected cluster ids
+    const std::vector<at::Tensor>& nsel,         // [B] of int64 [Hkv]: valid ids per head
+    double scale, int64_t work_tokens) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu(),
+              "q must be a contiguous CPU float32 [B, Hq, D] tensor");
+  const int B = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), D = static_cast<int>(q.size(2));
+  const size_t nb = parts.size();
+  TORCH_CHECK(static_cast<int>(nb) == B && cpart.size() == nb && cstart.size() == nb && csize.size() == nb &&
+                  sel.size() == nb && nsel.size() == nb,
+              "per-request lists must all have B entries");
+  TORCH_CHECK(B > 0 && !parts[0].empty(), "empty batch");
+  TORCH_CHECK(work_tokens > 0, "work_tokens must be > 0");
+  const int Hkv = static_cast<int>(parts[0][0].size(0));
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "num query heads must be a multiple of num kv heads");
+  const int G = Hq / Hkv;
+  const at::ScalarType dt = parts[0][0].scalar_type();
+  const int64_t row_bytes = static_cast<int64_t>(D) * parts[0][0].element_size();
+
+  std::vector<std::vector<const char*>> base(B);
+  std::vector<std::vector<int64_t>> rows(B);
+  for (int b = 0; b < B; ++b) {
+    TORCH_CHECK(!parts[b].empty(), "request ", b, ": no KV parts");
+    for (size_t j = 0; j < parts[b].size(); ++j) {
+      const at::Tensor& kv = parts[b][j];
+      TORCH_CHECK(kv.dim() == 4 && kv.size(0) == Hkv && kv.size(2) == 2 && kv.size(3) == D,
+                  "request ", b, " part ", j, ": KV must be [Hkv, L, 2, D]");
+      TORCH_CHECK(kv.scalar_type() == dt, "all KV parts must share one dtype");
+      TORCH_CHECK(kv.is_contiguous() && kv.device().is_cpu(), "KV parts must be contiguous CPU tensors");
+      base[b].push_back(static_cast<const char*>(kv.data_ptr()));
+      rows[b].push_back(kv.size(1));
+    }
+    const int64_t C = cpart[b].numel();
+    TORCH_CHECK(cpart[b].scalar_type() == at::kInt && cstart[b].scalar_type() == at::kLong &&
+                    csize[b].scalar_type() == at::kInt && sel[b].scalar_type() == at::kLong &&
+                    nsel[b].scalar_type() == at::kLong,
+                "cluster tables: cpart int32, cstart int64, csize int32, sel/nsel int64");
+    TORCH_CHECK(cstart[b].dim() == 2 && cstart[b].size(0) == Hkv && cstart[b].size(1) == C &&
+                    csize[b].sizes() == cstart[b].sizes() && cstart[b].is_contiguous() && csize[b].is_contiguous() &&
+                    cpart[b].is_contiguous(),
+                "request ", b, ": cluster tables must be contiguous [Hkv, C]");
+    TORCH_CHECK(sel[b].dim() == 2 && sel[b].size(0) == Hkv && sel[b].is_contiguous() && nsel[b].numel() == Hkv,
+                "request ", b, ": selection must be [Hkv, S] with counts [Hkv]");
+  }
+
+  Ctx c;
+  c.B = B, c.Hq = Hq, c.Hkv = Hkv, c.G = G, c.D = D;
+  at::Tensor qs = (q * (scale * LOG2E)).contiguous();
+  c.q = qs.data_ptr<float>();
+#if defined(__AVX512BF16__)
+  at::Tensor qb;
+  if (dt == at::kBFloat16 && D % 32 == 0) {  // bf16 fast path iff q is exactly bf16 (it is, from a bf16 model)
+    qb = q.to(at::kBFloat16).contiguous();
+    if (at::equal(qb.to(at::kFloat), q)) {
+      c.qb = reinterpret_cast<const uint16_t*>(qb.data_ptr());
+      c.qscale = static_cast<float>(scale * LOG2E);
+    }
+  }
+#endif
+
+  // Phase 1: spans per (request, kv head), split at work_tokens, grouped into work items.
+  const int BH = B * Hkv;
+  std::vector<std::vector<Span>> spans(BH);
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> wk(BH);
+  std::vector<int> bad(BH, 0);
+#pragma omp parallel for schedule(dynamic, 4) num_threads(pool().threads)
+  for (int bh = 0; bh < BH; ++bh) {
+    const int b = bh / Hkv, h = bh % Hkv;
+    const int64_t C = cpart[b].numel(), S = sel[b].size(1);
+    const int64_t n = nsel[b].data_ptr<int64_t>()[h];
+    if (n < 0 || n > S) { bad[bh] = 1; continue; }
+    const int64_t* ids = sel[b].data_ptr<int64_t>() + h * S;
+    const int32_t* cp = cpart[b].data_ptr<int32_t>();
+    const int64_t* cs = cstart[b].data_ptr<int64_t>() + h * C;
+    const int32_t* cz = csize[b].data_ptr<int32_t>() + h * C;
+    auto& sv = spans[bh];
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t cid = ids[i];
+      if (cid < 0 || cid >= C) { bad[bh] = 1; break; }
+      const int32_t part = cp[cid];
+      const int64_t st = cs[cid], sz = cz[cid];
+      if (part < 0 || part >= static_cast<int32_t>(rows[b].size()) || st < 0 || sz < 0 ||
+          st + sz > rows[b][part]) { bad[bh] = 1; break; }
+      const char* head = base[b][part] + 2 * h * rows[b][part] * row_bytes;
+      for (int64_t o = 0; o < sz; o += work_tokens)
+        sv.push_back({head + 2 * (st + o) * row_bytes, head + (2 * (st + o) + 1) * row_bytes,
+                      std::min(work_tokens, sz - o)});
+    }
+    int64_t acc = 0;
+    int32_t s0 = 0;
+    for (int32_t i = 0; i < static_cast<int32_t>(sv.size()); ++i) {
+      acc += sv[i].n;
+      if (acc >= work_tokens) { wk[bh].push_back({s0, i + 1}); s0 = i + 1; acc = 0; }
+    }
+    if (s0 < static_cast<int32_t>(sv.size())) wk[bh].push_back({s0, static_cast<int32_t>(sv.size())});
+  }
+  for (int bh = 0; bh < BH; ++bh)
+    TORCH_CHECK(!bad[bh], "request ", bh / Hkv, " kv head ", bh % Hkv, ": selection out of range of its cluster table");
+
+  // Phase 2: flat work list.
+  std::vector<Work> works;
+  std::vector<int64_t> wbeg(BH + 1, 0);
+  for (int bh = 0; bh < BH; ++bh) {
+    for (auto& r : wk[bh]) works.push_back({bh, r.first, r.second});
+    wbeg[bh + 1] = static_cast<int64_t>(works.size());
+  }
+  const int64_t nw = static_cast<int64_t>(works.size());
+  std::vector<float> pm(nw * G), pl(nw * G), pacc(nw * G * D);
+
+  // Phase 3: the fused pass.
+  NELSSA_DISPATCH_KV(dt, "sparse_attention", [&] {
+    if (D == 64) run_all<scalar_t, 64>(c, spans, works, pm, pl, pacc);
+    else if (D == 128) run_all<scalar_t, 128>(c, spans, works, pm, pl, pacc);
+    else run_all<scalar_t, 0>(c, spans, works, pm, pl, pacc);
+  });
+
+  // Phase 4: combine the chunks of each (request, q head) by LSE.
+  at::Tensor out = at::empty({B, Hq, D}, q.options());
+  at::Tensor lse = at::empty({B, Hq}, q.options());
+  float* o = out.data_ptr<float>();
+  float* ls = lse.data_ptr<float>();
+#pragma omp parallel for num_threads(pool().threads)
+  for (int bh = 0; bh < BH; ++bh) {
+    const int b = bh / Hkv, h = bh % Hkv;
+    for (int g = 0; g < G; ++g) {
+      const int64_t row = static_cast<int64_t>(b) * Hq + h * G + g;
+      float M = NEG_INF;
+      for (int64_t w = wbeg[bh]; w < wbeg[bh + 1]; ++w) M = std::max(M, pm[w * G + g]);
+      float* od = o + row * D;
+      std::fill(od, od + D, 0.f);
+      float L = 0.f;
+      if (M != NEG_INF) {
+        for (int64_t w = wbeg[bh]; w < wbeg[bh + 1]; ++w) {
+          const float f = std::exp2(pm[w * G + g] - M);
+          L += f * pl[w * G + g];
+          const float* a = pacc.data() + (w * G + g) * D;
+#pragma omp simd
+          for (int d = 0; d < D; ++d) od[d] += f * a[d];
+        }
+      }
+      if (L > 0.f) {
+        const float inv = 1.f / L;
+        for (int d = 0; d < D; ++d) od[d] *= inv;
+        ls[row] = (M + std::log2(L)) * LN2;
+      } else {
+        ls[row] = NEG_INF;
+      }
+    }
+  }
+  return {out, lse};
+}
+
+}  // namespace nelssa

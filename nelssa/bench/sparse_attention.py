@@ -1,0 +1,185 @@
+"""Host sparse-attention benchmark: fused C++ kernel vs naive torch vs the machine's read bandwidth.
+
+Llama-3.1-8B layer shape (8 KV heads, 32 query heads, head_dim 128, bf16), budget 4%, contexts
+32K/128K, batches 1/4/16, all in one run. The clustered layout is synthetic (random K/V, L/16
+clusters with random sizes, i.e. the kernel's real access pattern); selections come from the real
+centroid search with fresh random queries per step, and enough independent "layers" rotate that the
+selected bytes are not cache-resident. Reports ms per layer-step, effective GB/s over the selected
+K/V bytes, the ratio to the measured read bandwidth and the speedup over torch.
+
+    python -m nelssa.bench.sparse_attention [--out results.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from nelssa.config import get_config, set_config
+from nelssa.sparse import ClusteredKV, KVPart, attend, select_clusters
+from nelssa.sparse.clustered import host_empty
+from nelssa.sparse.search import Selection
+
+GiB = 1 << 30
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 8 * GiB
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def synthetic_ckv(L: int, H: int, D: int, dtype: torch.dtype, gen: torch.Generator) -> ClusteredKV:
+    """A ClusteredKV with random K/V and L/16 clusters of random sizes (one part, real layout)."""
+    C = max(1, L // 16)
+    c = ClusteredKV(H, D, dtype, torch.device("cpu"), cluster_size=16, segment=8192, iters=1, seed=0)
+    labels = torch.randint(0, C, (H, L), generator=gen)
+    sizes = torch.zeros(H, C, dtype=torch.long).scatter_add_(1, labels, torch.ones_like(labels))
+    kv = host_empty((H, L, 2, D), dtype)
+    kv.copy_(torch.randn(H, L, 2, D, generator=gen))
+    c.parts = [KVPart(kv)]
+    c.cpart = torch.zeros(C, dtype=torch.int32)
+    c.cstart = (torch.cumsum(sizes, 1) - sizes).contiguous()
+    c.csize = sizes.to(torch.int32)
+    c.perm = torch.sort(labels, dim=1, stable=True).indices
+    c.centroids = torch.randn(H, C, D, generator=gen).to(dtype)
+    c.sizes = c.csize.clone()
+    c.length = L
+    return c
+
+
+def read_bandwidth(threads: int, nbytes: int = 2 * GiB, reps: int = 5) -> dict:
+    """Large-array read bandwidth (GB/s), best of reps: the C++ probe and torch's sum."""
+    buf = torch.rand(nbytes // 4)
+    out = {}
+    from nelssa._ext import ext
+    mod = ext()
+    if mod is not None:
+        mod.read_bandwidth(buf, 1)
+        out["cpp_read_GBps"] = max(nbytes / mod.read_bandwidth(buf, 1)[0] / 1e9 for _ in range(reps))
+    torch.set_num_threads(threads)
+    buf.sum()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        buf.sum()
+        ts.append(time.perf_counter() - t)
+    out["torch_sum_GBps"] = nbytes / min(ts) / 1e9
+    out["read_GBps"] = max(out.values())
+    return out
+
+
+def time_fn(fn, steps: int) -> list[float]:
+    ts = []
+    for i in range(steps):
+        t = time.perf_counter()
+        fn(i)
+        ts.append(time.perf_counter() - t)
+    return ts
+
+
+def run(contexts, batches, budget: float, steps: int, target_bytes: int, mem_frac: float) -> dict:
+    cfg = get_config()
+    threads = cfg.pool_threads
+    H, Hq, D, dtype = 8, 32, 128, torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    bw = read_bandwidth(threads)
+    print(f"read bandwidth: {bw['read_GBps']:.1f} GB/s ({threads} threads)", flush=True)
+    rows = []
+    budget_mem = mem_frac * mem_available()
+    for L in contexts:
+        for B in batches:
+            req_bytes = H * L * D * 2 * 2
+            sel_bytes_layer = B * req_bytes * budget
+            layers = max(1, min(int(target_bytes // sel_bytes_layer) + 1, 16))
+            if B * req_bytes > budget_mem:
+                print(f"skip L={L} B={B}: {B * req_bytes / GiB:.1f} GiB > {budget_mem / GiB:.1f} GiB allowed",
+                      flush=True)
+                rows.append({"context": L, "batch": B, "skipped": "memory"})
+                continue
+            layers = max(1, min(layers, int(budget_mem // (B * req_bytes))))
+            data = [[synthetic_ckv(L, H, D, dtype, gen) for _ in range(B)] for _ in range(layers)]
+            n = steps * layers
+            qs = [torch.randn(B, Hq, D, generator=gen).to(dtype) for _ in range(n)]
+            t = time.perf_counter()
+            sels = [select_clusters(qs[i], data[i % layers], budget) for i in range(n)]
+            search_ms = (time.perf_counter() - t) / n * 1e3
+            sel_tok = [sum(int(x.sum()) for x in s.tokens(data[i % layers])) for i, s in enumerate(sels)]
+            sel_b = [t * D * 2 * 2 for t in sel_tok]
+
+            def cpp(i):
+                attend(qs[i], data[i % layers], sels[i])
+
+            set_config(cfg.replace(use_cpp=True))
+            for i in range(min(n, layers)):
+                cpp(i)
+            tc = time_fn(cpp, n)
+            set_config(cfg.replace(use_cpp=False))
+            torch.set_num_threads(threads)
+            nt = max(layers, min(n, 8))
+            tt = time_fn(cpp, nt)
+            set_config(cfg)
+            ms_c, ms_t = statistics.median(tc) * 1e3, statistics.median(tt) * 1e3
+            gbps = statistics.median(b / t for b, t in zip(sel_b, tc)) / 1e9
+            row = {"context": L, "batch": B, "budget": budget, "layers_rotated": layers, "steps": n,
+                   "selected_tokens_per_step": statistics.median(sel_tok), "selected_MB_per_step":
+                   statistics.median(sel_b) / 1e6, "cpp_ms": ms_c, "torch_ms": ms_t, "search_ms": search_ms,
+                   "cpp_GBps": gbps, "frac_of_read_bw": gbps / bw["read_GBps"], "speedup_vs_torch": ms_t / ms_c}
+            rows.append(row)
+            print(f"L={L:>6} B={B:>2}: cpp {ms_c:8.3f} ms  torch {ms_t:8.2f} ms  {gbps:6.1f} GB/s "
+                  f"({row['frac_of_read_bw'] * 100:5.1f}% of read)  x{row['speedup_vs_torch']:.1f} vs torch",
+                  flush=True)
+            del data, qs, sels
+    from nelssa._ext import ext
+    mod = ext()
+    return {
+        "benchmark": "sparse_attention", "shape": {"kv_heads": H, "q_heads": Hq, "head_dim": D, "dtype": "bf16"},
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": threads,
+                    "isa": getattr(mod, "isa", None), "mem_total_GiB": round(os.sysconf("SC_PAGE_SIZE") *
+                                                                          os.sysconf("SC_PHYS_PAGES") / GiB, 1)},
+        "bandwidth": bw, "results": rows, "torch": torch.__version__,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="results/bench_sparse_attention.json")
+    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--budget", type=float, default=0.04)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per rotated layer")
+    ap.add_argument("--target-mb", type=int, default=1024, help="selected bytes per rotation (defeats caches)")
+    ap.add_argument("--mem-frac", type=float, default=0.6, help="fraction of available memory to use")
+    ap.add_argument("--quick", action="store_true", help="32K only, batches 1/4 (smoke run)")
+    a = ap.parse_args(argv)
+    contexts = [32768] if a.quick else [int(x) for x in a.contexts.split(",")]
+    batches = [1, 4] if a.quick else [int(x) for x in a.batches.split(",")]
+    res = run(contexts, batches, a.budget, a.steps, a.target_mb << 20, a.mem_frac)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=2)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The one NELSSA configuration object.
+
+Sources, later ones win: defaults < ``additional_config["nelssa"]`` (vLLM's ``--additional-config``)
+< environment variables. Every environment variable is mapped here and nowhere else (``ENV``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+def _bool(s: str) -> bool:
+    v = s.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {s!r}")
+
+
+def parse_cores(s: str | list | tuple | None) -> tuple[int, ...]:
+    """'0-3,8,10-11' (or a list of ints) -> (0, 1, 2, 3, 8, 10, 11)."""
+    if s is None or s == "":
+        return ()
+    if isinstance(s, (list, tuple)):
+        return tuple(int(c) for c in s)
+    out: list[int] = []
+    for part in str(s).split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise ValueError(f"bad core list element {part!r} in {s!r} (use e.g. '0-3,8')")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise ValueError(f"bad core range {part!r}")
+        out.extend(range(lo, hi + 1))
+    return tuple(out)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_bytes(s: str | int) -> int:
+    """'64GiB', '512MB', '1e9' or an int -> bytes."""
+    if isinstance(s, int):
+        return s
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(s))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a byte size: {s!r} (use e.g. '64GiB')")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _default_threads() -> int:
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, n))
+
+
+@dataclass(frozen=True)
+class NelssaConfig:
+    off: bool = False             # NELSSA disabled: vLLM behaves exactly as stock (the baseline)
+    T_input: int = 2048           # prompt length (tokens) from which a request is "long"
+    budget: float = 0.04          # fraction of a long request's tokens attended on the host tier
+    sink: int = 16                # first tokens kept on the device
+    recent: int = 64              # last tokens kept on the device
+    chunk: int = 1024             # generated tokens clustered and appended to the host tier at once
+    engine: str = "local"         # host tier: "local" (in-process pool)
+    cluster_size: int = 16        # mean tokens per cluster
+    segment: int = 8192           # k-means segment length (tokens)
+    iters: int = 10               # k-means iterations
+    seed: int = 0
+    use_cpp: bool = True          # C++ kernels (False: pure-torch reference path)
+    pool_threads: int = field(default_factory=_default_threads)
+    affinity_cores: tuple[int, ...] = ()
+    host_capacity: int = 0        # host-tier bytes (0: 80% of available memory at start)
+    host_timeout_s: float = 30.0  # a host-tier result later than this fails the request
+    work_tokens: int = 512        # rows per kernel work item
+
+    def __post_init__(self) -> None:
+        def req(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"nelssa config: {msg}")
+
+        req(isinstance(self.T_input, int) and self.T_input >= 1, f"T_input must be an int >= 1, got {self.T_input!r}")
+        req(isinstance(self.budget, (int, float)) and 0 < self.budget <= 1,
+            f"budget must be in (0, 1], got {self.budget!r}")
+        req(self.sink >= 0 and self.recent >= 1, f"sink must be >= 0 and recent >= 1, got {self.sink}, {self.recent}")
+        req(self.chunk >= 1, f"chunk must be >= 1, got {self.chunk}")
+        req(self.engine in ("local",), f"engine must be 'local', got {self.engine!r}")
+        req(self.cluster_size >= 1 and self.segment >= self.cluster_size and self.iters >= 1,
+            "cluster_size >= 1, segment >= cluster_size and iters >= 1 required")
+        req(self.pool_threads >= 1, f"pool_threads must be >= 1, got {self.pool_threads}")
+        req(self.host_capacity >= 0 and self.host_timeout_s > 0, "host_capacity >= 0 and host_timeout_s > 0 required")
+        req(self.work_tokens >= 16, f"work_tokens must be >= 16, got {self.work_tokens}")
+
+    @property
+    def enabled(self) -> bool:
+        return not self.off
+
+    def replace(self, **kw: Any) -> "NelssaConfig":
+        return dataclasses.replace(self, **kw)
+
+
+# Environment variable -> (field, parser). The only place environment variables are read.
+ENV: dict[str, tuple[str, Any]] = {
+    "NELSSA_OFF": ("off", _bool),
+    "NELSSA_T_INPUT": ("T_input", int),
+    "NELSSA_BUDGET": ("budget", float),
+    "NELSSA_SINK": ("sink", int),
+    "NELSSA_RECENT": ("recent", int),
+    "NELSSA_CHUNK": ("chunk", int),
+    "NELSSA_ENGINE": ("engine", str),
+    "NELSSA_SEED": ("seed", int),
+    "NELSSA_USE_CPP": ("use_cpp", _bool),
+    "NELSSA_POOL_THREADS": ("pool_threads", int),
+    "NELSSA_AFFINITY_CORES": ("affinity_cores", parse_cores),
+    "NELSSA_HOST_CAPACITY": ("host_capacity", parse_bytes),
+    "NELSSA_HOST_TIMEOUT_S": ("host_timeout_s", float),
+}
+
+_FIELDS = {f.name for f in dataclasses.fields(NelssaConfig)}
+_CONVERT = {"affinity_cores": parse_cores, "host_capacity": parse_bytes}
+
+
+def load_config(additional_config: Mapping[str, Any] | None = None,
+                env: Mapping[str, str] | None = None) -> NelssaConfig:
+    """Build the config from vLLM's additional_config (its "nelssa" key) and the environment."""
+    env = os.environ if env is None else env
+    kw: dict[str, Any] = {}
+    section = (additional_config or {}).get("nelssa")
+    if section is not None:
+        if not isinstance(section, Mapping):
+            raise ValueError(f'additional_config["nelssa"] must be an object, got {type(section).__name__}')
+        unknown = sorted(set(section) - _FIELDS)
+        if unknown:
+            raise ValueError(f'unknown nelssa config keys {unknown}; known: {sorted(_FIELDS)}')
+        for k, v in section.items():
+            kw[k] = _CONVERT[k](v) if k in _CONVERT else v
+    for var, (name, parse) in ENV.items():
+        if var in env:
+            try:
+                kw[name] = parse(env[var])
+            except ValueError as e:
+                raise ValueError(f"{var}={env[var]!r}: {e}") from None
+    return NelssaConfig(**kw)
+
+
+_current: NelssaConfig | None = None
+
+
+def get_config() -> NelssaConfig:
+    """The process-wide config (environment only until set_config is called)."""
+    global _current
+    if _current is None:
+        _current = load_config()
+    return _current
+
+
+def set_config(cfg: NelssaConfig) -> None:
+    global _current
+    _current = cfg

@@ -1,0 +1,13 @@
+"""NELSSA sparse-attention algorithms (no vLLM imports): clustering, centroid search, host attention."""
+
+from nelssa.sparse.attention import attend, dense_attention, merge_states, sparse_attention
+from nelssa.sparse.clustered import ClusteredKV, KVPart, cluster_kv, host_empty, pack
+from nelssa.sparse.kmeans import segmented_kmeans
+from nelssa.sparse.search import Selection, budget_tokens, select_clusters
+from nelssa.sparse.store import CapacityError, KVStore, RequestKV
+
+__all__ = [
+    "CapacityError", "ClusteredKV", "KVPart", "KVStore", "RequestKV", "Selection", "attend", "budget_tokens",
+    "cluster_kv", "dense_attention", "host_empty", "merge_states", "pack", "segmented_kmeans", "select_clusters",
+    "sparse_attention",
+]

@@ -1,0 +1,156 @@
+"""Sparse attention over selected clusters -> (output, LSE); the LSE merge; a dense reference."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from nelssa._ext import ext
+from nelssa.config import get_config
+from nelssa.sparse.clustered import KV_DTYPES, ClusteredKV
+from nelssa.sparse.search import Selection, select_clusters
+
+
+def _check_queries(q: torch.Tensor, ckvs: Sequence[ClusteredKV]) -> None:
+    if q.dtype not in KV_DTYPES:
+        raise ValueError(f"queries dtype must be bf16/fp16/fp32, got {q.dtype}")
+    if q.dim() != 3:
+        raise ValueError(f"queries must be [num_heads, D] per request, got shape {tuple(q.shape[1:])}")
+    if len(ckvs) != q.shape[0]:
+        raise ValueError(f"{q.shape[0]} query sets for {len(ckvs)} requests")
+    if not ckvs:
+        raise ValueError("empty batch: no requests")
+    first = ckvs[0]
+    for c in ckvs:
+        if not isinstance(c, ClusteredKV):
+            raise ValueError(f"expected ClusteredKV, got {type(c).__name__}")
+        c.check_alive()
+        if c.length == 0:
+            raise ValueError("empty request: ClusteredKV holds 0 tokens")
+        if (c.num_kv_heads, c.head_dim, c.dtype) != (first.num_kv_heads, first.head_dim, first.dtype):
+            raise ValueError("all requests of a batch must share kv_heads, head_dim and dtype")
+    Hq, D = q.shape[1:]
+    if D != first.head_dim:
+        raise ValueError(f"queries head_dim {D} != KV head_dim {first.head_dim}")
+    if Hq % first.num_kv_heads:
+        raise ValueError(f"mismatched heads: {Hq} query heads is not a multiple of {first.num_kv_heads} KV heads")
+
+
+def _attend_torch(q: torch.Tensor, ckv: ClusteredKV, ids: torch.Tensor, n: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference path (index_select + matmul + softmax), fp32: q [Hq, D] -> ([Hq, D], [Hq])."""
+    H, D = ckv.num_kv_heads, ckv.head_dim
+    G = q.shape[0] // H
+    valid = torch.arange(ids.shape[1]) < n.unsqueeze(1)
+    ids = torch.where(valid, ids, 0)
+    ks, vs = [], []
+    for p, part in enumerate(ckv.parts):
+        size = (ckv.csize.gather(1, ids) * (valid & (ckv.cpart[ids] == p))).long()
+        start = ckv.cstart.gather(1, ids)
+        flat = size.flatten()
+        total = int(flat.sum())
+        head = torch.arange(H).repeat_interleave(ids.shape[1]).repeat_interleave(flat)
+        within = torch.arange(total) - torch.repeat_interleave(torch.cumsum(flat, 0) - flat, flat)
+        row = torch.repeat_interleave(start.flatten(), flat) + within
+        per_head = size.sum(1)
+        rank = torch.arange(total) - torch.repeat_interleave(torch.cumsum(per_head, 0) - per_head, per_head)
+        width = int(per_head.max()) if total else 0
+        k = torch.full((H, width, D), float("nan"))
+        v = torch.zeros(H, width, D)
+        k[head, rank] = part.kv[head, row, 0].float()
+        v[head, rank] = part.kv[head, row, 1].float()
+        ks.append(k), vs.append(v)
+    k, v = torch.cat(ks, 1), torch.cat(vs, 1)
+    pad = torch.isnan(k[..., 0])
+    s = torch.einsum("hgd,hnd->hgn", q.view(H, G, D).float(), k.nan_to_num(0.0)) * scale
+    s.masked_fill_(pad.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)
+    out = torch.einsum("hgn,hnd->hgd", p, v)
+    return out.reshape(H * G, D), lse.reshape(H * G)
+
+
+def attend(queries: torch.Tensor, ckvs: Sequence[ClusteredKV], sel: Selection,
+           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host-tier attention of queries [B, Hq, D] over the selected clusters -> fp32 ([B, Hq, D], [B, Hq]).
+
+    Uses the fused C++ kernel (GIL released) or the torch reference path (config use_cpp / no extension).
+    """
+    q = queries.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    if not torch.isfinite(q).all():
+        raise ValueError("queries contain NaN or Inf")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    mod = ext()
+    if mod is not None:
+        cfg = get_config()
+        # work items of <= work_tokens rows, and enough of them (4 per thread) to balance the pool
+        rows = sum(int(n.sum()) * c.length // max(1, c.num_clusters) for n, c in zip(sel.counts, ckvs))
+        work = max(64, min(cfg.work_tokens, -(-rows // (4 * cfg.pool_threads))))
+        return mod.sparse_attention(
+            q, [[p.kv for p in c.parts] for c in ckvs], [c.cpart for c in ckvs], [c.cstart for c in ckvs],
+            [c.csize for c in ckvs], sel.ids, [n.long() for n in sel.counts], scale, work)
+    outs = [_attend_torch(q[b], c, sel.ids[b], sel.counts[b], scale) for b, c in enumerate(ckvs)]
+    return torch.stack([o for o, _ in outs]), torch.stack([s for _, s in outs])
+
+
+def sparse_attention(queries, ckv, budget: float = 0.04, *, scale: float | None = None):
+    """Sparse attention of decode queries over clustered KV.
+
+    ``sparse_attention(q [Hq, D], ckv, budget)`` -> (out [Hq, D], lse [Hq]); or a batch:
+    ``sparse_attention([q1, q2] or [B, Hq, D], [ckv1, ckv2], budget)`` -> (out [B, Hq, D], lse [B, Hq]).
+    Centroid search runs on the centroids' device, attention on the host; outputs are fp32 on the
+    host. ``lse`` is the natural-log log-sum-exp of the scaled scores (scale 1/sqrt(D) by default)
+    over the selected tokens; ``budget`` is the fraction of each request's tokens attended (1.0 = all,
+    exact).
+    """
+    single = isinstance(ckv, ClusteredKV)
+    ckvs = [ckv] if single else list(ckv)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
+        raise ValueError(f"budget must be in (0, 1], got {budget!r}")
+    if single:
+        if not isinstance(queries, torch.Tensor) or queries.dim() != 2:
+            raise ValueError("queries for one request must be a [num_heads, D] tensor")
+        q = queries.unsqueeze(0)
+    elif isinstance(queries, torch.Tensor):
+        q = queries
+    else:
+        qs = list(queries)
+        if not qs or any(not isinstance(x, torch.Tensor) or x.dim() != 2 for x in qs):
+            raise ValueError("queries of a batch must be [num_heads, D] tensors (or one [B, num_heads, D])")
+        if len({(x.shape, x.dtype) for x in qs}) != 1:
+            raise ValueError("all requests' queries must share shape and dtype")
+        q = torch.stack(qs)
+    _check_queries(q, ckvs)
+    sel = select_clusters(q, ckvs, float(budget), scale)
+    out, lse = attend(q, ckvs, sel, scale)
+    return (out[0], lse[0]) if single else (out, lse)
+
+
+def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                 lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attentions over disjoint token sets by LSE, in fp32.
+
+    out [..., H, D], lse [..., H] (natural log; -inf = no tokens) -> merged (out, lse).
+    """
+    la, lb = lse_a.float(), lse_b.float()
+    m = torch.maximum(la, lb)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    wa, wb = torch.exp(la - m), torch.exp(lb - m)
+    tot = wa + wb
+    safe = torch.where(tot > 0, tot, torch.ones_like(tot))
+    out = (out_a.float() * wa.unsqueeze(-1) + out_b.float() * wb.unsqueeze(-1)) / safe.unsqueeze(-1)
+    lse = torch.where(tot > 0, m + torch.log(safe), torch.full_like(m, float("-inf")))
+    return out, lse
+
+
+def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention (float64) of q [Hq, D] over keys/values [H, L, D] -> (out [Hq, D], lse [Hq])."""
+    H, L, D = keys.shape
+    G = q.shape[0] // H
+    scale = D ** -0.5 if scale is None else scale
+    s = torch.einsum("hgd,hld->hgl", q.double().view(H, G, D), keys.double()) * scale
+    lse = torch.logsumexp(s, -1)
+    out = torch.einsum("hgl,hld->hgd", torch.exp(s - lse.unsqueeze(-1)), values.double())
+    return out.reshape(H * G, D), lse.reshape(H * G)

@@ -1,0 +1,176 @@
+"""Clustered KV of one layer of one request: cluster-contiguous host K/V plus device centroids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nelssa._ext import ext
+from nelssa.config import get_config
+from nelssa.sparse.kmeans import segmented_kmeans
+
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_kv(keys: torch.Tensor, values: torch.Tensor) -> None:
+    if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+        raise ValueError("keys and values must be tensors")
+    if keys.dim() != 3 or values.dim() != 3:
+        raise ValueError(f"keys/values must be [kv_heads, L, D], got {tuple(keys.shape)} and {tuple(values.shape)}")
+    if keys.shape != values.shape:
+        raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
+    if keys.dtype not in KV_DTYPES or values.dtype != keys.dtype:
+        raise ValueError(f"keys/values dtype must be one of bf16/fp16/fp32 and equal, got {keys.dtype}/{values.dtype}")
+    if keys.shape[1] == 0:
+        raise ValueError("empty request: keys have 0 tokens")
+    if keys.shape[0] == 0 or keys.shape[2] == 0:
+        raise ValueError(f"keys have an empty head or head_dim dimension: {tuple(keys.shape)}")
+    if keys.device != values.device:
+        raise ValueError(f"keys on {keys.device} but values on {values.device}")
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised host-tier tensor, on transparent huge pages when the extension is built."""
+    mod = ext()
+    return mod.host_empty(list(shape), dtype) if mod is not None else torch.empty(shape, dtype=dtype)
+
+
+def pack(keys: torch.Tensor, values: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """Host KV in cluster-contiguous layout: [H, L, 2, D], row i of head h = (K, V) of token perm[h, i].
+
+    perm [H, L] lists each head's tokens grouped by cluster, so a cluster is one contiguous run of
+    K/V records that the kernel reads as a single stream. CPU inputs use the C++ OpenMP row copy
+    (torch fallback); device inputs are permuted on the device and copied to the host once.
+    """
+    H, L, D = keys.shape
+    out = host_empty((H, L, 2, D), keys.dtype)
+    mod = ext()
+    if keys.device.type == "cpu" and mod is not None:
+        perm = perm.contiguous()
+        rows = torch.arange(L).expand(H, L)
+        flat = out.view(H, 2 * L, D)
+        mod.copy_rows(keys.contiguous(), perm, flat, (2 * rows).contiguous())
+        mod.copy_rows(values.contiguous(), perm, flat, (2 * rows + 1).contiguous())
+        return out
+    idx = perm.unsqueeze(-1).expand(-1, -1, D)
+    out.copy_(torch.stack([keys.gather(1, idx), values.gather(1, idx)], dim=2))
+    return out
+
+
+@dataclass
+class KVPart:
+    """One clustered chunk on the host: kv [H, Lp, 2, D], each head's (K, V) records grouped by cluster."""
+    kv: torch.Tensor
+
+
+class ClusteredKV:
+    """A request's clustered KV for one layer.
+
+    Host: ``parts`` (cluster-contiguous K/V records, see ``pack``), the cluster table (``cpart`` [C]
+    part of each cluster, ``cstart``/``csize`` [H, C] its first record and record count there) and ``perm`` [H, L] (original token index of
+    each stored row, parts concatenated). Device (where the keys came from): ``centroids`` [H, C, D]
+    (mean of each cluster's keys, keys' dtype) and ``sizes`` [H, C] int32, for the centroid search.
+    Empty clusters have size 0 and are never selected.
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
+                 cluster_size: int, segment: int, iters: int, seed: int):
+        self.num_kv_heads, self.head_dim, self.dtype, self.device = num_kv_heads, head_dim, dtype, device
+        self.params = dict(cluster_size=cluster_size, segment=segment, iters=iters)
+        self.seed = seed
+        self.parts: list[KVPart] = []
+        H = num_kv_heads
+        self.centroids = torch.empty(H, 0, head_dim, dtype=dtype, device=device)
+        self.sizes = torch.empty(H, 0, dtype=torch.int32, device=device)
+        self.cpart = torch.empty(0, dtype=torch.int32)
+        self.cstart = torch.empty(H, 0, dtype=torch.int64)
+        self.csize = torch.empty(H, 0, dtype=torch.int32)
+        self.perm = torch.empty(H, 0, dtype=torch.int64)
+        self.length = 0
+        self.freed = False
+
+    @property
+    def num_clusters(self) -> int:
+        return self.cpart.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held (K/V rows and tables)."""
+        kv = sum(p.kv.nbytes for p in self.parts)
+        return kv + self.cpart.nbytes + self.cstart.nbytes + self.csize.nbytes + self.perm.nbytes
+
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes held where the keys came from (centroids and sizes)."""
+        return self.centroids.nbytes + self.sizes.nbytes
+
+    def check_alive(self) -> None:
+        if self.freed:
+            raise ValueError("this ClusteredKV was freed")
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Cluster a chunk of new tokens [H, n, D] on its own and append it as a new part.
+
+        Existing clusters are untouched; new tokens get positions length .. length + n - 1.
+        """
+        self.check_alive()
+        _check_kv(keys, values)
+        H, n, D = keys.shape
+        if (H, D) != (self.num_kv_heads, self.head_dim) or keys.dtype != self.dtype:
+            raise ValueError(f"append: chunk is [{H}, *, {D}] {keys.dtype}, store is "
+                             f"[{self.num_kv_heads}, *, {self.head_dim}] {self.dtype}")
+        seed = self.seed + len(self.parts)
+        labels, C = segmented_kmeans(keys, seed=seed, **self.params)
+        sizes = torch.zeros(H, C, dtype=torch.long, device=keys.device)
+        sizes.scatter_add_(1, labels, torch.ones_like(labels))
+        perm = torch.sort(labels, dim=1, stable=True).indices
+        sums = torch.zeros(H, C, D, dtype=torch.float32, device=keys.device)
+        sums.scatter_add_(1, labels.unsqueeze(-1).expand(H, n, D), keys.float())
+        cent = (sums / sizes.clamp_min(1).unsqueeze(-1)).to(self.dtype)
+
+        part = len(self.parts)
+        self.parts.append(KVPart(pack(keys, values, perm)))
+        sizes_cpu = sizes.cpu()
+        starts = torch.cumsum(sizes_cpu, 1) - sizes_cpu
+        self.cpart = torch.cat([self.cpart, torch.full((C,), part, dtype=torch.int32)])
+        self.cstart = torch.cat([self.cstart, starts], 1).contiguous()
+        self.csize = torch.cat([self.csize, sizes_cpu.to(torch.int32)], 1).contiguous()
+        self.perm = torch.cat([self.perm, perm.cpu() + self.length], 1)
+        dev = self.device
+        self.centroids = torch.cat([self.centroids, cent.to(dev)], 1)
+        self.sizes = torch.cat([self.sizes, sizes.to(device=dev, dtype=torch.int32)], 1)
+        self.length += n
+
+    def free(self) -> None:
+        """Release host and device memory now; later use raises."""
+        self.parts.clear()
+        H = self.num_kv_heads
+        self.centroids = self.centroids.new_empty(H, 0, self.head_dim)
+        self.sizes = self.sizes.new_empty(H, 0)
+        self.cpart, self.perm = self.cpart.new_empty(0), self.perm.new_empty(H, 0)
+        self.cstart, self.csize = self.cstart.new_empty(H, 0), self.csize.new_empty(H, 0)
+        self.length = 0
+        self.freed = True
+
+    def __repr__(self) -> str:
+        return (f"ClusteredKV(heads={self.num_kv_heads}, D={self.head_dim}, L={self.length}, "
+                f"C={self.num_clusters}, parts={len(self.parts)}, {self.dtype}, host={self.nbytes} B)")
+
+
+def cluster_kv(keys: torch.Tensor, values: torch.Tensor, *, seed: int | None = None,
+               cluster_size: int | None = None, segment: int | None = None, iters: int | None = None,
+               centroid_device: torch.device | str | None = None) -> ClusteredKV:
+    """Cluster one layer of one request: keys/values [kv_heads, L, D] -> ClusteredKV.
+
+    Clustering runs on the keys' device; K/V go to the host cluster-contiguously; centroids stay on
+    the keys' device unless ``centroid_device`` says otherwise. Unset parameters come from the config.
+    """
+    _check_kv(keys, values)
+    cfg = get_config()
+    ckv = ClusteredKV(keys.shape[0], keys.shape[2], keys.dtype,
+                      torch.device(centroid_device) if centroid_device is not None else keys.device,
+                      cluster_size=cluster_size or cfg.cluster_size, segment=segment or cfg.segment,
+                      iters=iters or cfg.iters, seed=cfg.seed if seed is None else seed)
+    ckv.append(keys, values)
+    return ckv

@@ -1,0 +1,58 @@
+"""Segmented spherical k-means over one layer's keys, per KV head, on the keys' own device."""
+
+from __future__ import annotations
+
+import torch
+
+
+def segments(length: int, segment: int) -> list[tuple[int, int]]:
+    """Split [0, length) into round(length / segment) (at least 1) near-equal segments."""
+    n = max(1, round(length / segment))
+    bounds = [round(i * length / n) for i in range(n + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
+def _normalize(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+def _update(xn: torch.Tensor, labels: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
+    """New unit centroids = normalised sums of members; empty clusters keep their centroid."""
+    H, _, D = xn.shape
+    sums = torch.zeros_like(cent).scatter_add_(1, labels.unsqueeze(-1).expand(H, -1, D), xn)
+    counts = torch.zeros(cent.shape[:2], device=xn.device, dtype=xn.dtype)
+    counts.scatter_add_(1, labels, torch.ones_like(labels, dtype=xn.dtype))
+    return torch.where(counts.unsqueeze(-1) > 0, _normalize(sums), cent)
+
+
+def segmented_kmeans(keys: torch.Tensor, *, cluster_size: int = 16, segment: int = 8192, iters: int = 10,
+                     seed: int = 0, assign_chunk: int = 8192) -> tuple[torch.Tensor, int]:
+    """Cluster keys [H, L, D] per head -> (labels [H, L] int64, number of clusters C).
+
+    Keys are mean-centred per head and compared by cosine (spherical k-means). Each segment of
+    ~``segment`` tokens gets round(len / cluster_size) clusters initialised from its own tokens
+    (seeded, device independent) and ``iters - 1`` local iterations; a last assignment is global
+    over all segments' centroids (chunked to bound memory). Deterministic given the seed.
+    """
+    H, L, D = keys.shape
+    x = keys.float()
+    xn = _normalize(x - x.mean(dim=1, keepdim=True))
+    gen = torch.Generator().manual_seed(seed)
+    cents = []
+    for lo, hi in segments(L, segment):
+        n = hi - lo
+        c = min(n, max(1, round(n / cluster_size)))
+        init = torch.randperm(n, generator=gen)[:c].sort().values.to(keys.device)
+        xs = xn[:, lo:hi]
+        cent = xs[:, init].clone()
+        for _ in range(max(0, iters - 1)):
+            labels = torch.bmm(xs, cent.transpose(1, 2)).argmax(-1)
+            cent = _update(xs, labels, cent)
+        cents.append(cent)
+    cent = torch.cat(cents, dim=1)
+    labels = torch.empty(H, L, dtype=torch.long, device=keys.device)
+    ct = cent.transpose(1, 2)
+    for lo in range(0, L, assign_chunk):
+        hi = min(L, lo + assign_chunk)
+        labels[:, lo:hi] = torch.bmm(xn[:, lo:hi], ct).argmax(-1)
+    return labels, cent.shape[1]

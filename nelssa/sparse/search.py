@@ -1,0 +1,71 @@
+"""Centroid search: pick each request's top clusters per KV head within a token budget."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nelssa.sparse.clustered import ClusteredKV
+
+
+@dataclass
+class Selection:
+    """Per request: cluster ids [H, S] int64 (ascending, the first ``counts[h]`` valid) on the host."""
+    ids: list[torch.Tensor]
+    counts: list[torch.Tensor]
+
+    def tokens(self, ckvs: list[ClusteredKV]) -> list[torch.Tensor]:
+        """Selected tokens per (request, head), for reporting."""
+        out = []
+        for ids, n, c in zip(self.ids, self.counts, ckvs):
+            valid = torch.arange(ids.shape[1]) < n.unsqueeze(1)
+            out.append((c.csize.gather(1, ids.clamp_max(max(c.num_clusters - 1, 0))) * valid).sum(1))
+        return out
+
+
+def budget_tokens(budget: float, length: int) -> int:
+    """Tokens a request of ``length`` may attend at ``budget`` (1.0 = all)."""
+    return min(length, max(1, math.ceil(budget * length - 1e-9)))
+
+
+def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: float,
+                    scale: float | None = None) -> Selection:
+    """Rank clusters by the query heads' softmax probability mass and fill the budget.
+
+    queries [B, Hq, D] (on the centroids' device). Per request and KV head: scores of its centroids
+    against each query head of the GQA group (scaled dot products), softmax over clusters, summed
+    over the group; clusters in descending order until ``budget`` of the request's tokens is covered
+    (the last cluster may overshoot). Empty clusters are never selected. Batched over requests.
+    """
+    B, Hq, D = queries.shape
+    H = ckvs[0].num_kv_heads
+    G = Hq // H
+    scale = D ** -0.5 if scale is None else scale
+    dev = ckvs[0].centroids.device
+    cmax = max(c.num_clusters for c in ckvs)
+    if B == 1:
+        cent, sizes = ckvs[0].centroids.unsqueeze(0), ckvs[0].sizes.unsqueeze(0)
+    else:
+        cent = torch.zeros(B, H, cmax, D, dtype=ckvs[0].centroids.dtype, device=dev)
+        sizes = torch.zeros(B, H, cmax, dtype=torch.int32, device=dev)
+        for b, c in enumerate(ckvs):
+            cent[b, :, :c.num_clusters] = c.centroids
+            sizes[b, :, :c.num_clusters] = c.sizes
+    q = queries.to(device=dev, dtype=torch.float32).view(B, H, G, D)
+    logits = torch.einsum("bhgd,bhcd->bhgc", q, cent.float()) * scale
+    empty = sizes == 0
+    logits.masked_fill_(empty.unsqueeze(2), float("-inf"))
+    mass = torch.softmax(logits, dim=-1).sum(2)
+    mass.masked_fill_(empty, -1.0)
+    order = torch.argsort(mass, dim=-1, descending=True)
+    ssz = sizes.gather(-1, order).long()
+    before = torch.cumsum(ssz, -1) - ssz
+    target = torch.tensor([budget_tokens(budget, c.length) for c in ckvs], device=dev).view(B, 1, 1)
+    keep = (before < target) & (ssz > 0)
+    counts = keep.sum(-1)
+    ids = torch.where(keep, order, torch.full_like(order, cmax)).sort(-1).values
+    smax = int(counts.max())
+    ids, counts = ids[..., :smax].cpu(), counts.cpu()
+    return Selection([ids[b, :, :smax].contiguous() for b in range(B)], [counts[b] for b in range(B)])

@@ -1,0 +1,42 @@
+"""Builds the C++17/OpenMP extension ``nelssa._C`` from ``csrc/``.
+
+NELSSA_ARCH selects the ISA: ``native`` (default, the build machine's, e.g. AVX-512),
+``portable`` (x86-64-v2 / armv8-a: scalar + SSE code paths), or any ``-march`` value.
+Without torch (or with NELSSA_NO_EXT=1) the package installs without the extension and
+every kernel falls back to its pure-torch path.
+"""
+
+import glob
+import os
+import platform
+import sys
+
+from setuptools import setup
+
+
+def _arch_flags():
+    arch = os.environ.get("NELSSA_ARCH", "native")
+    if arch == "portable":
+        return ["-march=x86-64-v2"] if platform.machine() in ("x86_64", "AMD64") else ["-march=armv8-a"]
+    return [f"-march={arch}"]
+
+
+def _ext():
+    if os.environ.get("NELSSA_NO_EXT") == "1":
+        return {}
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        print("nelssa: torch not importable, building without nelssa._C", file=sys.stderr)
+        return {}
+    ext = CppExtension(
+        "nelssa._C",
+        sorted(glob.glob("csrc/*.cpp")),
+        include_dirs=[os.path.abspath("csrc")],
+        extra_compile_args=["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=fast", *_arch_flags()],
+        extra_link_args=["-fopenmp"],
+    )
+    return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension}}
+
+
+setup(**_ext())
