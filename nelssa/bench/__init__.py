@@ -1,0 +1,1 @@
+"""Benchmarks and workload generators."""

@@ -1,0 +1,36 @@
+import os
+
+import pytest
+import torch
+
+import nelssa.config as cfgmod
+
+
+@pytest.fixture(autouse=True)
+def _fresh_config():
+    """Each test starts from the environment's config and leaves no override behind."""
+    cfgmod.set_config(cfgmod.load_config())
+    yield
+    cfgmod.set_config(cfgmod.load_config())
+
+
+@pytest.fixture
+def use_cpp():
+    """Switch the kernel path: use_cpp(True/False)."""
+    def set_(on: bool) -> None:
+        cfgmod.set_config(cfgmod.get_config().replace(use_cpp=on))
+    return set_
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    from nelssa.models import prepare_smollm2
+    return str(prepare_smollm2())
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

@@ -1,0 +1,243 @@
+"""nelssa.sparse against dense attention (float64), C++ vs torch, layout, append, bad inputs."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import rel_err
+from nelssa.sparse import (KVStore, RequestKV, cluster_kv, dense_attention, merge_states, select_clusters,
+                           sparse_attention)
+from nelssa.sparse.kmeans import segmented_kmeans
+
+# bf16 K/V through the C++ fast path round the softmax weights to bf16 for the PV product (as
+# FlashAttention does): ~1.5e-3 relative; everything else is fp32 arithmetic.
+TOL = {torch.float32: 1e-5, torch.float16: 1e-5, torch.bfloat16: 5e-3}
+
+
+def rand_kv(H, L, D, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(H, L, D, generator=g) * 2
+    v = torch.randn(H, L, D, generator=g)
+    return k.to(dtype), v.to(dtype)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(H=st.integers(1, 4), G=st.sampled_from([1, 3, 4, 8]), L=st.integers(1, 700),
+       D=st.sampled_from([32, 64, 96, 128]), cpp=st.booleans(), seed=st.integers(0, 2**16))
+def test_full_budget_equals_dense_fp32(H, G, L, D, cpp, seed, use_cpp):
+    use_cpp(cpp)
+    k, v = rand_kv(H, L, D, seed=seed)
+    q = torch.randn(H * G, D, generator=torch.Generator().manual_seed(seed + 1))
+    ckv = cluster_kv(k, v, seed=seed)
+    out, lse = sparse_attention(q, ckv, budget=1.0)
+    ref, ref_lse = dense_attention(q, k, v)
+    assert out.shape == (H * G, D) and lse.shape == (H * G,)
+    assert rel_err(out, ref) <= 1e-5
+    assert rel_err(lse, ref_lse) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("cpp", [True, False])
+def test_full_budget_equals_dense_half(dtype, D, cpp, use_cpp):
+    use_cpp(cpp)
+    k, v = rand_kv(4, 1537, D, dtype)
+    q = torch.randn(16, D).to(dtype)
+    out, lse = sparse_attention(q, cluster_kv(k, v), budget=1.0)
+    ref, ref_lse = dense_attention(q, k, v)
+    tol = TOL[dtype] if cpp else 1e-5
+    assert rel_err(out, ref) <= tol
+    assert (lse.double() - ref_lse).abs().max() <= tol
+
+
+@pytest.mark.parametrize("cpp", [True, False])
+def test_batch_of_different_lengths(cpp, use_cpp):
+    use_cpp(cpp)
+    lens = [1, 17, 333, 2048, 5001]
+    kvs = [rand_kv(3, L, 64, seed=i) for i, L in enumerate(lens)]
+    ckvs = [cluster_kv(k, v, seed=i) for i, (k, v) in enumerate(kvs)]
+    qs = [torch.randn(9, 64) for _ in lens]
+    out, lse = sparse_attention(qs, ckvs, budget=1.0)
+    assert out.shape == (5, 9, 64) and lse.shape == (5, 9)
+    for i, (k, v) in enumerate(kvs):
+        ref, ref_lse = dense_attention(qs[i], k, v)
+        assert rel_err(out[i], ref) <= 1e-5
+        assert rel_err(lse[i], ref_lse) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("G,D", [(4, 128), (3, 64), (8, 64)])
+def test_cpp_and_torch_agree_at_sparse_budget(dtype, G, D, use_cpp):
+    k, v = rand_kv(2, 4000, D, dtype)
+    ckv = cluster_kv(k, v)
+    q = torch.randn(2 * G, D).to(dtype)
+    use_cpp(True)
+    a, la = sparse_attention(q, ckv, budget=0.04)
+    use_cpp(False)
+    b, lb = sparse_attention(q, ckv, budget=0.04)
+    assert rel_err(a, b) <= TOL[dtype]
+    assert (la - lb).abs().max() <= TOL[dtype]
+
+
+def test_extension_missing_falls_back_with_warning():
+    code = (
+        "import sys, warnings, torch\n"
+        "sys.modules['nelssa._C'] = None\n"  # makes `from nelssa import _C` raise ImportError
+        "from nelssa.sparse import cluster_kv, sparse_attention, dense_attention\n"
+        "k, v = torch.randn(2, 300, 64), torch.randn(2, 300, 64)\n"
+        "q = torch.randn(8, 64)\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    out, lse = sparse_attention(q, cluster_kv(k, v), 1.0)\n"
+        "assert any('nelssa._C is not available' in str(x.message) for x in w), [str(x.message) for x in w]\n"
+        "ref, _ = dense_attention(q, k, v)\n"
+        "assert float((out.double() - ref).norm() / ref.norm()) < 1e-5\n"
+        "print('fallback-ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "fallback-ok" in r.stdout
+
+
+def test_layout_is_cluster_contiguous_and_complete():
+    k, v = rand_kv(3, 2500, 64)
+    ckv = cluster_kv(k, v, seed=3)
+    (part,) = ckv.parts
+    assert part.kv.shape == (3, 2500, 2, 64)
+    for h in range(3):
+        perm = ckv.perm[h]
+        assert torch.equal(torch.sort(perm).values, torch.arange(2500))  # every token exactly once
+        assert torch.equal(part.kv[h, :, 0], k[h, perm]) and torch.equal(part.kv[h, :, 1], v[h, perm])
+        starts, sizes = ckv.cstart[h], ckv.csize[h].long()
+        assert int(sizes.sum()) == 2500 and torch.equal(starts, torch.cumsum(sizes, 0) - sizes)
+    # clusters: ~16 tokens on average, centroids are the mean keys of their members
+    assert ckv.num_clusters == round(2500 / 16)
+    h, c = 1, int(torch.argmax(ckv.csize[1]))
+    s, n = int(ckv.cstart[h, c]), int(ckv.csize[h, c])
+    assert torch.allclose(ckv.centroids[h, c].float(), k[h, ckv.perm[h, s:s + n]].mean(0), atol=1e-5)
+
+
+def test_kmeans_deterministic_and_segmented():
+    k = torch.randn(2, 20000, 64)
+    a, ca = segmented_kmeans(k, seed=7)
+    b, cb = segmented_kmeans(k, seed=7)
+    c, _ = segmented_kmeans(k, seed=8)
+    assert torch.equal(a, b) and ca == cb and not torch.equal(a, c)
+    # 20000 tokens -> round(20000/8192) = 2 segments of 10000 tokens, round(10000/16) = 625 clusters each
+    assert ca == 1250
+
+
+def test_selection_fills_budget_and_skips_empty_clusters():
+    k, v = rand_kv(2, 3000, 64)
+    ckv = cluster_kv(k, v)
+    ckv.sizes[:, :5] = 0  # pretend the first five clusters are empty
+    ckv.csize[:, :5] = 0
+    q = torch.randn(1, 8, 64)
+    for budget in (0.02, 0.04, 0.1, 1.0):
+        sel = select_clusters(q, [ckv], budget)
+        ids, n = sel.ids[0], sel.counts[0]
+        for h in range(2):
+            chosen = ids[h, :n[h]]
+            assert not bool((chosen < 5).any())
+            assert torch.equal(chosen, torch.sort(chosen).values)
+            tokens = int(ckv.csize[h, chosen].sum())
+            target = min(3000, int(budget * 3000 + 0.999))
+            assert tokens >= min(target, int(ckv.csize[h].sum()))
+            # clusters are added only while the budget is not yet filled: overshoot < one cluster
+            assert tokens < target + int(ckv.csize[h, chosen].max())
+
+
+def test_selection_ranks_by_gqa_softmax_mass():
+    """One cluster aligned with all query heads of the group must be chosen first."""
+    H, D = 1, 64
+    k = torch.randn(H, 1600, D) * 0.1
+    k[0, 100:116] = 5 * torch.nn.functional.normalize(torch.ones(D), dim=0)  # a tight, aligned group
+    v = torch.randn(H, 1600, D)
+    ckv = cluster_kv(k, v)
+    q = torch.ones(4, D)
+    sel = select_clusters(q.unsqueeze(0), [ckv], 0.01)
+    chosen = sel.ids[0][0, :sel.counts[0][0]]
+    picked = torch.cat([ckv.perm[0, int(ckv.cstart[0, c]):int(ckv.cstart[0, c] + ckv.csize[0, c])]
+                        for c in chosen])
+    assert set(range(100, 116)) <= set(picked.tolist())
+
+
+@pytest.mark.parametrize("cpp", [True, False])
+def test_append_equals_whole_at_full_budget(cpp, use_cpp):
+    use_cpp(cpp)
+    k, v = rand_kv(3, 5000, 64)
+    whole = cluster_kv(k, v)
+    inc = cluster_kv(k[:, :3000], v[:, :3000])
+    for lo in range(3000, 5000, 1024):
+        inc.append(k[:, lo:lo + 1024], v[:, lo:lo + 1024])
+    assert inc.length == 5000 and len(inc.parts) == 3
+    before = inc.parts[0].kv.clone()
+    q = torch.randn(2, 9, 64)
+    a, la = sparse_attention(q, [whole, whole], 1.0)
+    b, lb = sparse_attention(q, [inc, inc], 1.0)
+    assert rel_err(a, b) <= 1e-5 and rel_err(la, lb) <= 1e-5
+    assert torch.equal(inc.parts[0].kv, before)  # existing clusters untouched
+    assert torch.equal(torch.sort(inc.perm[1]).values, torch.arange(5000))
+
+
+def test_merge_equals_dense_over_union():
+    k, v = rand_kv(2, 900, 64)
+    q = torch.randn(6, 64)
+    ref, ref_lse = dense_attention(q, k, v)
+    a, la = dense_attention(q, k[:, :400], v[:, :400])
+    b, lb = dense_attention(q, k[:, 400:], v[:, 400:])
+    out, lse = merge_states(a.float(), la.float(), b.float(), lb.float())
+    assert rel_err(out, ref) <= 1e-6 and rel_err(lse, ref_lse) <= 1e-6
+    # an empty side (lse = -inf) leaves the other unchanged
+    empty = torch.full_like(la, float("-inf"))
+    out, lse = merge_states(a.float(), la.float(), torch.zeros_like(a).float(), empty.float())
+    assert rel_err(out, a) <= 1e-6 and torch.allclose(lse.double(), la)
+
+
+def test_bad_inputs_raise_value_error():
+    k, v = rand_kv(3, 500, 64)
+    ckv = cluster_kv(k, v)
+    q = torch.randn(9, 64)
+    cases = [
+        (lambda: cluster_kv(k.to(torch.int32), v.to(torch.int32)), "dtype"),
+        (lambda: cluster_kv(k, v[:, :10]), "differ in shape"),
+        (lambda: cluster_kv(k[:, :0], v[:, :0]), "empty request"),
+        (lambda: cluster_kv(k[0], v[0]), "kv_heads, L, D"),
+        (lambda: sparse_attention(q, ckv, 0.0), "budget"),
+        (lambda: sparse_attention(q, ckv, 1.5), "budget"),
+        (lambda: sparse_attention(q, ckv, -0.1), "budget"),
+        (lambda: sparse_attention(torch.randn(8, 64), ckv, 0.04), "mismatched heads"),
+        (lambda: sparse_attention(torch.randn(9, 32), ckv, 0.04), "head_dim"),
+        (lambda: sparse_attention(q.to(torch.int64), ckv, 0.04), "dtype"),
+        (lambda: sparse_attention(torch.full((9, 64), float("nan")), ckv, 0.04), "NaN"),
+        (lambda: sparse_attention([], [], 0.04), "queries"),
+        (lambda: sparse_attention([q, q], [ckv], 0.04), "2 query sets for 1 requests"),
+    ]
+    for fn, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            fn()
+    ckv.free()
+    with pytest.raises(ValueError, match="freed"):
+        sparse_attention(q, ckv, 0.04)
+
+
+def test_store_accounting_and_free():
+    store = KVStore(capacity=10 << 20)
+    rkv = RequestKV("r1", num_layers=2)
+    for i in range(2):
+        k, v = rand_kv(3, 1000, 64, torch.bfloat16, seed=i)
+        rkv.set_layer(i, cluster_kv(k, v))
+    kv_bytes = 2 * (3 * 1000 * 2 * 64 * 2)
+    assert kv_bytes <= rkv.nbytes <= kv_bytes * 1.2
+    store.reserve("r1", rkv.nbytes)
+    store.add(rkv)
+    assert store.nbytes == rkv.nbytes and len(store) == 1
+    with pytest.raises(Exception, match="needs"):
+        store.reserve("r2", 10 << 20)
+    assert store.free("r1") and store.nbytes == 0 and store.reserved == 0 and rkv.freed
+    with pytest.raises(ValueError):
+        rkv.layer(0)
