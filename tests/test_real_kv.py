@@ -1,13 +1,15 @@
 """Sparse attention on real SmolLM2 KV (6,000 tokens of real text) vs dense attention.
 
 Measured on the 2-core dev box, 2026-11-29 (`python -m nelssa.bench.real_kv`, layers 2/9/16/23/29,
-the last 8 positions as decode queries, sink 16 + recent 64 exact, the middle clustered; fp32):
+the last 8 positions as decode queries, sink 16 + recent 64 exact, the middle clustered with the
+default 8 tokens per cluster; fp32):
 
     budget  rel. error of output (mean / max)   recall of true top-32 middle tokens (mean / min)
-    2%      0.143 / 0.416                       0.701 / 0.448
-    4%      0.101 / 0.291                       0.838 / 0.674
-    10%     0.052 / 0.304                       0.954 / 0.875
-    without the exact window at 4%: mean error 0.50 (attention sinks are not captured by clusters).
+    2%      0.135 / 0.408                       0.734 / 0.510
+    4%      0.096 / 0.303                       0.870 / 0.705
+    10%     0.042 / 0.132                       0.967 / 0.920
+    without the exact window at 4%: mean error 0.376 (attention sinks are not captured by clusters).
+    (16 tokens per cluster, for comparison: 0.143 / 0.101 / 0.052 mean error, 0.70 / 0.84 / 0.95 recall.)
 
 The asserted bounds are these means with ~35% margin (means over 40 queries move little between
 runs: clustering is seeded and the data is fixed).
@@ -17,7 +19,7 @@ import pytest
 
 from nelssa.bench.real_kv import capture_qkv, evaluate
 
-BOUNDS = {"0.02": (0.19, 0.60), "0.04": (0.14, 0.75), "0.1": (0.075, 0.90)}  # (max mean error, min mean recall)
+BOUNDS = {"0.02": (0.18, 0.62), "0.04": (0.13, 0.78), "0.1": (0.06, 0.92)}  # (max mean error, min mean recall)
 
 
 @pytest.mark.model

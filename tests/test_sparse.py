@@ -105,7 +105,7 @@ def test_extension_missing_falls_back_with_warning():
 
 def test_layout_is_cluster_contiguous_and_complete():
     k, v = rand_kv(3, 2500, 64)
-    ckv = cluster_kv(k, v, seed=3)
+    ckv = cluster_kv(k, v, seed=3, cluster_size=16)
     (part,) = ckv.parts
     assert part.kv.shape == (3, 2500, 2, 64)
     for h in range(3):
@@ -123,9 +123,9 @@ def test_layout_is_cluster_contiguous_and_complete():
 
 def test_kmeans_deterministic_and_segmented():
     k = torch.randn(2, 20000, 64)
-    a, ca = segmented_kmeans(k, seed=7)
-    b, cb = segmented_kmeans(k, seed=7)
-    c, _ = segmented_kmeans(k, seed=8)
+    a, ca = segmented_kmeans(k, seed=7, cluster_size=16)
+    b, cb = segmented_kmeans(k, seed=7, cluster_size=16)
+    c, _ = segmented_kmeans(k, seed=8, cluster_size=16)
     assert torch.equal(a, b) and ca == cb and not torch.equal(a, c)
     # 20000 tokens -> round(20000/8192) = 2 segments of 10000 tokens, round(10000/16) = 625 clusters each
     assert ca == 1250

@@ -19,8 +19,10 @@ import torch
 from nelssa.sparse import cluster_kv, dense_attention, merge_states, select_clusters, sparse_attention
 
 
-def capture_qkv(model_dir: str, n_tokens: int, layers: list[int], dtype=torch.float32, offset_chars: int = 0):
-    """Run the prompt once; return ({layer: (q [Hq, L, D], k [H, L, D], v [H, L, D])}, tokenizer)."""
+def capture_qkv(model_dir: str, n_tokens: int, layers: list[int], dtype=torch.float32, offset_chars: int = 0,
+                ids: list[int] | None = None):
+    """Run the prompt (n_tokens of real text, or `ids`) once; return
+    ({layer: (q [Hq, L, D], k [H, L, D], v [H, L, D])}, tokenizer)."""
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -37,10 +39,13 @@ def capture_qkv(model_dir: str, n_tokens: int, layers: list[int], dtype=torch.fl
     AttentionInterface.register("nelssa_capture", capture)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="nelssa_capture")
-    text = text_of_tokens(tok, n_tokens, offset_chars)
-    ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :n_tokens]
+    if ids is None:
+        text = text_of_tokens(tok, n_tokens, offset_chars)
+        x = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :n_tokens]
+    else:
+        x = torch.tensor([ids])
     with torch.no_grad():
-        model(ids)
+        model(x)
     return grabbed, tok
 
 

@@ -70,7 +70,8 @@ class ClusteredKV:
     Host: ``parts`` (cluster-contiguous K/V records, see ``pack``), the cluster table (``cpart`` [C]
     part of each cluster, ``cstart``/``csize`` [H, C] its first record and record count there) and ``perm`` [H, L] (original token index of
     each stored row, parts concatenated). Device (where the keys came from): ``centroids`` [H, C, D]
-    (mean of each cluster's keys, keys' dtype) and ``sizes`` [H, C] int32, for the centroid search.
+    (mean of each cluster's keys, keys' dtype), ``sizes`` [H, C] int32 and ``vmeans`` [H, C, D] (mean
+    of each cluster's values), for the centroid search and the estimate of unselected clusters.
     Empty clusters have size 0 and are never selected.
     """
 
@@ -83,6 +84,7 @@ class ClusteredKV:
         H = num_kv_heads
         self.centroids = torch.empty(H, 0, head_dim, dtype=dtype, device=device)
         self.sizes = torch.empty(H, 0, dtype=torch.int32, device=device)
+        self.vmeans = torch.empty(H, 0, head_dim, dtype=dtype, device=device)
         self.cpart = torch.empty(0, dtype=torch.int32)
         self.cstart = torch.empty(H, 0, dtype=torch.int64)
         self.csize = torch.empty(H, 0, dtype=torch.int32)
@@ -103,7 +105,7 @@ class ClusteredKV:
     @property
     def device_nbytes(self) -> int:
         """Bytes held where the keys came from (centroids and sizes)."""
-        return self.centroids.nbytes + self.sizes.nbytes
+        return self.centroids.nbytes + self.sizes.nbytes + self.vmeans.nbytes
 
     def check_alive(self) -> None:
         if self.freed:
@@ -125,9 +127,10 @@ class ClusteredKV:
         sizes = torch.zeros(H, C, dtype=torch.long, device=keys.device)
         sizes.scatter_add_(1, labels, torch.ones_like(labels))
         perm = torch.sort(labels, dim=1, stable=True).indices
-        sums = torch.zeros(H, C, D, dtype=torch.float32, device=keys.device)
-        sums.scatter_add_(1, labels.unsqueeze(-1).expand(H, n, D), keys.float())
-        cent = (sums / sizes.clamp_min(1).unsqueeze(-1)).to(self.dtype)
+        idx = labels.unsqueeze(-1).expand(H, n, D)
+        count = sizes.clamp_min(1).unsqueeze(-1)
+        cent = (torch.zeros(H, C, D, device=keys.device).scatter_add_(1, idx, keys.float()) / count).to(self.dtype)
+        vmean = (torch.zeros(H, C, D, device=keys.device).scatter_add_(1, idx, values.float()) / count).to(self.dtype)
 
         part = len(self.parts)
         self.parts.append(KVPart(pack(keys, values, perm)))
@@ -140,6 +143,7 @@ class ClusteredKV:
         dev = self.device
         self.centroids = torch.cat([self.centroids, cent.to(dev)], 1)
         self.sizes = torch.cat([self.sizes, sizes.to(device=dev, dtype=torch.int32)], 1)
+        self.vmeans = torch.cat([self.vmeans, vmean.to(dev)], 1)
         self.length += n
 
     def free(self) -> None:
@@ -148,6 +152,7 @@ class ClusteredKV:
         H = self.num_kv_heads
         self.centroids = self.centroids.new_empty(H, 0, self.head_dim)
         self.sizes = self.sizes.new_empty(H, 0)
+        self.vmeans = self.vmeans.new_empty(H, 0, self.head_dim)
         self.cpart, self.perm = self.cpart.new_empty(0), self.perm.new_empty(H, 0)
         self.cstart, self.csize = self.cstart.new_empty(H, 0), self.csize.new_empty(H, 0)
         self.length = 0

@@ -12,9 +12,15 @@ from nelssa.sparse.clustered import ClusteredKV
 
 @dataclass
 class Selection:
-    """Per request: cluster ids [H, S] int64 (ascending, the first ``counts[h]`` valid) on the host."""
+    """Per request: cluster ids [H, S] int64 (ascending, the first ``counts[h]`` valid) on the host.
+
+    ``estimate`` (when asked for): fp32 (out [B, Hq, D], lse [B, Hq]) on the centroids' device,
+    attention over the *unselected* clusters approximated by their centroids: each such cluster
+    counts as size x exp(q . centroid) with its mean value (RetroInfer's estimation zone); lse is
+    -inf where every cluster is selected."""
     ids: list[torch.Tensor]
     counts: list[torch.Tensor]
+    estimate: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def tokens(self, ckvs: list[ClusteredKV]) -> list[torch.Tensor]:
         """Selected tokens per (request, head), for reporting."""
@@ -31,7 +37,7 @@ def budget_tokens(budget: float, length: int) -> int:
 
 
 def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: float,
-                    scale: float | None = None) -> Selection:
+                    scale: float | None = None, estimate: bool = False) -> Selection:
     """Rank clusters by the query heads' softmax probability mass and fill the budget.
 
     queries [B, Hq, D] (on the centroids' device). Per request and KV head: scores of its centroids
@@ -46,13 +52,16 @@ def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: floa
     dev = ckvs[0].centroids.device
     cmax = max(c.num_clusters for c in ckvs)
     if B == 1:
-        cent, sizes = ckvs[0].centroids.unsqueeze(0), ckvs[0].sizes.unsqueeze(0)
+        cent, sizes, vm = ckvs[0].centroids.unsqueeze(0), ckvs[0].sizes.unsqueeze(0), ckvs[0].vmeans.unsqueeze(0)
     else:
         cent = torch.zeros(B, H, cmax, D, dtype=ckvs[0].centroids.dtype, device=dev)
+        vm = torch.zeros(B, H, cmax, D, dtype=ckvs[0].centroids.dtype, device=dev) if estimate else None
         sizes = torch.zeros(B, H, cmax, dtype=torch.int32, device=dev)
         for b, c in enumerate(ckvs):
             cent[b, :, :c.num_clusters] = c.centroids
             sizes[b, :, :c.num_clusters] = c.sizes
+            if estimate:
+                vm[b, :, :c.num_clusters] = c.vmeans
     q = queries.to(device=dev, dtype=torch.float32).view(B, H, G, D)
     logits = torch.einsum("bhgd,bhcd->bhgc", q, cent.float()) * scale
     empty = sizes == 0
@@ -66,6 +75,14 @@ def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: floa
     keep = (before < target) & (ssz > 0)
     counts = keep.sum(-1)
     ids = torch.where(keep, order, torch.full_like(order, cmax)).sort(-1).values
+    est = None
+    if estimate:
+        rest = torch.zeros_like(keep).scatter_(-1, order, keep) | empty  # selected or empty: not estimated
+        lg = (logits + sizes.clamp_min(1).float().log().unsqueeze(2)).masked_fill(rest.unsqueeze(2), float("-inf"))
+        lse = torch.logsumexp(lg, -1)                                   # [B, H, G]
+        w = torch.exp(lg - lse.unsqueeze(-1)).nan_to_num_(0.0)
+        out = torch.einsum("bhgc,bhcd->bhgd", w, vm.float())
+        est = (out.reshape(B, Hq, D), lse.reshape(B, Hq))
     smax = int(counts.max())
     ids, counts = ids[..., :smax].cpu(), counts.cpu()
-    return Selection([ids[b, :, :smax].contiguous() for b in range(B)], [counts[b] for b in range(B)])
+    return Selection([ids[b, :, :smax].contiguous() for b in range(B)], [counts[b] for b in range(B)], est)

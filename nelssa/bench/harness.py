@@ -1,0 +1,134 @@
+"""Run a vLLM engine in-process (NELSSA on or off), step by step, and record what happened.
+
+Used by the integration tests (in a fresh subprocess each) and by the memory/accuracy reports:
+per step and request the device blocks held, free blocks, host-tier bytes; at the end the outputs
+(token ids, logprobs, finish reasons), preemptions, aborts. Prints one JSON object.
+
+    python -m nelssa.bench.harness '{"mode": "on", "nelssa": {"budget": 1.0}, "requests": [...]}'
+
+A request: {"id", "prompt_ids" | "text_tokens": n (+ "offset") | "chat": str, "max_tokens",
+"abort_at_step"?, "add_at_step"?, "priority"?}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def _rss_mb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+
+
+def _engine(spec: dict):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_space_gib", 3)))  # CPU default: most of RAM
+    if spec["mode"] == "off":
+        os.environ["NELSSA_OFF"] = "1"
+    from vllm import LLM
+
+    from nelssa.models import prepare_smollm2
+    from nelssa.vllm_plugin import engine_args
+
+    cuda = bool(spec.get("cuda"))
+    kw: dict[str, Any] = dict(model=spec.get("model") or str(prepare_smollm2()), enforce_eager=not cuda, seed=0,
+                              max_model_len=spec.get("max_model_len", 8192), dtype=spec.get("dtype", "float32"),
+                              distributed_executor_backend="uni", disable_log_stats=False)
+    kw.update(spec.get("engine", {}))
+    if spec["mode"] == "on":
+        kw.update(engine_args(spec.get("nelssa", {}), cuda=cuda))
+    return LLM(**kw)
+
+
+def _prompt_ids(tok, r: dict) -> list[int]:
+    if "prompt_ids" in r:
+        return list(r["prompt_ids"])
+    if "chat" in r:
+        return tok.apply_chat_template([{"role": "user", "content": r["chat"]}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False)
+    from nelssa.bench.corpus import text_of_tokens
+    n = r["text_tokens"]
+    return tok.encode(text_of_tokens(tok, n, r.get("offset", 0)), add_special_tokens=False)[:n]
+
+
+def run(spec: dict) -> dict:
+    from vllm import SamplingParams
+
+    llm = _engine(spec)
+    eng = llm.llm_engine
+    core = eng.engine_core.engine_core
+    sched = core.scheduler
+    kvm = sched.kv_cache_manager
+    worker = core.model_executor.driver_worker.worker
+    runner = worker.model_runner
+    host = getattr(runner, "nelssa_host", None)
+    tok = llm.get_tokenizer()
+
+    reqs = spec["requests"]
+    ids = {r["id"]: _prompt_ids(tok, r) for r in reqs}
+    pending = sorted(reqs, key=lambda r: r.get("add_at_step", 0))
+    internal: dict[str, str] = {}  # our id -> scheduler id
+    seen: dict[str, Any] = {}
+    results: dict[str, dict] = {}
+    steps: list[dict] = []
+    t0 = time.time()
+    step = 0
+    while step < spec.get("max_steps", 100000):
+        while pending and pending[0].get("add_at_step", 0) <= step:
+            r = pending.pop(0)
+            sp = SamplingParams(temperature=0, max_tokens=r.get("max_tokens", 16), ignore_eos=True,
+                                logprobs=spec.get("logprobs"))
+            internal[r["id"]] = eng.add_request(r["id"], {"prompt_token_ids": ids[r["id"]]}, sp,
+                                                priority=r.get("priority", 0))
+        for r in reqs:
+            if r.get("abort_at_step") == step and r["id"] not in results:
+                eng.abort_request([r["id"]])
+        if not pending and not sched.has_requests():  # as EngineCore: one more step flushes finished ids
+            break
+        outs = eng.step()
+        for rid, req in sched.requests.items():
+            seen[rid] = req
+        row: dict = {"step": step, "free_blocks": kvm.block_pool.get_num_free_blocks(), "rss_mb": _rss_mb(),
+                     "host_bytes": host.nbytes if host is not None else 0, "blocks": {}}
+        for ours, rid in internal.items():
+            if rid in sched.requests:
+                b = kvm.get_block_ids(rid)[0]
+                row["blocks"][ours] = sum(1 for x in b if x != 0)
+        steps.append(row)
+        for o in outs:
+            if o.finished:
+                c = o.outputs[0]
+                results[o.request_id] = {
+                    "prompt_len": len(o.prompt_token_ids or []), "token_ids": list(c.token_ids),
+                    "text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    "top2": [sorted(((float(v.logprob), int(t)) for t, v in d.items()), reverse=True)[:2]
+                             for d in (c.logprobs or [])] if spec.get("logprobs") else None,
+                }
+        step += 1
+    out = {
+        "mode": spec["mode"], "steps": steps, "results": results, "wall_s": time.time() - t0,
+        "num_steps": step, "preemptions": sum(r.num_preemptions for r in seen.values()),
+        "preempted": {ours: seen[rid].num_preemptions for ours, rid in internal.items() if rid in seen},
+        "total_blocks": kvm.block_pool.num_gpu_blocks, "block_size": core.vllm_config.cache_config.block_size,
+        "final_free_blocks": kvm.block_pool.get_num_free_blocks(),
+        "final_host_bytes": host.nbytes if host is not None else 0,
+        "host_requests": len(host.reqs) if host is not None else 0,
+    }
+    if spec.get("metrics"):
+        out["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
+                          if m.name.startswith(("nelssa:", "vllm:num_preemptions"))}
+    return out
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1] if len(sys.argv) > 1 else sys.stdin.read())
+    res = run(spec)
+    print("HARNESS_JSON " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()

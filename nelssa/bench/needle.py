@@ -1,0 +1,59 @@
+"""RULER-style needle-in-a-haystack prompts (our own generator, seeded) and scoring.
+
+Needle: "One of the special magic numbers for {key} is: {value}." inserted at a sentence boundary
+at a given depth of a real-text haystack (CPython's documentation) or the RULER noise haystack;
+question after the haystack, answer prefix opening the assistant turn. Score: the 7-digit value
+appears in the greedy output (case-insensitive substring), averaged x100.
+"""
+
+from __future__ import annotations
+
+import random
+
+from nelssa.bench.corpus import sentences
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+ADJ = ["amused", "brave", "calm", "eager", "fancy", "gentle", "happy", "jolly", "kind", "lively", "proud", "silly"]
+NOUN = ["apple", "badger", "canyon", "dolphin", "engine", "forest", "garden", "harbor", "island", "jacket"]
+
+
+def make_prompt(tok, length: int, depth: float, seed: int, haystack: str = "essay") -> tuple[list[int], str]:
+    """(prompt token ids of about `length` tokens, expected value)."""
+    rng = random.Random(seed)
+    key = f"{rng.choice(ADJ)}-{rng.choice(NOUN)}"
+    value = str(rng.randint(1_000_000, 9_999_999))
+    needle = f"One of the special magic numbers for {key} is: {value}."
+    question = (f"What is the special magic number for {key} mentioned in the provided text?")
+    head = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+            "I will quiz you about the numbers afterwards.\n")
+    pool = sentences() if haystack == "essay" else NOISE.split(". ")
+    start = rng.randrange(len(pool)) if haystack == "essay" else 0
+
+    def build(n_sent: int) -> str:
+        hay = [pool[(start + i) % len(pool)] for i in range(n_sent)]
+        hay.insert(int(round(depth * n_sent)), needle)
+        return " ".join(hay)
+
+    def encode(n_sent: int) -> list[int]:
+        msg = head + build(n_sent) + "\n" + question
+        ids = tok.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        prefix = f" The special magic number for {key} mentioned in the provided text is"
+        return ids + tok.encode(prefix, add_special_tokens=False)
+
+    lo, hi = 1, 4 * length  # binary search on the number of sentences
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(encode(mid)) <= length:
+            lo = mid
+        else:
+            hi = mid - 1
+    return encode(lo), value
+
+
+def score(outputs: list[str], expected: list[str]) -> float:
+    return 100.0 * sum(e.lower() in o.lower() for o, e in zip(outputs, expected)) / max(1, len(expected))
+
+
+def cases(lengths=(2500, 4000, 5500, 7000), depths=(0.1, 0.35, 0.6, 0.85), seed: int = 0):
+    return [(L, d, seed + 100 * i + j) for i, L in enumerate(lengths) for j, d in enumerate(depths)]

@@ -1,0 +1,260 @@
+"""Split-batch attention: offloaded decode rows go window (device) + sparse (host tier), merged by LSE.
+
+Each step the model runner publishes a StepPlan (which batch rows are offloaded, their host range
+and window). The wrapped backend impl, per layer:
+  1. ranks the offloaded rows' clusters against their queries on the device and submits the host
+     attention over the selected clusters (one batched submission for all long requests);
+  2. runs the stock kernel for the whole batch with the offloaded rows shrunk to a single live
+     token (so it never reads freed blocks and does no work proportional to their length);
+  3. computes window attention with LSE over [0, sink) + [H, seq_len) of each offloaded row,
+     read through its block table (and, with ``estimate``, the centroid estimate of the clusters
+     not selected);
+  4. waits for the host result and merges them by LSE into the rows' output.
+A host-tier failure marks the request failed (its output rows are zeroed and the scheduler finishes
+it with an error); it never falls back to a partial answer.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nelssa.config import NelssaConfig
+from nelssa.sparse import merge_states, select_clusters
+
+_local = threading.local()
+
+
+@dataclass
+class StepPlan:
+    """Offloaded rows of one step (the same for every layer)."""
+    host: Any                       # nelssa.vllm_plugin.host.HostTier
+    req_ids: list[str]              # offloaded requests, in batch-row order
+    rows: list[int]                 # their batch rows
+    token_idx: torch.Tensor         # index of each row's (single) query token in the flat batch
+    host_end: list[int]             # H: the host holds [sink, H)
+    seq_lens: list[int]             # tokens with KV after this step's write
+    failed: dict[str, str] = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)  # per-step derived tensors, keyed by purpose
+
+    def fail(self, req_id: str, msg: str) -> None:
+        self.failed.setdefault(req_id, msg)
+
+
+def set_plan(plan: StepPlan | None) -> None:
+    _local.plan = plan
+
+
+def current_plan() -> StepPlan | None:
+    return getattr(_local, "plan", None)
+
+
+# ---------------------------------------------------------------- paged KV access (per backend)
+
+def read_kv(kv_cache: torch.Tensor, backend: str, blocks: torch.Tensor, offs: torch.Tensor,
+            num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V [..., KH, D] at (blocks, offs) of one layer's paged cache.
+
+    cpu: [NB, KH, bs, 2D] is the logical shape; per (block, head) K is stored [D, bs] and V [bs, D]
+    (vLLM's vec/vec16 CPU layouts; AMX is refused at startup). flash: [NB, KH, bs, 2D] logical, read
+    as FlashAttention does (transpose(1, 2).split(D)).
+    """
+    if backend == "cpu":
+        nb, kh, bs, _ = kv_cache.shape
+        flat = kv_cache.view(nb, kh, 2, bs * head_dim)
+        kc = flat[:, :, 0].unflatten(-1, (head_dim, bs))
+        vc = flat[:, :, 1].unflatten(-1, (bs, head_dim))
+        return kc[blocks, :, :, offs], vc[blocks, :, offs, :]
+    if backend == "flash":
+        kc, vc = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
+        return kc[blocks, offs], vc[blocks, offs]
+    raise ValueError(f"unsupported backend {backend!r}")
+
+
+def window_index(plan: StepPlan, block_table: torch.Tensor, sink: int, bs: int):
+    """(blocks, offsets, valid) [n, W] of each offloaded row's window positions [0, sink) + [H, seq_len)."""
+    key = ("win", id(block_table))
+    if key not in plan.cache:
+        pos = []
+        for h, s in zip(plan.host_end, plan.seq_lens):
+            pos.append(torch.cat([torch.arange(0, min(sink, h)), torch.arange(h, s)]))
+        w = max(len(p) for p in pos)
+        n = len(pos)
+        p = torch.zeros(n, w, dtype=torch.long)
+        valid = torch.zeros(n, w, dtype=torch.bool)
+        for i, x in enumerate(pos):
+            p[i, :len(x)] = x
+            valid[i, :len(x)] = True
+        rows = torch.tensor(plan.rows, dtype=torch.long, device=block_table.device)
+        dev = block_table.device
+        p = p.to(dev)
+        blocks = block_table[rows].long().gather(1, p // bs)
+        plan.cache[key] = (blocks, p % bs, valid.to(dev))
+    return plan.cache[key]
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n, Hq, D]; k/v [n, W, KH, D]; valid [n, W] -> fp32 (out [n, Hq, D], lse [n, Hq])."""
+    n, hq, d = q.shape
+    kh = k.shape[2]
+    s = torch.einsum("nhgd,nwhd->nhgw", q.float().view(n, kh, hq // kh, d), k.float()) * scale
+    s.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.einsum("nhgw,nwhd->nhgd", torch.exp(s - lse.unsqueeze(-1)), v.float())
+    return out.reshape(n, hq, d), lse.reshape(n, hq)
+
+
+def flash_window(impl, q: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, md: Any, sink: int,
+                 bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window attention on CUDA with FlashAttention's LSE: sink blocks and recent blocks (from H, which
+    is block aligned) as two paged calls, merged by vLLM's merge_attn_states -> fp32 (out, lse [n, Hq])."""
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+    dev, n = q.device, q.shape[0]
+    key = ("fa", id(md))
+    if key not in plan.cache:
+        rows = torch.tensor(plan.rows, dtype=torch.long, device=dev)
+        bt = md.block_table.index_select(0, rows)
+        hb = torch.tensor([h // bs for h in plan.host_end], device=dev)
+        rlen = [s - h for s, h in zip(plan.seq_lens, plan.host_end)]
+        nrb = -(-max(rlen) // bs)
+        ridx = (hb[:, None] + torch.arange(nrb, device=dev)[None]).clamp_max(bt.shape[1] - 1)
+        plan.cache[key] = dict(
+            cu=torch.arange(n + 1, dtype=torch.int32, device=dev),
+            sink_bt=bt[:, :max(1, -(-sink // bs))].contiguous(),
+            sink_len=torch.tensor([min(sink, h) for h in plan.host_end], dtype=torch.int32, device=dev),
+            rec_bt=bt.gather(1, ridx).contiguous(), rec_len=torch.tensor(rlen, dtype=torch.int32, device=dev),
+            max_rec=max(rlen))
+    c = plan.cache[key]
+    kc, vc = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
+    common = dict(q=q, k=kc, v=vc, max_seqlen_q=1, cu_seqlens_q=c["cu"], softmax_scale=impl.scale, causal=False,
+                  return_softmax_lse=True, fa_version=impl.vllm_flash_attn_version)
+    o2, l2 = flash_attn_varlen_func(**common, max_seqlen_k=c["max_rec"], seqused_k=c["rec_len"],
+                                    block_table=c["rec_bt"])
+    if sink == 0:
+        return o2.float(), l2.float().t()
+    o1, l1 = flash_attn_varlen_func(**common, max_seqlen_k=sink, seqused_k=c["sink_len"], block_table=c["sink_bt"])
+    out = torch.empty_like(o1)
+    lse = torch.empty_like(l1, dtype=torch.float32)
+    merge_attn_states(out, o1, l1.float().contiguous(), o2, l2.float().contiguous(), output_lse=lse)
+    return out.float(), lse.t()
+
+
+# ---------------------------------------------------------------- stock kernel with shrunk rows
+
+def shrunk_metadata(plan: StepPlan, md: Any, impl: Any, backend: str) -> Any:
+    """A copy of the step's attention metadata where each offloaded row attends only to its last token
+    (a live block): the stock kernel then neither reads freed blocks nor spends O(L) on those rows."""
+    key = ("md", id(md))
+    if key in plan.cache:
+        return plan.cache[key]
+    m = copy.copy(md)
+    rows = torch.tensor(plan.rows, dtype=torch.long, device=md.seq_lens.device)
+    seq = md.seq_lens.clone()
+    bt = md.block_table.clone()
+    bs = plan.cache["block_size"]
+    last_blk = bt[rows].gather(1, ((seq[rows].long() - 1) // bs).unsqueeze(1)).squeeze(1)
+    bt[rows, 0] = last_blk
+    seq[rows] = 1
+    m.seq_lens, m.block_table = seq, bt
+    if backend == "cpu":
+        from vllm import _custom_ops as ops
+        from vllm import envs
+        m.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=seq.shape[0], num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
+            head_dim=impl.head_size, seq_lens=seq, dtype=plan.cache["dtype"], query_start_loc=md.query_start_loc,
+            causal=md.causal, sliding_window_size=impl.sliding_window, isa=impl.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=md.dynamic_causal)
+    elif backend == "flash":
+        m.max_seq_len = int(seq.max())
+        if getattr(m, "scheduler_metadata", None) is not None:
+            m.scheduler_metadata = None  # FA3 AOT schedule was planned for the old lengths
+    plan.cache[key] = m
+    return m
+
+
+# ---------------------------------------------------------------- the wrapped impl
+
+def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+             output_block_scale=None):
+    plan = current_plan()
+    base = super(type(self), self).forward
+    if plan is None or not plan.rows or attn_metadata is None:
+        return base(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+    cfg: NelssaConfig = self.nelssa_cfg
+    li = layer.nelssa_layer
+    backend = self.nelssa_backend
+    q = query.view(-1, self.num_heads, self.head_size)
+    tok = plan.token_idx.to(q.device)
+    q_off = q.index_select(0, tok)
+    host, live = plan.host, [r not in plan.failed for r in plan.req_ids]
+
+    # 1. centroid search on the device, host attention submitted before the device work
+    fut = None
+    sel_rows = [i for i, ok in enumerate(live) if ok]
+    if sel_rows:
+        try:
+            ckvs = [host.layer_kv(plan.req_ids[i], li) for i in sel_rows]
+            qs = q_off[sel_rows] if len(sel_rows) < len(live) else q_off
+            sel = select_clusters(qs, ckvs, cfg.budget, self.scale, estimate=cfg.estimate)
+            fut = host.submit_attend(qs, ckvs, sel, self.scale, li)
+        except Exception as e:  # noqa: BLE001 - any host-tier failure fails these requests, loudly
+            for i in sel_rows:
+                plan.fail(plan.req_ids[i], f"host tier (layer {li}): {type(e).__name__}: {e}")
+            sel_rows = []
+
+    # 2. stock kernel for every row, offloaded rows shrunk to one live token
+    md = shrunk_metadata(plan, attn_metadata, self, backend)
+    base(layer, query, key, value, kv_cache, md, output, output_scale, output_block_scale)
+
+    # 3. window attention of the offloaded rows
+    bs = plan.cache["block_size"]
+    if backend == "flash":
+        w_out, w_lse = flash_window(self, q_off, kv_cache, plan, attn_metadata, cfg.sink, bs)
+    else:
+        blocks, offs, valid = window_index(plan, attn_metadata.block_table, cfg.sink, bs)
+        k, v = read_kv(kv_cache, backend, blocks, offs, self.num_kv_heads, self.head_size)
+        w_out, w_lse = window_attention(q_off, k, v, valid, self.scale)
+
+    # 4. merge with the host result
+    out = torch.zeros_like(w_out)
+    if fut is not None:
+        try:
+            idx = torch.tensor(sel_rows, device=w_out.device)
+            m, m_lse = w_out[idx], w_lse[idx]
+            if sel.estimate is not None:  # the unselected clusters, estimated on the device
+                m, m_lse = merge_states(m, m_lse, *sel.estimate)
+            h_out, h_lse = host.wait(fut, li)
+            m, _ = merge_states(m, m_lse, h_out.to(w_out.device), h_lse.to(w_out.device))
+            out[idx] = m
+        except Exception as e:  # noqa: BLE001
+            for i in sel_rows:
+                plan.fail(plan.req_ids[i], f"host tier (layer {li}): {type(e).__name__}: {e}")
+    o = output.view(-1, self.num_heads, self.head_size)
+    o.index_copy_(0, tok, out.to(o.dtype))
+    return output
+
+
+def wrap_impl(layer, cfg: NelssaConfig) -> None:
+    """Give ``layer.impl`` NELSSA's split-batch forward (a subclass of its own class)."""
+    impl = layer.impl
+    name = type(impl).__name__
+    if name == "CPUAttentionBackendImpl":
+        if getattr(impl, "isa", None) == "amx":
+            raise ValueError("NELSSA reads the CPU paged KV cache in vLLM's vec layout; the AMX layout "
+                             "(bf16 with a block size multiple of 32 on AMX CPUs) is not supported: use "
+                             "--block-size 16 or dtype float32")
+        backend = "cpu"
+    elif name == "FlashAttentionImpl":
+        backend = "flash"
+    else:
+        raise ValueError(f"NELSSA supports the CPU_ATTN and FLASH_ATTN backends, not {name}")
+    cls = type(f"Nelssa{name}", (type(impl),), {"forward": _forward})
+    impl.__class__ = cls
+    impl.nelssa_cfg = cfg
+    impl.nelssa_backend = backend

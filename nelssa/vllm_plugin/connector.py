@@ -1,0 +1,177 @@
+"""NELSSA's KV connector: the worker -> scheduler channel (failed requests) and NELSSA's metrics.
+
+It moves no KV itself (in P/D it runs beside NixlConnector in a MultiConnector). Worker side: each
+step it reports the requests whose host-tier work failed (KVConnectorWorkerMetadata, read by
+NelssaScheduler before it emits tokens) and the host tier's counters (KVConnectorStats). Those reach
+the API process, where build_prom_metrics exports them on /metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole, KVConnectorWorkerMetadata)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from nelssa.vllm_plugin import runtime
+
+CONNECTOR = {"kv_connector": "NelssaConnector", "kv_connector_module_path": "nelssa.vllm_plugin.connector",
+             "kv_role": "kv_both"}
+
+
+class NelssaConnectorMetadata(KVConnectorMetadata):
+    pass
+
+
+@dataclass
+class NelssaWorkerMeta(KVConnectorWorkerMetadata):
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def aggregate(self, other: "NelssaWorkerMeta") -> "NelssaWorkerMeta":
+        return NelssaWorkerMeta({**self.failed, **other.failed})
+
+
+@dataclass
+class NelssaStats(KVConnectorStats):
+    """data: long_requests, failures, moved_tokens (counts); host_bytes, reserved_bytes (latest);
+    attn_s, cluster_s (lists of seconds)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "NelssaStats":
+        d = dict(self.data)
+        for k, v in other.data.items():
+            if isinstance(v, list):
+                d[k] = d.get(k, []) + v
+            elif k.endswith("_bytes"):
+                d[k] = v
+            else:
+                d[k] = d.get(k, 0) + v
+        return NelssaStats(d)
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for k, v in self.data.items():
+            if isinstance(v, list):
+                out[f"{k}_count"] = len(v)
+                out[f"{k}_mean_ms"] = 1e3 * sum(v) / len(v) if v else 0.0
+            else:
+                out[k] = v
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class NelssaPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        def per_engine(metric):
+            return create_metric_per_engine(metric, per_engine_labelvalues)
+
+        c, g, h = self._counter_cls, self._gauge_cls, self._histogram_cls
+        buckets = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0]
+        self.m = {
+            "long_requests": per_engine(c(name="nelssa:long_requests", labelnames=labelnames,
+                                          documentation="Long requests whose KV moved to the host tier")),
+            "failures": per_engine(c(name="nelssa:host_failures", labelnames=labelnames,
+                                     documentation="Host-tier failures (requests finished with an error)")),
+            "moved_tokens": per_engine(c(name="nelssa:moved_tokens", labelnames=labelnames,
+                                         documentation="Tokens moved to the host tier (prompts and chunks)")),
+            "host_bytes": per_engine(g(name="nelssa:host_bytes", labelnames=labelnames, multiprocess_mode="mostrecent",
+                                       documentation="Host-tier bytes in use (clustered KV)")),
+            "reserved_bytes": per_engine(g(name="nelssa:host_reserved_bytes", labelnames=labelnames,
+                                           multiprocess_mode="mostrecent",
+                                           documentation="Host-tier bytes reserved by admitted long requests")),
+            "attn_s": per_engine(h(name="nelssa:host_attention_seconds", labelnames=labelnames, buckets=buckets,
+                                   documentation="Host sparse attention per layer and step (all long requests)")),
+            "cluster_s": per_engine(h(name="nelssa:clustering_seconds", labelnames=labelnames, buckets=buckets,
+                                      documentation="Clustering + move to the host tier, per request and move")),
+        }
+
+    def observe(self, data: dict[str, Any], engine_idx: int = 0):
+        for k, v in data.items():
+            m = self.m.get(k)
+            if m is None:
+                continue
+            if isinstance(v, list):
+                for x in v:
+                    m[engine_idx].observe(x)
+            elif k.endswith("_bytes"):
+                m[engine_idx].set(v)
+            elif v:
+                m[engine_idx].inc(v)
+
+
+class NelssaConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.sched_stats: dict[str, Any] = {}  # filled by NelssaScheduler (scheduler role)
+
+    # ---- scheduler side: nothing to load, nothing to send
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        pass
+
+    def build_connector_meta(self, scheduler_output):
+        return NelssaConnectorMetadata()
+
+    def request_finished(self, request, block_ids):
+        return False, None
+
+    # ---- worker side
+    def start_load_kv(self, forward_context, **kwargs):
+        pass
+
+    def wait_for_layer_load(self, layer_name):
+        pass
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        pass
+
+    def wait_for_save(self):
+        pass
+
+    def build_connector_worker_meta(self):
+        new = runtime.take_new_failures()
+        return NelssaWorkerMeta(new) if new else None
+
+    def get_kv_connector_stats(self):
+        if self._role == KVConnectorRole.SCHEDULER:
+            d, self.sched_stats = self.sched_stats, {}
+            return NelssaStats(d) if d else None
+        host = runtime.host()
+        if host is None:
+            return None
+        d = host.stats.take()
+        d["host_bytes"] = host.nbytes
+        return NelssaStats(d)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return NelssaStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return NelssaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def find_connector():
+    """This process's NelssaConnector (alone or inside a MultiConnector), or None."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    if not has_kv_transfer_group():
+        return None
+    c = get_kv_transfer_group()
+    if isinstance(c, NelssaConnector):
+        return c
+    for child in getattr(c, "_connectors", []):
+        if isinstance(child, NelssaConnector):
+            return child
+    return None

@@ -1,0 +1,61 @@
+"""Llama with NELSSA attention layers (registered over vLLM's LlamaForCausalLM by the plugin).
+
+With NELSSA disabled the class is exactly vLLM's Llama. Enabled, each decoder layer's attention
+module reports a NelssaSpec (so the KV-cache manager frees host-resident blocks) and its backend
+implementation splits the batch (nelssa.vllm_plugin.attention).
+"""
+
+from __future__ import annotations
+
+import re
+
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.models.llama import LlamaForCausalLM
+
+from nelssa.config import NelssaConfig, vllm_nelssa_config
+from nelssa.vllm_plugin.attention import wrap_impl
+from nelssa.vllm_plugin.spec import NelssaSpec
+
+
+class NelssaAttention(Attention):
+    """vLLM's Attention reporting a NelssaSpec; its impl is wrapped by ``wrap_impl``."""
+
+    nelssa_cfg: NelssaConfig
+    nelssa_layer: int
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = super().get_kv_cache_spec(vllm_config)
+        if spec is None or type(spec).__name__ != "FullAttentionSpec":
+            raise ValueError(f"NELSSA supports full-attention layers only; {self.layer_name} has "
+                             f"{type(spec).__name__} (sliding window / quantised KV are not supported)")
+        c = self.nelssa_cfg
+        return NelssaSpec(**{k: getattr(spec, k) for k in spec.__dataclass_fields__},
+                          T_input=c.T_input, sink=c.sink, recent=c.recent, chunk=c.chunk)
+
+
+def layer_index(name: str) -> int:
+    m = re.search(r"layers\.(\d+)\.", name)
+    if not m:
+        raise ValueError(f"cannot find the decoder layer index in {name!r}")
+    return int(m.group(1))
+
+
+class NelssaLlamaForCausalLM(LlamaForCausalLM):
+    """vLLM's LlamaForCausalLM; with NELSSA enabled its attention layers become NelssaAttention."""
+
+    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        cfg = vllm_nelssa_config(vllm_config.additional_config)
+        self.nelssa_enabled = cfg is not None
+        if cfg is None:
+            return
+        if vllm_config.speculative_config is not None:
+            raise ValueError("NELSSA does not support speculative decoding (decode rows of long requests "
+                             "must carry one query token)")
+        for module in self.modules():
+            if type(module) is Attention:
+                # our own model's layers become the NELSSA subclass (same state, extra behaviour)
+                module.__class__ = NelssaAttention
+                module.nelssa_cfg = cfg
+                module.nelssa_layer = layer_index(module.layer_name)
+                wrap_impl(module, cfg)

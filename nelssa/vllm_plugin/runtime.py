@@ -1,0 +1,38 @@
+"""Per-process state shared by the worker-side pieces (runner, attention, connector)."""
+
+from __future__ import annotations
+
+import threading
+
+_host = None
+_lock = threading.Lock()
+failed: dict[str, str] = {}   # request id -> why it failed; kept until the request is freed
+_reported: set[str] = set()
+
+
+def set_host(host) -> None:
+    global _host
+    _host = host
+
+
+def host():
+    return _host
+
+
+def fail(req_id: str, msg: str) -> None:
+    with _lock:
+        failed.setdefault(req_id, msg)
+
+
+def take_new_failures() -> dict[str, str]:
+    """Failures not yet reported to the scheduler (each is reported once)."""
+    with _lock:
+        new = {k: v for k, v in failed.items() if k not in _reported}
+        _reported.update(new)
+    return new
+
+
+def forget(req_id: str) -> None:
+    with _lock:
+        failed.pop(req_id, None)
+        _reported.discard(req_id)

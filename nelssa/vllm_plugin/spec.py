@@ -1,0 +1,63 @@
+"""KV-cache spec + manager: a long request's host-resident blocks go back to vLLM's block pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from nelssa.vllm_plugin.policy import Policy
+
+
+@dataclass(frozen=True, kw_only=True)
+class NelssaSpec(FullAttentionSpec):
+    """Full attention whose long requests keep only a window on the device (see policy.Policy)."""
+
+    T_input: int
+    sink: int
+    recent: int
+    chunk: int
+
+    def policy(self) -> Policy:
+        return Policy(self.T_input, self.sink, self.recent, self.chunk, self.block_size)
+
+    @classmethod
+    def merge(cls, specs: list["NelssaSpec"]) -> "NelssaSpec":
+        assert all(isinstance(s, NelssaSpec) for s in specs), "all layers of a group must be NelssaSpec"
+        knobs = {(s.T_input, s.sink, s.recent, s.chunk) for s in specs}
+        assert len(knobs) == 1, f"NELSSA layers disagree on T_input/sink/recent/chunk: {knobs}"
+        base = FullAttentionSpec.merge(specs)
+        T_input, sink, recent, chunk = knobs.pop()
+        return cls(**{f.name: getattr(base, f.name) for f in fields(FullAttentionSpec)},
+                   T_input=T_input, sink=sink, recent=recent, chunk=chunk)
+
+
+class NelssaManager(FullAttentionManager):
+    """Frees the device blocks of a long request's host range once its KV has moved there.
+
+    ``remove_skipped_blocks`` is called by ``KVCacheManager.allocate_slots`` for every scheduled
+    request with the tokens *processed* so far, so a block is freed only after the step that copied
+    it to the host has run. Freed blocks become null blocks in the request's table (as for R-SWA);
+    the worker never reads them (window attention gathers window positions only).
+    """
+
+    def __init__(self, kv_cache_spec: NelssaSpec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.policy = kv_cache_spec.policy()
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        if num_prompt_tokens is None:
+            return super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+        first, last = self.policy.freed_blocks(num_prompt_tokens, processed_computed_tokens)
+        if first < last:
+            self._remove_blocks_in_range(request_id, first, last)
+
+
+def register_spec() -> None:
+    """Register NelssaSpec -> NelssaManager (after vLLM's built-ins, which register only into an empty
+    registry)."""
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(NelssaSpec, NelssaManager, uniform_type_base_spec=FullAttentionSpec)
