@@ -48,13 +48,19 @@ inline void axpy(float a, const float* __restrict x, float* __restrict y, int D)
   for (int d = 0; d < n; ++d) y[d] += a * x[d];
 }
 
-constexpr int64_t PF_ROWS = 32;  // rows prefetched ahead, one row per row computed (bursts stall)
+#ifndef NELSSA_PF_ROWS
+#define NELSSA_PF_ROWS 32
+#endif
+#ifndef NELSSA_PF_LOC
+#define NELSSA_PF_LOC 0
+#endif
+constexpr int64_t PF_ROWS = NELSSA_PF_ROWS;  // rows prefetched ahead, one row per row computed (bursts stall)
 
 template <int LINES>
 inline void prefetch_row(const void* k, const void* v) {
   for (int i = 0; i < LINES; ++i) {
-    __builtin_prefetch(static_cast<const char*>(k) + 64 * i, 0, 0);
-    __builtin_prefetch(static_cast<const char*>(v) + 64 * i, 0, 0);
+    __builtin_prefetch(static_cast<const char*>(k) + 64 * i, 0, NELSSA_PF_LOC);
+    __builtin_prefetch(static_cast<const char*>(v) + 64 * i, 0, NELSSA_PF_LOC);
   }
 }
 

@@ -87,6 +87,24 @@ def test_preempting_an_offloaded_request():
     assert tokens(on) == tokens(off)
 
 
+def test_prefix_caching_with_freed_blocks():
+    """Prefix caching stays on: the same long prompt arrives again while the first copy decodes
+    (its middle blocks freed but still cached) and again after it finished. The repeats hit vLLM's
+    prefix cache, are offloaded from the hit blocks, and their tokens equal the baseline's."""
+    spec = {"nelssa": NELSSA, "engine": {"num_gpu_blocks_override": 90, "max_num_batched_tokens": 1024,
+                                          "enable_prefix_caching": True},
+            "requests": [{"id": "a", "text_tokens": 3000, "max_tokens": 32},
+                         {"id": "b", "text_tokens": 3000, "max_tokens": 32, "add_at_step": 8},
+                         {"id": "c", "text_tokens": 3000, "max_tokens": 32, "add_at_step": 60},
+                         MIXED[4]]}
+    on, off = both(spec)
+    print({m: {k: r["cached_tokens"] for k, r in res["results"].items()} for m, res in (("on", on), ("off", off))})
+    for rid in ("b", "c"):
+        assert on["results"][rid]["cached_tokens"] >= 2048, on["results"][rid]
+    assert tokens(on) == tokens(off)
+    assert on["final_host_bytes"] == 0 and on["host_requests"] == 0
+
+
 def test_host_failure_is_an_error_not_text():
     """With every host attention failing, long requests end with finish_reason 'error' and no tokens
     from the failed step on; short requests in the same batch are unaffected."""

@@ -1,8 +1,8 @@
 """Host sparse-attention benchmark: fused C++ kernel vs naive torch vs the machine's read bandwidth.
 
 Llama-3.1-8B layer shape (8 KV heads, 32 query heads, head_dim 128, bf16), budget 4%, contexts
-32K/128K, batches 1/4/16, all in one run. The clustered layout is synthetic (random K/V, L/16
-clusters with random sizes, i.e. the kernel's real access pattern); selections come from the real
+32K/128K, batches 1/4/16, all in one run. The clustered layout is synthetic (random K/V, L/cluster_size
+clusters (config, default 8) with random sizes, i.e. the kernel's real access pattern); selections come from the real
 centroid search with fresh random queries per step, and enough independent "layers" rotate that the
 selected bytes are not cache-resident. Reports ms per layer-step, effective GB/s over the selected
 K/V bytes, the ratio to the measured read bandwidth and the speedup over torch.
@@ -48,10 +48,10 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def synthetic_ckv(L: int, H: int, D: int, dtype: torch.dtype, gen: torch.Generator) -> ClusteredKV:
-    """A ClusteredKV with random K/V and L/16 clusters of random sizes (one part, real layout)."""
-    C = max(1, L // 16)
-    c = ClusteredKV(H, D, dtype, torch.device("cpu"), cluster_size=16, segment=8192, iters=1, seed=0)
+def synthetic_ckv(L: int, H: int, D: int, dtype: torch.dtype, gen: torch.Generator, cs: int) -> ClusteredKV:
+    """A ClusteredKV with random K/V and L/cs clusters of random sizes (one part, real layout)."""
+    C = max(1, L // cs)
+    c = ClusteredKV(H, D, dtype, torch.device("cpu"), cluster_size=cs, segment=8192, iters=1, seed=0)
     labels = torch.randint(0, C, (H, L), generator=gen)
     sizes = torch.zeros(H, C, dtype=torch.long).scatter_add_(1, labels, torch.ones_like(labels))
     kv = host_empty((H, L, 2, D), dtype)
@@ -117,7 +117,7 @@ def run(contexts, batches, budget: float, steps: int, target_bytes: int, mem_fra
                 rows.append({"context": L, "batch": B, "skipped": "memory"})
                 continue
             layers = max(1, min(layers, int(budget_mem // (B * req_bytes))))
-            data = [[synthetic_ckv(L, H, D, dtype, gen) for _ in range(B)] for _ in range(layers)]
+            data = [[synthetic_ckv(L, H, D, dtype, gen, cfg.cluster_size) for _ in range(B)] for _ in range(layers)]
             n = steps * layers
             qs = [torch.randn(B, Hq, D, generator=gen).to(dtype) for _ in range(n)]
             t = time.perf_counter()
@@ -152,7 +152,8 @@ def run(contexts, batches, budget: float, steps: int, target_bytes: int, mem_fra
     from nelssa._ext import ext
     mod = ext()
     return {
-        "benchmark": "sparse_attention", "shape": {"kv_heads": H, "q_heads": Hq, "head_dim": D, "dtype": "bf16"},
+        "benchmark": "sparse_attention", "shape": {"kv_heads": H, "q_heads": Hq, "head_dim": D, "dtype": "bf16",
+                                                   "cluster_size": cfg.cluster_size},
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": threads,
                     "isa": getattr(mod, "isa", None), "mem_total_GiB": round(os.sysconf("SC_PAGE_SIZE") *
                                                                           os.sysconf("SC_PHYS_PAGES") / GiB, 1)},

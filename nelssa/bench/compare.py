@@ -1,0 +1,64 @@
+"""NELSSA vs the NELSSA_OFF baseline on one vLLM engine workload (in-process engines, one per mode).
+
+Default workload: 3K/5K/7K-token prompts of real text plus short chats in one batch, fp32, budget
+100% (so outputs must match token for token), 70 KV blocks of 128 tokens, chunked prefill.
+Reports per mode: identical outputs, device blocks held by each long request after its prompt,
+steps, preemptions, wall time, host-tier bytes left at the end.
+
+    python -m nelssa.bench.compare [--out results.json] [--budget 1.0] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+
+def run(spec: dict) -> dict:
+    env = dict(os.environ)
+    env.pop("NELSSA_OFF", None)
+    r = subprocess.run([sys.executable, "-m", "nelssa.bench.harness"], input=json.dumps(spec), text=True,
+                       capture_output=True, env=env)
+    for line in r.stdout.splitlines():
+        if line.startswith("HARNESS_JSON "):
+            return json.loads(line[13:])
+    raise RuntimeError(f"engine run failed:\n{r.stderr[-4000:]}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="results/nelssa_vs_baseline.json")
+    ap.add_argument("--budget", type=float, default=1.0)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--blocks", type=int, default=70)
+    a = ap.parse_args(argv)
+    reqs = [{"id": "long3k", "text_tokens": 3000, "max_tokens": 32},
+            {"id": "short200", "text_tokens": 200, "offset": 5000, "max_tokens": 32},
+            {"id": "long5k", "text_tokens": 5000, "offset": 20000, "max_tokens": 32},
+            {"id": "long7k", "text_tokens": 7000, "offset": 60000, "max_tokens": 32},
+            {"id": "chat", "chat": "What is the capital of France?", "max_tokens": 32}]
+    spec = {"dtype": a.dtype, "requests": reqs, "nelssa": {"T_input": 2048, "budget": a.budget, "chunk": 128},
+            "engine": {"num_gpu_blocks_override": a.blocks, "max_num_batched_tokens": 1024}}
+    res = {m: run({**spec, "mode": m}) for m in ("on", "off")}
+    summary = {"workload": spec, "modes": {}}
+    for m, r in res.items():
+        held = {}
+        for rid in ("long3k", "long5k", "long7k"):
+            seq = [s["blocks"][rid] for s in r["steps"] if rid in s["blocks"]]
+            held[rid] = seq[-1] if seq else None
+        summary["modes"][m] = {"steps": r["num_steps"], "wall_s": round(r["wall_s"], 2),
+                               "preemptions": r["preemptions"], "blocks_held_at_end": held,
+                               "final_host_bytes": r["final_host_bytes"], "block_size": r["block_size"]}
+    summary["identical_outputs"] = {rid: res["on"]["results"][rid]["token_ids"] == x["token_ids"]
+                                    for rid, x in res["off"]["results"].items()}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps({k: v for k, v in summary.items() if k != "workload"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
