@@ -5,7 +5,7 @@ namespace nelssa {
 std::tuple<at::Tensor, at::Tensor> sparse_attention(
     const at::Tensor& q, const std::vector<std::vector<at::Tensor>>& parts, const std::vector<at::Tensor>& cpart,
     const std::vector<at::Tensor>& cstart, const std::vector<at::Tensor>& csize, const std::vector<at::Tensor>& sel,
-    const std::vector<at::Tensor>& nsel, double scale, int64_t work_tokens);
+    const std::vector<at::Tensor>& nsel, double scale, int64_t work_tokens, bool touch_only);
 void copy_rows(const at::Tensor& src, const at::Tensor& si, at::Tensor& dst, const at::Tensor& di);
 std::tuple<double, double> read_bandwidth(const at::Tensor& buf, int64_t iters);
 void set_pool(int64_t threads, const std::vector<int64_t>& cores);
@@ -17,7 +17,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.doc() = "NELSSA CPU kernels (C++17/OpenMP)";
   m.def("sparse_attention", &nelssa::sparse_attention, release(),
-        "Fused sparse attention over selected clusters -> (out [B,Hq,D] fp32, lse [B,Hq] fp32, natural log)");
+        "Fused sparse attention over selected clusters -> (out [B,Hq,D] fp32, lse [B,Hq] fp32, natural log); "
+        "touch_only: read the selected rows in the same order without computing (bandwidth probe)",
+        py::arg("q"), py::arg("parts"), py::arg("cpart"), py::arg("cstart"), py::arg("csize"), py::arg("sel"),
+        py::arg("nsel"), py::arg("scale"), py::arg("work_tokens"), py::arg("touch_only") = false);
   m.def("copy_rows", &nelssa::copy_rows, release(), "dst[h, di[h,i]] = src[h, si[h,i]]");
   m.def("read_bandwidth", &nelssa::read_bandwidth, release(), "(seconds, checksum) to read buf iters times");
   m.def("host_empty", &nelssa::host_empty, release(), "uninitialised host-tier tensor on huge pages");

@@ -1,7 +1,7 @@
 // Fused sparse attention over selected clusters of cluster-contiguous host KV.
 //
 // One pass over the selected K/V rows: gather (by pointer, no copy) + QK + online softmax + AV.
-// Parallel over work items (request, kv_head, cluster chunk of ~work_tokens rows), each producing
+// Parallel over work items (request, kv_head, cluster chunk of <= work_tokens rows), each producing
 // (max, sum, acc) for the G query heads of its GQA group; a final per-head LSE combine.
 #include "common.h"
 
@@ -81,6 +81,7 @@ struct Ctx {
   const float* q;              // [B, Hq, D], pre-scaled to log2 units
   const uint16_t* qb = nullptr;  // [B, Hq, D] bf16, unscaled (bf16 fast path only)
   float qscale = 1.f;          // scale * log2(e), for the bf16 path
+  bool touch_only = false;     // memory-only probe (touch_work), no attention
 };
 
 // Portable path (any D): attention of one work item; writes m[G], l[G] (log2 units), acc[G*D].
@@ -246,14 +247,14 @@ void run_work_avx512(const Ctx& c, const std::vector<const T*>& kr, const std::v
 // the probabilities rounded to bf16, as FlashAttention does for its PV product; accumulation and
 // the softmax statistics stay fp32 (l sums the rounded probabilities, so weights sum to 1). The
 // accumulators hold a fixed lane permutation of D, undone once at the end of the work item.
-template <int NC>
+template <int NC, int GC>
 void run_work_bf16(const Ctx& c, const std::vector<const at::BFloat16*>& kr,
                    const std::vector<const at::BFloat16*>& vr, const Work& w, float* m, float* l, float* acc,
                    float* scratch) {
   constexpr int D = NC * 32;
   constexpr int LINES = D * 2 / 64;
   constexpr int GB = 16 / (2 * NC) > 0 ? 16 / (2 * NC) : 1;  // heads per AV pass (accumulators in registers)
-  const int G = c.G;
+  const int G = GC > 0 ? GC : c.G;  // GQA group size (compile-time for the common ones: loops unroll)
   const int b = w.bh / c.Hkv, h = w.bh % c.Hkv;
   const uint16_t* qg = c.qb + (static_cast<int64_t>(b) * c.Hq + static_cast<int64_t>(h) * G) * D;
   __m512* part = reinterpret_cast<__m512*>(scratch);          // [G][16] partial sums
@@ -346,6 +347,28 @@ void run_work_bf16(const Ctx& c, const std::vector<const at::BFloat16*>& kr,
 }
 #endif
 
+// Memory-only probe: reads every cache line of the work item's K and V rows in the kernel's order,
+// with the same prefetching, and no arithmetic. Its GB/s is the ceiling the fused pass can reach
+// on this machine for this access pattern (benchmark only).
+template <typename T>
+void touch_work(const std::vector<const T*>& kr, const std::vector<const T*>& vr, int D, float* m) {
+  const int64_t bytes = static_cast<int64_t>(D) * sizeof(T);
+  const int64_t N = static_cast<int64_t>(kr.size());
+  for (int64_t r = 0; r < std::min(N, PF_ROWS); ++r) prefetch_row<1>(kr[r], vr[r]);
+  uint64_t x = 0;
+  for (int64_t r = 0; r < N; ++r) {
+    if (r + PF_ROWS < N)
+      for (int64_t o = 0; o < bytes; o += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(kr[r + PF_ROWS]) + o, 0, NELSSA_PF_LOC);
+        __builtin_prefetch(reinterpret_cast<const char*>(vr[r + PF_ROWS]) + o, 0, NELSSA_PF_LOC);
+      }
+    for (int64_t o = 0; o < bytes; o += 64)
+      x ^= *reinterpret_cast<const uint64_t*>(reinterpret_cast<const char*>(kr[r]) + o) ^
+           *reinterpret_cast<const uint64_t*>(reinterpret_cast<const char*>(vr[r]) + o);
+  }
+  m[0] = static_cast<float>(x & 1);
+}
+
 template <typename T, int DC>
 void run_all(const Ctx& c, const std::vector<std::vector<Span>>& spans_bh, const std::vector<Work>& works,
              std::vector<float>& pm, std::vector<float>& pl, std::vector<float>& pacc) {
@@ -364,10 +387,22 @@ void run_all(const Ctx& c, const std::vector<std::vector<Span>>& spans_bh, const
       const Work& w = works[i];
       float *wm = pm.data() + i * G, *wl = pl.data() + i * G, *wa = pacc.data() + i * G * D;
       collect_rows<T>(spans_bh[w.bh], w, D, kr, vr);
+      if (c.touch_only) {
+        touch_work<T>(kr, vr, D, wm);
+        continue;
+      }
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, at::BFloat16> && DC > 0 && DC % 32 == 0) {
         if (c.qb != nullptr) {
-          run_work_bf16<DC / 32>(c, kr, vr, w, wm, wl, wa, reinterpret_cast<float*>(scratch.data()));
+          float* sc = reinterpret_cast<float*>(scratch.data());
+          switch (G) {
+            case 1: run_work_bf16<DC / 32, 1>(c, kr, vr, w, wm, wl, wa, sc); break;
+            case 2: run_work_bf16<DC / 32, 2>(c, kr, vr, w, wm, wl, wa, sc); break;
+            case 3: run_work_bf16<DC / 32, 3>(c, kr, vr, w, wm, wl, wa, sc); break;
+            case 4: run_work_bf16<DC / 32, 4>(c, kr, vr, w, wm, wl, wa, sc); break;
+            case 8: run_work_bf16<DC / 32, 8>(c, kr, vr, w, wm, wl, wa, sc); break;
+            default: run_work_bf16<DC / 32, 0>(c, kr, vr, w, wm, wl, wa, sc);
+          }
           continue;
         }
       }
@@ -393,7 +428,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
     const std::vector<at::Tensor>& csize,        // [B] of int32 [Hkv, C_b]: tokens of the cluster
     const std::vector<at::Tensor>& sel,          // [B] of int64 [Hkv, S_b]: selected cluster ids
     const std::vector<at::Tensor>& nsel,         // [B] of int64 [Hkv]: valid ids per head
-    double scale, int64_t work_tokens) {
+    double scale, int64_t work_tokens, bool touch_only) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu(),
               "q must be a contiguous CPU float32 [B, Hq, D] tensor");
   const int B = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), D = static_cast<int>(q.size(2));
@@ -437,6 +472,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
 
   Ctx c;
   c.B = B, c.Hq = Hq, c.Hkv = Hkv, c.G = G, c.D = D;
+  c.touch_only = touch_only;
   at::Tensor qs = (q * (scale * LOG2E)).contiguous();
   c.q = qs.data_ptr<float>();
 #if defined(__AVX512BF16__)
@@ -450,11 +486,12 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
   }
 #endif
 
-  // Phase 1: spans per (request, kv head), split at work_tokens, grouped into work items.
+  // Phase 1: spans per (request, kv head): one per selected cluster (validated).
   const int BH = B * Hkv;
   std::vector<std::vector<Span>> spans(BH);
   std::vector<std::vector<std::pair<int32_t, int32_t>>> wk(BH);
   std::vector<int> bad(BH, 0);
+  std::vector<int64_t> nrows(BH, 0);
 #pragma omp parallel for schedule(dynamic, 4) num_threads(pool().threads)
   for (int bh = 0; bh < BH; ++bh) {
     const int b = bh / Hkv, h = bh % Hkv;
@@ -466,6 +503,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
     const int64_t* cs = cstart[b].data_ptr<int64_t>() + h * C;
     const int32_t* cz = csize[b].data_ptr<int32_t>() + h * C;
     auto& sv = spans[bh];
+    sv.reserve(n);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t cid = ids[i];
       if (cid < 0 || cid >= C) { bad[bh] = 1; break; }
@@ -474,15 +512,29 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
       if (part < 0 || part >= static_cast<int32_t>(rows[b].size()) || st < 0 || sz < 0 ||
           st + sz > rows[b][part]) { bad[bh] = 1; break; }
       const char* head = base[b][part] + 2 * h * rows[b][part] * row_bytes;
-      for (int64_t o = 0; o < sz; o += work_tokens)
-        sv.push_back({head + 2 * (st + o) * row_bytes, head + (2 * (st + o) + 1) * row_bytes,
-                      std::min(work_tokens, sz - o)});
+      sv.push_back({head + 2 * st * row_bytes, head + (2 * st + 1) * row_bytes, sz});
+      nrows[bh] += sz;
     }
+  }
+  // Work items of <= work rows: at most work_tokens, and small enough for ~4 items per thread.
+  int64_t total = 0;
+  for (int64_t r : nrows) total += r;
+  const int64_t work = std::max<int64_t>(
+      std::min<int64_t>(64, work_tokens), std::min<int64_t>(work_tokens, (total + 4 * pool().threads - 1) / (4 * pool().threads)));
+#pragma omp parallel for schedule(dynamic, 4) num_threads(pool().threads)
+  for (int bh = 0; bh < BH; ++bh) {
+    if (bad[bh]) continue;
+    auto& sv = spans[bh];
+    std::vector<Span> split;  // clusters larger than one work item are cut
+    for (const Span& sp : sv)
+      for (int64_t o = 0; o < sp.n; o += work)
+        split.push_back({sp.k + 2 * o * row_bytes, sp.v + 2 * o * row_bytes, std::min(work, sp.n - o)});
+    sv.swap(split);
     int64_t acc = 0;
     int32_t s0 = 0;
     for (int32_t i = 0; i < static_cast<int32_t>(sv.size()); ++i) {
       acc += sv[i].n;
-      if (acc >= work_tokens) { wk[bh].push_back({s0, i + 1}); s0 = i + 1; acc = 0; }
+      if (acc >= work) { wk[bh].push_back({s0, i + 1}); s0 = i + 1; acc = 0; }
     }
     if (s0 < static_cast<int32_t>(sv.size())) wk[bh].push_back({s0, static_cast<int32_t>(sv.size())});
   }

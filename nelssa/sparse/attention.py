@@ -72,10 +72,11 @@ def _attend_torch(q: torch.Tensor, ckv: ClusteredKV, ids: torch.Tensor, n: torch
 
 
 def attend(queries: torch.Tensor, ckvs: Sequence[ClusteredKV], sel: Selection,
-           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           scale: float | None = None, touch_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Host-tier attention of queries [B, Hq, D] over the selected clusters -> fp32 ([B, Hq, D], [B, Hq]).
 
     Uses the fused C++ kernel (GIL released) or the torch reference path (config use_cpp / no extension).
+    touch_only (benchmark probe, C++ only): read the selected rows the same way, compute nothing.
     """
     q = queries.detach().to(device="cpu", dtype=torch.float32).contiguous()
     if not torch.isfinite(q).all():
@@ -83,13 +84,13 @@ def attend(queries: torch.Tensor, ckvs: Sequence[ClusteredKV], sel: Selection,
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     mod = ext()
     if mod is not None:
-        cfg = get_config()
-        # work items of <= work_tokens rows, and enough of them (4 per thread) to balance the pool
-        rows = sum(int(n.sum()) * c.length // max(1, c.num_clusters) for n, c in zip(sel.counts, ckvs))
-        work = max(64, min(cfg.work_tokens, -(-rows // (4 * cfg.pool_threads))))
+        # work items: <= work_tokens rows, fewer when needed for ~4 per pool thread (sized in C++)
         return mod.sparse_attention(
             q, [[p.kv for p in c.parts] for c in ckvs], [c.cpart for c in ckvs], [c.cstart for c in ckvs],
-            [c.csize for c in ckvs], sel.ids, [n.long() for n in sel.counts], scale, work)
+            [c.csize for c in ckvs], sel.ids, [n.long() for n in sel.counts], scale, get_config().work_tokens,
+            touch_only)
+    if touch_only:
+        raise RuntimeError("touch_only needs the C++ extension")
     outs = [_attend_torch(q[b], c, sel.ids[b], sel.counts[b], scale) for b, c in enumerate(ckvs)]
     return torch.stack([o for o, _ in outs]), torch.stack([s for _, s in outs])
 
