@@ -118,6 +118,7 @@ def run(spec: dict) -> dict:
         "final_free_blocks": kvm.block_pool.get_num_free_blocks(),
         "final_host_bytes": host.nbytes if host is not None else 0,
         "host_requests": len(host.reqs) if host is not None else 0,
+        "host_totals": dict(host.stats.totals) if host is not None else {},
     }
     if spec.get("metrics"):
         out["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()

@@ -24,10 +24,11 @@ class HostError(RuntimeError):
 
 
 class HostStats:
-    """Counters since the last take(); thread-safe."""
+    """Counters since the last take() (for the stats connector), and lifetime totals; thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.totals: dict[str, float] = {}  # sums since start; lists count too, as "<name>_n"
         self.reset()
 
     def reset(self) -> None:
@@ -49,8 +50,10 @@ class HostStats:
             for k, v in kw.items():
                 if isinstance(getattr(self, k), list):
                     getattr(self, k).append(v)
+                    self.totals[k + "_n"] = self.totals.get(k + "_n", 0) + 1
                 else:
                     setattr(self, k, getattr(self, k) + v)
+                self.totals[k] = self.totals.get(k, 0) + v
 
 
 class LocalHostTier:
