@@ -50,7 +50,7 @@ def exact(model: str) -> dict:
             {"id": "long7k", "text_tokens": 7000, "offset": 60000, "max_tokens": 48},
             {"id": "chat", "chat": "What is the capital of France?", "max_tokens": 48}]
     spec = {"cuda": True, "model": model, "dtype": "bfloat16", "logprobs": 2, "requests": reqs,
-            "nelssa": {"T_input": 2048, "budget": 1.0, "chunk": 128},
+            "nelssa": {"T_input": 2048, "budget": 1.0, "chunk": 128, "segment": 2048},  # segments staged in prefill
             "engine": {"gpu_memory_utilization": 0.3, "max_num_batched_tokens": 2048}}
     on = harness({**spec, "mode": "on"})
     off = harness({**spec, "mode": "off"})
@@ -65,7 +65,7 @@ def throughput(dummy: str) -> dict:
     reqs = [{"id": f"long{i}", "text_tokens": 16000, "offset": 37000 * i, "max_tokens": 64} for i in range(4)]
     reqs += [{"id": f"short{i}", "text_tokens": 1000, "offset": 11000 * i + 500, "max_tokens": 64} for i in range(16)]
     spec = {"cuda": True, "model": dummy, "dtype": "bfloat16", "requests": reqs, "max_model_len": 20000,
-            "nelssa": {"T_input": 8192, "budget": 0.04},
+            "nelssa": {"T_input": 8192, "budget": 0.04, "segment": 4096},
             "engine": {"load_format": "dummy", "gpu_memory_utilization": 0.5, "max_num_batched_tokens": 8192}}
     res = {}
     for mode in ("off", "on"):

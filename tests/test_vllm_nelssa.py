@@ -24,8 +24,9 @@ def tokens(res):
 
 @pytest.fixture(scope="module")
 def mixed():
-    """fp32, budget 100%, chunked prefill (1024-token chunks), 70 blocks of 128 (8,960 tokens)."""
-    spec = {"nelssa": NELSSA, "requests": MIXED,
+    """fp32, budget 100%, chunked prefill (1024-token chunks), 70 blocks of 128 (8,960 tokens);
+    2,048-token k-means segments, so completed segments are staged on the host during prefill."""
+    spec = {"nelssa": {**NELSSA, "segment": 2048}, "requests": MIXED,
             "engine": {"num_gpu_blocks_override": 70, "max_num_batched_tokens": 1024}}
     return both(spec)
 
@@ -53,6 +54,8 @@ def test_device_blocks_given_back(mixed):
     assert off7[-1] >= 7000 // bs
     assert max(on7[-20:]) <= window
     assert on["final_host_bytes"] == 0 and on["host_requests"] == 0  # finished + aborted: all freed
+    # staged during prefill: long3k 1 segment, long5k 2, long7k 2 (+ each one final move; aborted 1)
+    assert on["host_totals"]["cluster_s_n"] >= 3 + 5, on["host_totals"]
     assert on["final_free_blocks"] == off["final_free_blocks"] == on["total_blocks"] - 1
 
 
@@ -74,8 +77,9 @@ def test_no_preemption_under_memory_pressure():
 
 def test_preempting_an_offloaded_request():
     """An offloaded long request (low priority) is preempted when two shorts grow; its host KV is
-    freed, it is recomputed and offloaded again, and its tokens still equal the baseline's."""
-    spec = {"nelssa": NELSSA, "max_model_len": 3200,
+    freed, it is recomputed and offloaded again (its prompt staged again in 1,024-token segments),
+    and its tokens still equal the baseline's."""
+    spec = {"nelssa": {**NELSSA, "segment": 1024}, "max_model_len": 3200,
             "engine": {"num_gpu_blocks_override": 210, "block_size": 16, "max_num_batched_tokens": 1024,
                        "scheduling_policy": "priority"},
             "requests": [{"id": "L", "text_tokens": 2900, "max_tokens": 300, "priority": 1},
