@@ -58,7 +58,8 @@ def exact(model: str) -> dict:
     held_off = [s["blocks"].get("long7k") for s in off["steps"] if "long7k" in s["blocks"]]
     return {"compare": compare(on, off), "long7k_blocks_on_last": held[-1], "long7k_blocks_off_last": held_off[-1],
             "block_size": on["block_size"], "on_wall_s": on["wall_s"], "off_wall_s": off["wall_s"],
-            "final_host_bytes": on["final_host_bytes"], "preemptions": [on["preemptions"], off["preemptions"]]}
+            "final_host_bytes": on["final_host_bytes"], "preemptions": [on["preemptions"], off["preemptions"]],
+            "host_totals": on.get("host_totals", {})}
 
 
 def throughput(dummy: str) -> dict:
@@ -73,7 +74,8 @@ def throughput(dummy: str) -> dict:
         toks = sum(len(x["token_ids"]) for x in r["results"].values())
         res[mode] = {"wall_s": r["wall_s"], "steps": r["num_steps"], "output_tokens": toks,
                      "tok_per_s": toks / r["wall_s"], "preemptions": r["preemptions"],
-                     "min_free_blocks": min(s["free_blocks"] for s in r["steps"]), "total_blocks": r["total_blocks"]}
+                     "min_free_blocks": min(s["free_blocks"] for s in r["steps"]), "total_blocks": r["total_blocks"],
+                     "host_totals": r.get("host_totals", {})}
     res["speedup"] = res["on"]["tok_per_s"] / res["off"]["tok_per_s"]
     return res
 

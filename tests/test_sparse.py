@@ -83,6 +83,37 @@ def test_cpp_and_torch_agree_at_sparse_budget(dtype, G, D, use_cpp):
     assert (la - lb).abs().max() <= TOL[dtype]
 
 
+def test_cpp_splits_large_clusters_into_work_items(use_cpp):
+    """Clusters far larger than a work item (512 tokens vs 16-row items) are cut and recombined by
+    LSE: still exact at budget 100%."""
+    import nelssa.config as cfgmod
+    k, v = rand_kv(2, 2000, 64, torch.float32)
+    ckv = cluster_kv(k, v, cluster_size=512)
+    q = torch.randn(8, 64)
+    use_cpp(True)
+    cfgmod.set_config(cfgmod.get_config().replace(work_tokens=16))
+    out, lse = sparse_attention(q, ckv, budget=1.0)
+    ref, rlse = dense_attention(q, k, v)
+    assert rel_err(out, ref) <= 1e-5
+    assert (lse.double() - rlse).abs().max() <= 1e-4
+
+
+def test_touch_only_probe_reads_without_attention(use_cpp):
+    """The benchmark's gather probe runs over the same selection on the C++ path and is refused on
+    the torch path (it would measure nothing)."""
+    from nelssa.sparse import attend
+    k, v = rand_kv(2, 3000, 64, torch.bfloat16)
+    ckv = cluster_kv(k, v)
+    q = torch.randn(1, 8, 64).to(torch.bfloat16)
+    sel = select_clusters(q, [ckv], 0.04)
+    use_cpp(True)
+    out, lse = attend(q, [ckv], sel, touch_only=True)
+    assert out.shape == (1, 8, 64) and lse.shape == (1, 8)
+    use_cpp(False)
+    with pytest.raises(RuntimeError, match="touch_only needs the C\\+\\+ extension"):
+        attend(q, [ckv], sel, touch_only=True)
+
+
 def test_extension_missing_falls_back_with_warning():
     code = (
         "import sys, warnings, torch\n"
