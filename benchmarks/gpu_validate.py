@@ -10,20 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 
-
-def harness(spec: dict, env: dict | None = None, timeout: int = 900) -> dict:
-    e = {**os.environ, **(env or {})}
-    e.pop("NELSSA_OFF", None)
-    r = subprocess.run([sys.executable, "-m", "nelssa.bench.harness"], input=json.dumps(spec), text=True,
-                       capture_output=True, env=e, timeout=timeout)
-    for line in r.stdout.splitlines():
-        if line.startswith("HARNESS_JSON "):
-            return json.loads(line[13:])
-    raise RuntimeError(f"harness failed rc={r.returncode}: {r.stderr[-5000:]}")
+from nelssa.bench.harness import equal_prefix, run_subprocess
 
 
 def compare(on: dict, off: dict) -> dict:
@@ -31,7 +20,7 @@ def compare(on: dict, off: dict) -> dict:
     for rid, b in off["results"].items():
         a = on["results"][rid]
         ta, tb = a["token_ids"], b["token_ids"]
-        n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+        n = equal_prefix(ta, tb)
         d = {"tokens": len(tb), "equal_prefix": n, "identical": ta == tb}
         if a.get("top2") and b.get("top2"):
             diffs = [abs(x[0][0] - y[0][0]) for x, y in zip(a["top2"][:n], b["top2"][:n])]
@@ -52,8 +41,8 @@ def exact(model: str) -> dict:
     spec = {"cuda": True, "model": model, "dtype": "bfloat16", "logprobs": 2, "requests": reqs,
             "nelssa": {"T_input": 2048, "budget": 1.0, "chunk": 128, "segment": 2048},  # segments staged in prefill
             "engine": {"gpu_memory_utilization": 0.3, "max_num_batched_tokens": 2048}}
-    on = harness({**spec, "mode": "on"})
-    off = harness({**spec, "mode": "off"})
+    on = run_subprocess({**spec, "mode": "on"}, timeout=900)
+    off = run_subprocess({**spec, "mode": "off"}, timeout=900)
     held = [s["blocks"].get("long7k") for s in on["steps"] if "long7k" in s["blocks"]]
     held_off = [s["blocks"].get("long7k") for s in off["steps"] if "long7k" in s["blocks"]]
     return {"compare": compare(on, off), "long7k_blocks_on_last": held[-1], "long7k_blocks_off_last": held_off[-1],
@@ -70,7 +59,7 @@ def throughput(dummy: str) -> dict:
             "engine": {"load_format": "dummy", "gpu_memory_utilization": 0.5, "max_num_batched_tokens": 8192}}
     res = {}
     for mode in ("off", "on"):
-        r = harness({**spec, "mode": mode}, timeout=1200)
+        r = run_subprocess({**spec, "mode": mode}, timeout=1200)
         toks = sum(len(x["token_ids"]) for x in r["results"].values())
         res[mode] = {"wall_s": r["wall_s"], "steps": r["num_steps"], "output_tokens": toks,
                      "tok_per_s": toks / r["wall_s"], "preemptions": r["preemptions"],

@@ -15,19 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 
-
-def run(spec: dict) -> dict:
-    env = dict(os.environ)
-    env.pop("NELSSA_OFF", None)
-    r = subprocess.run([sys.executable, "-m", "nelssa.bench.harness"], input=json.dumps(spec), text=True,
-                       capture_output=True, env=env)
-    for line in r.stdout.splitlines():
-        if line.startswith("HARNESS_JSON "):
-            return json.loads(line[13:])
-    raise RuntimeError(f"engine run failed:\n{r.stderr[-4000:]}")
+from nelssa.bench.harness import equal_prefix, run_subprocess
 
 
 def main(argv=None) -> None:
@@ -44,9 +33,9 @@ def main(argv=None) -> None:
             {"id": "chat", "chat": "What is the capital of France?", "max_tokens": 32}]
     spec = {"dtype": a.dtype, "requests": reqs, "nelssa": {"T_input": 2048, "budget": 1.0, "chunk": 128},
             "engine": {"num_gpu_blocks_override": a.blocks, "max_num_batched_tokens": 1024}}
-    res = {"on": run({**spec, "mode": "on"}),
-           "on_sparse": run({**spec, "mode": "on", "nelssa": {**spec["nelssa"], "budget": a.budget}}),
-           "off": run({**spec, "mode": "off"})}
+    res = {"on": run_subprocess({**spec, "mode": "on"}),
+           "on_sparse": run_subprocess({**spec, "mode": "on", "nelssa": {**spec["nelssa"], "budget": a.budget}}),
+           "off": run_subprocess({**spec, "mode": "off"})}
     summary = {"workload": spec, "modes": {}}
     for m, r in res.items():
         held = {}
@@ -60,11 +49,8 @@ def main(argv=None) -> None:
     summary["identical_outputs"] = {rid: res["on"]["results"][rid]["token_ids"] == x["token_ids"]
                                     for rid, x in res["off"]["results"].items()}
 
-    def agree(a: list, b: list) -> int:
-        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
     summary[f"sparse_budget_{a.budget}_tokens_equal_to_baseline"] = {
-        rid: f'{agree(res["on_sparse"]["results"][rid]["token_ids"], x["token_ids"])}/{len(x["token_ids"])}'
+        rid: f'{equal_prefix(res["on_sparse"]["results"][rid]["token_ids"], x["token_ids"])}/{len(x["token_ids"])}'
         for rid, x in res["off"]["results"].items()}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:

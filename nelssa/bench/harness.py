@@ -126,6 +126,25 @@ def run(spec: dict) -> dict:
     return out
 
 
+def run_subprocess(spec: dict, env: dict | None = None, timeout: float | None = None) -> dict:
+    """Run the harness in a fresh process (clean vLLM state) and return its JSON. NELSSA_OFF is not
+    inherited: spec["mode"] decides; ``env`` adds to the environment. RuntimeError on failure."""
+    import subprocess
+    e = {k: v for k, v in os.environ.items() if k != "NELSSA_OFF"}
+    e.update(env or {})
+    r = subprocess.run([sys.executable, "-m", "nelssa.bench.harness"], input=json.dumps(spec), text=True,
+                       capture_output=True, env=e, timeout=timeout)
+    for line in r.stdout.splitlines():
+        if line.startswith("HARNESS_JSON "):
+            return json.loads(line[len("HARNESS_JSON "):])
+    raise RuntimeError(f"harness failed (rc={r.returncode}):\n{r.stderr[-6000:]}")
+
+
+def equal_prefix(a: list, b: list) -> int:
+    """Number of leading tokens two outputs share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1] if len(sys.argv) > 1 else sys.stdin.read())
     res = run(spec)

@@ -23,20 +23,12 @@ import time
 
 import torch
 
-from nelssa.config import get_config, set_config
+from nelssa.config import get_config, mem_available, set_config
 from nelssa.sparse import ClusteredKV, KVPart, attend, select_clusters
 from nelssa.sparse.clustered import host_empty
 from nelssa.sparse.search import Selection
 
 GiB = 1 << 30
-
-
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 8 * GiB
 
 
 def cpu_name() -> str:
@@ -158,7 +150,7 @@ def run(contexts, batches, budget: float, steps: int, target_bytes: int, mem_fra
             rows.append(row)
             print(f"L={L:>6} B={B:>2}: cpp {ms_c:8.3f} ms  torch {ms_t:8.2f} ms  {gbps:6.1f} GB/s "
                   f"({row['frac_of_read_bw'] * 100:5.1f}% of read)  x{row['speedup_vs_torch']:.1f} vs torch  "
-                  f"gather-only {gather:5.1f} GB/s", 
+                  f"gather-only {gather:5.1f} GB/s",
                   flush=True)
             del data, qs, sels
     from nelssa._ext import ext

@@ -32,7 +32,7 @@ _local = threading.local()
 @dataclass
 class StepPlan:
     """Offloaded rows of one step (the same for every layer)."""
-    host: Any                       # nelssa.vllm_plugin.host.HostTier
+    host: Any                       # nelssa.node.LocalHostTier
     req_ids: list[str]              # offloaded requests, in batch-row order
     rows: list[int]                 # their batch rows
     token_idx: torch.Tensor         # index of each row's (single) query token in the flat batch

@@ -12,26 +12,17 @@ Reservations are released when a request finishes (preemption keeps it: the requ
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
-from nelssa.config import vllm_nelssa_config
+from nelssa.config import mem_available, vllm_nelssa_config
 from nelssa.vllm_plugin.policy import host_bytes
 from nelssa.vllm_plugin.spec import NelssaSpec
 
 log = logging.getLogger("vllm.nelssa")
-
-
-def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class NelssaScheduler(Scheduler):
@@ -52,7 +43,7 @@ class NelssaScheduler(Scheduler):
         spec = specs[0]
         self.nelssa_policy = spec.policy()
         self._bytes_per = (len(groups[0].layer_names), spec.num_kv_heads, spec.head_size, spec.dtype.itemsize)
-        self.host_capacity = cfg.host_capacity or int(0.8 * _mem_available())
+        self.host_capacity = cfg.host_capacity or int(0.8 * mem_available())
         log.info("NELSSA scheduler: T_input=%d, host capacity %.2f GiB", cfg.T_input, self.host_capacity / 2**30)
 
     # ------------------------------------------------------------ admission
