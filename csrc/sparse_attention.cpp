@@ -354,14 +354,16 @@ template <typename T>
 void touch_work(const std::vector<const T*>& kr, const std::vector<const T*>& vr, int D, float* m) {
   const int64_t bytes = static_cast<int64_t>(D) * sizeof(T);
   const int64_t N = static_cast<int64_t>(kr.size());
-  for (int64_t r = 0; r < std::min(N, PF_ROWS); ++r) prefetch_row<1>(kr[r], vr[r]);
+  auto prefetch = [&](int64_t r) {  // every line of row r's K and V, as the fused paths do
+    for (int64_t o = 0; o < bytes; o += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(kr[r]) + o, 0, NELSSA_PF_LOC);
+      __builtin_prefetch(reinterpret_cast<const char*>(vr[r]) + o, 0, NELSSA_PF_LOC);
+    }
+  };
+  for (int64_t r = 0; r < std::min(N, PF_ROWS); ++r) prefetch(r);
   uint64_t x = 0;
   for (int64_t r = 0; r < N; ++r) {
-    if (r + PF_ROWS < N)
-      for (int64_t o = 0; o < bytes; o += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(kr[r + PF_ROWS]) + o, 0, NELSSA_PF_LOC);
-        __builtin_prefetch(reinterpret_cast<const char*>(vr[r + PF_ROWS]) + o, 0, NELSSA_PF_LOC);
-      }
+    if (r + PF_ROWS < N) prefetch(r + PF_ROWS);
     for (int64_t o = 0; o < bytes; o += 64)
       x ^= *reinterpret_cast<const uint64_t*>(reinterpret_cast<const char*>(kr[r]) + o) ^
            *reinterpret_cast<const uint64_t*>(reinterpret_cast<const char*>(vr[r]) + o);
@@ -525,11 +527,13 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
   for (int bh = 0; bh < BH; ++bh) {
     if (bad[bh]) continue;
     auto& sv = spans[bh];
-    std::vector<Span> split;  // clusters larger than one work item are cut
-    for (const Span& sp : sv)
-      for (int64_t o = 0; o < sp.n; o += work)
-        split.push_back({sp.k + 2 * o * row_bytes, sp.v + 2 * o * row_bytes, std::min(work, sp.n - o)});
-    sv.swap(split);
+    if (std::any_of(sv.begin(), sv.end(), [&](const Span& sp) { return sp.n > work; })) {
+      std::vector<Span> split;  // clusters larger than one work item are cut (rare: clusters are small)
+      for (const Span& sp : sv)
+        for (int64_t o = 0; o < sp.n; o += work)
+          split.push_back({sp.k + 2 * o * row_bytes, sp.v + 2 * o * row_bytes, std::min(work, sp.n - o)});
+      sv.swap(split);
+    }
     int64_t acc = 0;
     int32_t s0 = 0;
     for (int32_t i = 0; i < static_cast<int32_t>(sv.size()); ++i) {
