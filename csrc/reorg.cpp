@@ -117,4 +117,47 @@ std::tuple<double, double> read_bandwidth(const at::Tensor& buf, int64_t iters) 
   return {secs, check};
 }
 
+// Machine probe (benchmark only): reads nblocks blocks of block_bytes at random 512-byte-aligned
+// offsets of buf with the pool's threads, every 64-byte line once -> (seconds, checksum). pf_hint
+// -1: plain loads (hardware prefetchers only); 0..3: software prefetch ~16 KB ahead in the block
+// stream, as the kernel does. Says what this machine gives scattered runs of a given length.
+std::tuple<double, double> block_read(const at::Tensor& buf, int64_t block_bytes, int64_t nblocks, int64_t seed,
+                                      int64_t pf_hint) {
+  TORCH_CHECK(buf.is_contiguous() && buf.device().is_cpu(), "buf must be a contiguous CPU tensor");
+  const int64_t n = buf.nbytes();
+  TORCH_CHECK(block_bytes >= 64 && block_bytes % 64 == 0 && block_bytes <= n && nblocks > 0,
+              "block_bytes must be a multiple of 64 within buf, nblocks > 0");
+  const char* p = static_cast<const char*>(buf.data_ptr());
+  std::vector<int64_t> off(nblocks);
+  uint64_t x = static_cast<uint64_t>(seed) * 0x9E3779B97F4A7C15ull + 1;
+  const int64_t slots = (n - block_bytes) / 512 + 1;
+  for (auto& o : off) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    o = static_cast<int64_t>(x % static_cast<uint64_t>(slots)) * 512;
+  }
+  const int64_t ahead = std::max<int64_t>(1, 16384 / block_bytes);
+  uint64_t check = 0;
+  auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel for schedule(static) num_threads(pool().threads) reduction(^ : check)
+  for (int64_t i = 0; i < nblocks; ++i) {
+    if (pf_hint >= 0 && i + ahead < nblocks) {
+      const char* q = p + off[i + ahead];
+      for (int64_t o = 0; o < block_bytes; o += 64) {
+        switch (pf_hint) {
+          case 0: __builtin_prefetch(q + o, 0, 0); break;
+          case 1: __builtin_prefetch(q + o, 0, 1); break;
+          case 2: __builtin_prefetch(q + o, 0, 2); break;
+          default: __builtin_prefetch(q + o, 0, 3);
+        }
+      }
+    }
+    const char* b = p + off[i];
+    uint64_t y = 0;
+    for (int64_t o = 0; o < block_bytes; o += 64) y ^= *reinterpret_cast<const uint64_t*>(b + o);
+    check ^= y;
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return {secs, static_cast<double>(check & 0xffff)};
+}
+
 }  // namespace nelssa

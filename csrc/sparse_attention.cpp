@@ -48,21 +48,45 @@ inline void axpy(float a, const float* __restrict x, float* __restrict y, int D)
   for (int d = 0; d < n; ++d) y[d] += a * x[d];
 }
 
-#ifndef NELSSA_PF_ROWS
-#define NELSSA_PF_ROWS 32
-#endif
-#ifndef NELSSA_PF_LOC
-#define NELSSA_PF_LOC 0
-#endif
-constexpr int64_t PF_ROWS = NELSSA_PF_ROWS;  // rows prefetched ahead, one row per row computed (bursts stall)
-
-template <int LINES>
-inline void prefetch_row(const void* k, const void* v) {
-  for (int i = 0; i < LINES; ++i) {
-    __builtin_prefetch(static_cast<const char*>(k) + 64 * i, 0, NELSSA_PF_LOC);
-    __builtin_prefetch(static_cast<const char*>(v) + 64 * i, 0, NELSSA_PF_LOC);
+// Software prefetch of the rows ahead of the one being computed (one row per row computed: bursts
+// stall). HINT (compile time, it sits in the inner loops): 0 = NTA, 1 = T2 (L2), 3 = T0 (L1), -1 =
+// none (hardware prefetchers only); the best choice depends on the CPU (config prefetch, measured
+// by the benchmark's --sweep-prefetch).
+template <int HINT>
+inline void prefetch_row(const void* k, const void* v, int64_t bytes) {
+  if constexpr (HINT >= 0) {
+    for (int64_t o = 0; o < bytes; o += 64) {
+      __builtin_prefetch(static_cast<const char*>(k) + o, 0, HINT);
+      __builtin_prefetch(static_cast<const char*>(v) + o, 0, HINT);
+    }
   }
 }
+
+// Prefetch cursor over the lines of the work item's rows (each row: its K lines, then its V lines).
+// The fused pass calls until(x) at many points of a block (QK rows, softmax heads, AV pairs) with x
+// proportional to its progress, so prefetches go out at the rate lines are consumed. Issuing them
+// in bursts once per row (only in the QK loop) let the memory pipe drain during softmax and AV:
+// memory time and compute time then add up instead of overlapping.
+template <int HINT, typename T>
+struct PfCursor {
+  const std::vector<const T*>& kr;
+  const std::vector<const T*>& vr;
+  int64_t lines, total, next = 0;  // lines per K (and V) row; lines in all; next line to prefetch
+  int64_t row = 0, l = 0;          // next = row * 2 * lines + l
+  PfCursor(const std::vector<const T*>& k, const std::vector<const T*>& v, int64_t row_bytes)
+      : kr(k), vr(v), lines(row_bytes / 64), total(static_cast<int64_t>(k.size()) * 2 * (row_bytes / 64)) {}
+  inline void until(int64_t x) {  // prefetch lines [next, x)
+    if constexpr (HINT >= 0) {
+      x = std::min(x, total);
+      for (; next < x; ++next) {
+        const char* p = l < lines ? reinterpret_cast<const char*>(kr[row]) + 64 * l
+                                  : reinterpret_cast<const char*>(vr[row]) + 64 * (l - lines);
+        __builtin_prefetch(p, 0, HINT);
+        if (++l == 2 * lines) l = 0, ++row;
+      }
+    }
+  }
+};
 
 // The work item's rows, across its spans, as K and V row pointers (records of [K row, V row]).
 template <typename T>
@@ -82,10 +106,11 @@ struct Ctx {
   const uint16_t* qb = nullptr;  // [B, Hq, D] bf16, unscaled (bf16 fast path only)
   float qscale = 1.f;          // scale * log2(e), for the bf16 path
   bool touch_only = false;     // memory-only probe (touch_work), no attention
+  int64_t pf_rows = 16;        // rows prefetched ahead
 };
 
 // Portable path (any D): attention of one work item; writes m[G], l[G] (log2 units), acc[G*D].
-template <typename T, int DC>
+template <typename T, int DC, int HINT>
 void run_work(const Ctx& c, const std::vector<const T*>& kr, const std::vector<const T*>& vr, const Work& w,
               float* m, float* l, float* acc, float* kf, float* vf, float* s, float* p) {
   const int G = c.G, D = DC > 0 ? DC : c.D;
@@ -96,7 +121,8 @@ void run_work(const Ctx& c, const std::vector<const T*>& kr, const std::vector<c
   const int64_t N = static_cast<int64_t>(kr.size());
   for (int64_t t0 = 0; t0 < N; t0 += BLK) {
     const int nb = static_cast<int>(std::min<int64_t>(BLK, N - t0));
-    for (int64_t r = t0 + PF_ROWS; r < std::min(N, t0 + PF_ROWS + BLK); ++r) prefetch_row<1>(kr[r], vr[r]);
+    for (int64_t r = t0 + c.pf_rows; r < std::min(N, t0 + c.pf_rows + BLK); ++r)
+      prefetch_row<HINT>(kr[r], vr[r], D * sizeof(T));
     for (int t = 0; t < nb; ++t) {
       to_f32(kr[t0 + t], kf, D);
       for (int g = 0; g < G; ++g) s[g * BLK + t] = dot<DC>(qg + g * D, kf, D);
@@ -163,12 +189,12 @@ inline __m512 reduce16(const __m512* v) {
 // AVX-512 path for D = 16 * NV. The work item's rows (across clusters) are listed as pointers and
 // processed in full blocks of 16: scores of 16 rows per query head in one vector (transposed
 // reduction), vector exp2, AV with the accumulators in registers; rows PF ahead are prefetched.
-template <typename T, int NV>
+template <typename T, int NV, int HINT>
 void run_work_avx512(const Ctx& c, const std::vector<const T*>& kr, const std::vector<const T*>& vr,
                      const Work& w, float* m, float* l, float* acc, float* scratch) {
   constexpr int D = NV * 16;
   constexpr int HALF = NV > 4 ? 4 : NV;  // accumulator vectors per pass of the AV loop
-  constexpr int LINES = (D * sizeof(T) + 63) / 64;
+  const int64_t RB = D * sizeof(T);
   const int G = c.G;
   const int b = w.bh / c.Hkv, h = w.bh % c.Hkv;
   const float* qg = c.q + (static_cast<int64_t>(b) * c.Hq + static_cast<int64_t>(h) * G) * D;
@@ -177,13 +203,14 @@ void run_work_avx512(const Ctx& c, const std::vector<const T*>& kr, const std::v
   for (int g = 0; g < G; ++g) m[g] = NEG_INF, l[g] = 0.f;
   std::fill(acc, acc + static_cast<int64_t>(G) * D, 0.f);
   const int64_t N = static_cast<int64_t>(kr.size());
-  for (int64_t r = 0; r < std::min(N, PF_ROWS); ++r) prefetch_row<LINES>(kr[r], vr[r]);
+  const int64_t PF = c.pf_rows;
+  for (int64_t r = 0; r < std::min(N, PF); ++r) prefetch_row<HINT>(kr[r], vr[r], RB);
 
   for (int64_t t0 = 0; t0 < N; t0 += BLK) {
     const int nb = static_cast<int>(std::min<int64_t>(BLK, N - t0));
     // QK: partial-sum vector per (head, row)
     for (int t = 0; t < nb; ++t) {
-      if (t0 + t + PF_ROWS < N) prefetch_row<LINES>(kr[t0 + t + PF_ROWS], vr[t0 + t + PF_ROWS]);
+      if (t0 + t + PF < N) prefetch_row<HINT>(kr[t0 + t + PF], vr[t0 + t + PF], RB);
       const T* kp = kr[t0 + t];
       __m512 kv[NV];
       for (int j = 0; j < NV; ++j) kv[j] = load16<T>(kp + 16 * j);
@@ -247,12 +274,11 @@ void run_work_avx512(const Ctx& c, const std::vector<const T*>& kr, const std::v
 // the probabilities rounded to bf16, as FlashAttention does for its PV product; accumulation and
 // the softmax statistics stay fp32 (l sums the rounded probabilities, so weights sum to 1). The
 // accumulators hold a fixed lane permutation of D, undone once at the end of the work item.
-template <int NC, int GC>
+template <int NC, int GC, int HINT>
 void run_work_bf16(const Ctx& c, const std::vector<const at::BFloat16*>& kr,
                    const std::vector<const at::BFloat16*>& vr, const Work& w, float* m, float* l, float* acc,
                    float* scratch) {
   constexpr int D = NC * 32;
-  constexpr int LINES = D * 2 / 64;
   constexpr int GB = 16 / (2 * NC) > 0 ? 16 / (2 * NC) : 1;  // heads per AV pass (accumulators in registers)
   const int G = GC > 0 ? GC : c.G;  // GQA group size (compile-time for the common ones: loops unroll)
   const int b = w.bh / c.Hkv, h = w.bh % c.Hkv;
@@ -267,12 +293,17 @@ void run_work_bf16(const Ctx& c, const std::vector<const at::BFloat16*>& kr,
   std::fill(acc, acc + static_cast<int64_t>(G) * D, 0.f);
   const __m512 sc = _mm512_set1_ps(c.qscale);
   const int64_t N = static_cast<int64_t>(kr.size());
-  for (int64_t r = 0; r < std::min(N, PF_ROWS); ++r) prefetch_row<LINES>(kr[r], vr[r]);
+  PfCursor<HINT, at::BFloat16> pf(kr, vr, 2 * D);
+  const int64_t LR = 2 * pf.lines;  // prefetch lines per row
+  const int64_t ahead = c.pf_rows * LR;
+  pf.until(ahead);
 
   for (int64_t t0 = 0; t0 < N; t0 += BLK) {
     const int nb = static_cast<int>(std::min<int64_t>(BLK, N - t0));
+    // progress through the block, in lines: QK covers the first half, softmax and AV the second
+    const int64_t base = t0 * LR + ahead, span = nb * LR;
     for (int t = 0; t < nb; ++t) {
-      if (t0 + t + PF_ROWS < N) prefetch_row<LINES>(kr[t0 + t + PF_ROWS], vr[t0 + t + PF_ROWS]);
+      pf.until(base + span * t / (2 * nb));
       const at::BFloat16* kp = kr[t0 + t];
       __m512i kv[NC];
       for (int j = 0; j < NC; ++j) kv[j] = _mm512_loadu_si512(kp + 32 * j);
@@ -288,6 +319,7 @@ void run_work_bf16(const Ctx& c, const std::vector<const at::BFloat16*>& kr,
     }
     const __mmask16 live = static_cast<__mmask16>((1u << nb) - 1u);
     for (int g = 0; g < G; ++g) {
+      pf.until(base + span / 2 + span * g / (8 * G));  // softmax: 1/8 of the block's lines
       for (int t = nb; t < 16; ++t) part[g * 16 + t] = _mm512_setzero_ps();
       const __m512 s =
           _mm512_mask_blend_ps(live, _mm512_set1_ps(NEG_INF), _mm512_mul_ps(sc, reduce16(part + g * 16)));
@@ -308,12 +340,14 @@ void run_work_bf16(const Ctx& c, const std::vector<const at::BFloat16*>& kr,
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + g * 8), (__m256i)eb);
     }
     const int npair = (nb + 1) / 2;
+    const int64_t steps = static_cast<int64_t>((G + GB - 1) / GB) * npair;  // AV: the last 3/8
     for (int g0 = 0; g0 < G; g0 += GB) {
       const int gn = std::min(GB, G - g0);
       __m512 a[GB][2 * NC];
       for (int g = 0; g < gn; ++g)
         for (int j = 0; j < 2 * NC; ++j) a[g][j] = _mm512_loadu_ps(acc + (g0 + g) * D + 16 * j);
       for (int k = 0; k < npair; ++k) {
+        pf.until(base + 5 * span / 8 + 3 * span * ((g0 / GB) * npair + k) / (8 * steps));
         const at::BFloat16* ra = vr[t0 + 2 * k];
         const at::BFloat16* rb = 2 * k + 1 < nb ? vr[t0 + 2 * k + 1] : ra;  // its probability is 0
         __m512i lo[NC], hi[NC];
@@ -350,20 +384,14 @@ void run_work_bf16(const Ctx& c, const std::vector<const at::BFloat16*>& kr,
 // Memory-only probe: reads every cache line of the work item's K and V rows in the kernel's order,
 // with the same prefetching, and no arithmetic. Its GB/s is the ceiling the fused pass can reach
 // on this machine for this access pattern (benchmark only).
-template <typename T>
-void touch_work(const std::vector<const T*>& kr, const std::vector<const T*>& vr, int D, float* m) {
+template <typename T, int HINT>
+void touch_work(const Ctx& c, const std::vector<const T*>& kr, const std::vector<const T*>& vr, int D, float* m) {
   const int64_t bytes = static_cast<int64_t>(D) * sizeof(T);
-  const int64_t N = static_cast<int64_t>(kr.size());
-  auto prefetch = [&](int64_t r) {  // every line of row r's K and V, as the fused paths do
-    for (int64_t o = 0; o < bytes; o += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(kr[r]) + o, 0, NELSSA_PF_LOC);
-      __builtin_prefetch(reinterpret_cast<const char*>(vr[r]) + o, 0, NELSSA_PF_LOC);
-    }
-  };
-  for (int64_t r = 0; r < std::min(N, PF_ROWS); ++r) prefetch(r);
+  const int64_t N = static_cast<int64_t>(kr.size()), PF = c.pf_rows, PB = bytes;
+  for (int64_t r = 0; r < std::min(N, PF); ++r) prefetch_row<HINT>(kr[r], vr[r], PB);
   uint64_t x = 0;
   for (int64_t r = 0; r < N; ++r) {
-    if (r + PF_ROWS < N) prefetch(r + PF_ROWS);
+    if (r + PF < N) prefetch_row<HINT>(kr[r + PF], vr[r + PF], PB);
     for (int64_t o = 0; o < bytes; o += 64)
       x ^= *reinterpret_cast<const uint64_t*>(reinterpret_cast<const char*>(kr[r]) + o) ^
            *reinterpret_cast<const uint64_t*>(reinterpret_cast<const char*>(vr[r]) + o);
@@ -371,7 +399,7 @@ void touch_work(const std::vector<const T*>& kr, const std::vector<const T*>& vr
   m[0] = static_cast<float>(x & 1);
 }
 
-template <typename T, int DC>
+template <typename T, int DC, int HINT>
 void run_all(const Ctx& c, const std::vector<std::vector<Span>>& spans_bh, const std::vector<Work>& works,
              std::vector<float>& pm, std::vector<float>& pl, std::vector<float>& pacc) {
   const int G = c.G, D = c.D;
@@ -390,7 +418,7 @@ void run_all(const Ctx& c, const std::vector<std::vector<Span>>& spans_bh, const
       float *wm = pm.data() + i * G, *wl = pl.data() + i * G, *wa = pacc.data() + i * G * D;
       collect_rows<T>(spans_bh[w.bh], w, D, kr, vr);
       if (c.touch_only) {
-        touch_work<T>(kr, vr, D, wm);
+        touch_work<T, HINT>(c, kr, vr, D, wm);
         continue;
       }
 #if defined(__AVX512BF16__)
@@ -398,12 +426,12 @@ void run_all(const Ctx& c, const std::vector<std::vector<Span>>& spans_bh, const
         if (c.qb != nullptr) {
           float* sc = reinterpret_cast<float*>(scratch.data());
           switch (G) {
-            case 1: run_work_bf16<DC / 32, 1>(c, kr, vr, w, wm, wl, wa, sc); break;
-            case 2: run_work_bf16<DC / 32, 2>(c, kr, vr, w, wm, wl, wa, sc); break;
-            case 3: run_work_bf16<DC / 32, 3>(c, kr, vr, w, wm, wl, wa, sc); break;
-            case 4: run_work_bf16<DC / 32, 4>(c, kr, vr, w, wm, wl, wa, sc); break;
-            case 8: run_work_bf16<DC / 32, 8>(c, kr, vr, w, wm, wl, wa, sc); break;
-            default: run_work_bf16<DC / 32, 0>(c, kr, vr, w, wm, wl, wa, sc);
+            case 1: run_work_bf16<DC / 32, 1, HINT>(c, kr, vr, w, wm, wl, wa, sc); break;
+            case 2: run_work_bf16<DC / 32, 2, HINT>(c, kr, vr, w, wm, wl, wa, sc); break;
+            case 3: run_work_bf16<DC / 32, 3, HINT>(c, kr, vr, w, wm, wl, wa, sc); break;
+            case 4: run_work_bf16<DC / 32, 4, HINT>(c, kr, vr, w, wm, wl, wa, sc); break;
+            case 8: run_work_bf16<DC / 32, 8, HINT>(c, kr, vr, w, wm, wl, wa, sc); break;
+            default: run_work_bf16<DC / 32, 0, HINT>(c, kr, vr, w, wm, wl, wa, sc);
           }
           continue;
         }
@@ -411,11 +439,11 @@ void run_all(const Ctx& c, const std::vector<std::vector<Span>>& spans_bh, const
 #endif
 #if defined(__AVX512F__)
       if constexpr (DC > 0 && DC % 16 == 0) {
-        run_work_avx512<T, DC / 16>(c, kr, vr, w, wm, wl, wa, reinterpret_cast<float*>(scratch.data()));
+        run_work_avx512<T, DC / 16, HINT>(c, kr, vr, w, wm, wl, wa, reinterpret_cast<float*>(scratch.data()));
         continue;
       }
 #endif
-      run_work<T, DC>(c, kr, vr, w, wm, wl, wa, kf.data(), vf.data(), s.data(), p.data());
+      run_work<T, DC, HINT>(c, kr, vr, w, wm, wl, wa, kf.data(), vf.data(), s.data(), p.data());
     }
   }
 }
@@ -430,7 +458,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
     const std::vector<at::Tensor>& csize,        // [B] of int32 [Hkv, C_b]: tokens of the cluster
     const std::vector<at::Tensor>& sel,          // [B] of int64 [Hkv, S_b]: selected cluster ids
     const std::vector<at::Tensor>& nsel,         // [B] of int64 [Hkv]: valid ids per head
-    double scale, int64_t work_tokens, bool touch_only) {
+    double scale, int64_t work_tokens, bool touch_only, int64_t prefetch_rows, int64_t prefetch_hint) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu(),
               "q must be a contiguous CPU float32 [B, Hq, D] tensor");
   const int B = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), D = static_cast<int>(q.size(2));
@@ -440,6 +468,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
               "per-request lists must all have B entries");
   TORCH_CHECK(B > 0 && !parts[0].empty(), "empty batch");
   TORCH_CHECK(work_tokens > 0, "work_tokens must be > 0");
+  TORCH_CHECK(prefetch_rows >= 0 && (prefetch_hint == -1 || prefetch_hint == 0 || prefetch_hint == 1 ||
+                                      prefetch_hint == 3),
+              "prefetch_rows must be >= 0 and prefetch_hint one of -1 (none), 0 (NTA), 1 (T2), 3 (T0)");
   const int Hkv = static_cast<int>(parts[0][0].size(0));
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "num query heads must be a multiple of num kv heads");
   const int G = Hq / Hkv;
@@ -475,16 +506,27 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
   Ctx c;
   c.B = B, c.Hq = Hq, c.Hkv = Hkv, c.G = G, c.D = D;
   c.touch_only = touch_only;
-  at::Tensor qs = (q * (scale * LOG2E)).contiguous();
-  c.q = qs.data_ptr<float>();
+  c.pf_rows = prefetch_rows;
+  // q pre-scaled to log2 units; the bf16 fast path also needs q as bf16, iff q is exactly bf16 (it
+  // is, from a bf16 model). Plain loops: ATen ops here cost tens of microseconds per call.
+  const int64_t nq = static_cast<int64_t>(B) * Hq * D;
+  const float* qp = q.data_ptr<float>();
+  std::vector<float> qs(nq);
+  const float qsc = static_cast<float>(scale * LOG2E);
+  for (int64_t i = 0; i < nq; ++i) qs[i] = qp[i] * qsc;
+  c.q = qs.data();
 #if defined(__AVX512BF16__)
-  at::Tensor qb;
-  if (dt == at::kBFloat16 && D % 32 == 0) {  // bf16 fast path iff q is exactly bf16 (it is, from a bf16 model)
-    qb = q.to(at::kBFloat16).contiguous();
-    if (at::equal(qb.to(at::kFloat), q)) {
-      c.qb = reinterpret_cast<const uint16_t*>(qb.data_ptr());
-      c.qscale = static_cast<float>(scale * LOG2E);
+  std::vector<uint16_t> qb;
+  if (dt == at::kBFloat16 && D % 32 == 0) {
+    qb.resize(nq);
+    bool exact = true;
+    for (int64_t i = 0; i < nq && exact; ++i) {
+      uint32_t u;
+      std::memcpy(&u, qp + i, 4);
+      exact = (u & 0xffffu) == 0;
+      qb[i] = static_cast<uint16_t>(u >> 16);
     }
+    if (exact) c.qb = qb.data(), c.qscale = qsc;
   }
 #endif
 
@@ -506,7 +548,18 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
     const int32_t* cz = csize[b].data_ptr<int32_t>() + h * C;
     auto& sv = spans[bh];
     sv.reserve(n);
+    // the table lookups are cold cache misses (one line per selected cluster): prefetch them ahead
+    constexpr int64_t AHEAD = 32;
+    for (int64_t i = 0; i < std::min(n, AHEAD); ++i) {
+      const int64_t cid = std::clamp<int64_t>(ids[i], 0, C - 1);
+      __builtin_prefetch(cs + cid), __builtin_prefetch(cz + cid), __builtin_prefetch(cp + cid);
+    }
+    int64_t nr = 0;
     for (int64_t i = 0; i < n; ++i) {
+      if (i + AHEAD < n) {
+        const int64_t cid = std::clamp<int64_t>(ids[i + AHEAD], 0, C - 1);
+        __builtin_prefetch(cs + cid), __builtin_prefetch(cz + cid), __builtin_prefetch(cp + cid);
+      }
       const int64_t cid = ids[i];
       if (cid < 0 || cid >= C) { bad[bh] = 1; break; }
       const int32_t part = cp[cid];
@@ -515,8 +568,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
           st + sz > rows[b][part]) { bad[bh] = 1; break; }
       const char* head = base[b][part] + 2 * h * rows[b][part] * row_bytes;
       sv.push_back({head + 2 * st * row_bytes, head + (2 * st + 1) * row_bytes, sz});
-      nrows[bh] += sz;
+      nr += sz;
     }
+    nrows[bh] = nr;
   }
   // Work items of <= work rows: at most work_tokens, and small enough for ~4 items per thread.
   int64_t total = 0;
@@ -556,11 +610,20 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
   std::vector<float> pm(nw * G), pl(nw * G), pacc(nw * G * D);
 
   // Phase 3: the fused pass.
-  NELSSA_DISPATCH_KV(dt, "sparse_attention", [&] {
-    if (D == 64) run_all<scalar_t, 64>(c, spans, works, pm, pl, pacc);
-    else if (D == 128) run_all<scalar_t, 128>(c, spans, works, pm, pl, pacc);
-    else run_all<scalar_t, 0>(c, spans, works, pm, pl, pacc);
-  });
+  auto with_hint = [&](auto hint) {
+    constexpr int HINT = decltype(hint)::value;
+    NELSSA_DISPATCH_KV(dt, "sparse_attention", [&] {
+      if (D == 64) run_all<scalar_t, 64, HINT>(c, spans, works, pm, pl, pacc);
+      else if (D == 128) run_all<scalar_t, 128, HINT>(c, spans, works, pm, pl, pacc);
+      else run_all<scalar_t, 0, HINT>(c, spans, works, pm, pl, pacc);
+    });
+  };
+  switch (prefetch_hint) {
+    case -1: with_hint(std::integral_constant<int, -1>{}); break;
+    case 0: with_hint(std::integral_constant<int, 0>{}); break;
+    case 1: with_hint(std::integral_constant<int, 1>{}); break;
+    default: with_hint(std::integral_constant<int, 3>{});
+  }
 
   // Phase 4: combine the chunks of each (request, q head) by LSE.
   at::Tensor out = at::empty({B, Hq, D}, q.options());

@@ -72,6 +72,10 @@ def _default_threads() -> int:
     return max(1, min(8, n))
 
 
+# Software-prefetch hint of the host kernel -> the C++ code (locality of __builtin_prefetch; -1: none).
+PREFETCH_HINTS = {"nta": 0, "l2": 1, "l1": 3, "none": -1}
+
+
 @dataclass(frozen=True)
 class NelssaConfig:
     off: bool = False             # NELSSA disabled: vLLM behaves exactly as stock (the baseline)
@@ -92,6 +96,8 @@ class NelssaConfig:
     host_capacity: int = 0        # host-tier bytes (0: 80% of available memory at start)
     host_timeout_s: float = 30.0  # a host-tier result later than this fails the request
     work_tokens: int = 512        # rows per kernel work item
+    prefetch: str = "l1"          # kernel's software prefetch: l1 | l2 | nta | none (benchmark --sweep-prefetch
+    prefetch_rows: int = 16       # picks per CPU; l1/16 was best or level on both measured machines, README)
     fault: str = ""               # fault injection for tests: "attend" makes every host attention fail
 
     def __post_init__(self) -> None:
@@ -110,6 +116,8 @@ class NelssaConfig:
         req(self.pool_threads >= 1, f"pool_threads must be >= 1, got {self.pool_threads}")
         req(self.host_capacity >= 0 and self.host_timeout_s > 0, "host_capacity >= 0 and host_timeout_s > 0 required")
         req(self.work_tokens >= 16, f"work_tokens must be >= 16, got {self.work_tokens}")
+        req(self.prefetch_rows >= 0, f"prefetch_rows must be >= 0, got {self.prefetch_rows}")
+        req(self.prefetch in PREFETCH_HINTS, f"prefetch must be one of {sorted(PREFETCH_HINTS)}, got {self.prefetch!r}")
         req(self.fault in ("", "attend"), f"fault must be '' or 'attend', got {self.fault!r}")
 
     @property
@@ -136,6 +144,8 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_AFFINITY_CORES": ("affinity_cores", parse_cores),
     "NELSSA_HOST_CAPACITY": ("host_capacity", parse_bytes),
     "NELSSA_HOST_TIMEOUT_S": ("host_timeout_s", float),
+    "NELSSA_PREFETCH_ROWS": ("prefetch_rows", int),
+    "NELSSA_PREFETCH": ("prefetch", str),
     "NELSSA_FAULT": ("fault", str),
 }
 

@@ -13,7 +13,7 @@ case "$n" in
     if [ "$n" = 1 ]; then  # the host-tier kernel benchmark needs no vLLM: run it now
       python3 setup.py -q build_ext --inplace >/dev/null
       lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)" | tee "$OUT/cpu.txt"
-      NELSSA_POOL_THREADS=$(nproc) python3 -m nelssa.bench.sparse_attention --steps 6 --out "$OUT/bench_sparse_h200.json"
+      NELSSA_POOL_THREADS=$(nproc) python3 -m nelssa.bench.sparse_attention --steps 6 --sweep-prefetch --out "$OUT/bench_sparse_h200.json"
     fi ;;
   4) mkdir -p /tmp/gguf && cp .gpumodel/1/gguf-part-00 /tmp/gguf/ ;;
   5) # optional 2nd argument: exact or throughput

@@ -72,11 +72,13 @@ def test_config_sources_and_errors():
                                                                            "NELSSA_AFFINITY_CORES": "0-1,4"})
     assert (cfg.T_input, cfg.budget, cfg.pool_threads, cfg.affinity_cores) == (4096, 0.02, 3, (0, 1, 4))
     assert load_config({"nelssa": {"budget": 0.5}}, env={"NELSSA_BUDGET": "0.1"}).budget == 0.1  # env wins
+    assert load_config(None, env={"NELSSA_PREFETCH": "l2", "NELSSA_PREFETCH_ROWS": "16"}).prefetch == "l2"
     assert vllm_nelssa_config({}) is None and vllm_nelssa_config(None) is None
     assert vllm_nelssa_config({"nelssa": {}}) is not None
     assert parse_bytes("64GiB") == 64 << 30 and parse_cores("2") == (2,)
     for bad, msg in [({"nelssa": {"budget": 0}}, "budget"), ({"nelssa": {"bogus": 1}}, "unknown nelssa config"),
-                     ({"nelssa": {"engine": "x"}}, "engine"), ({"nelssa": []}, "must be an object")]:
+                     ({"nelssa": {"engine": "x"}}, "engine"), ({"nelssa": []}, "must be an object"),
+                     ({"nelssa": {"prefetch": "t0"}}, "prefetch must be one of")]:
         with pytest.raises(ValueError, match=msg):
             load_config(bad, env={})
     with pytest.raises(ValueError, match="NELSSA_AFFINITY_CORES"):

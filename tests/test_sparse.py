@@ -98,6 +98,36 @@ def test_cpp_splits_large_clusters_into_work_items(use_cpp):
     assert (lse.double() - rlse).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("prefetch,rows", [("none", 0), ("nta", 8), ("l2", 32), ("l1", 3)])
+def test_prefetch_settings_give_identical_results(prefetch, rows, use_cpp):
+    """The kernel's software-prefetch settings change only memory timing: bitwise-equal outputs,
+    for the bf16 fast path and the generic AVX-512 path."""
+    import nelssa.config as cfgmod
+    use_cpp(True)
+    base = cfgmod.get_config()
+    for dtype, G, D in [(torch.bfloat16, 4, 128), (torch.float32, 3, 64)]:
+        k, v = rand_kv(2, 3000, D, dtype)
+        ckv = cluster_kv(k, v)
+        q = torch.randn(2 * G, D).to(dtype)
+        ref = sparse_attention(q, ckv, budget=0.1)
+        cfgmod.set_config(base.replace(prefetch=prefetch, prefetch_rows=rows))
+        out = sparse_attention(q, ckv, budget=0.1)
+        cfgmod.set_config(base)
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+def test_block_read_probe():
+    """The benchmark's machine probe reads random blocks and refuses blocks it cannot place."""
+    from nelssa._ext import ext
+    mod = ext()
+    buf = torch.ones(1 << 22, dtype=torch.uint8)
+    for hint in (-1, 0):
+        secs, _ = mod.block_read(buf, 4096, 256, 1, hint)
+        assert secs > 0
+    with pytest.raises(RuntimeError, match="block_bytes"):
+        mod.block_read(buf, 100, 4)
+
+
 def test_touch_only_probe_reads_without_attention(use_cpp):
     """The benchmark's gather probe runs over the same selection on the C++ path and is refused on
     the torch path (it would measure nothing)."""

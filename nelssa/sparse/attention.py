@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from nelssa._ext import ext
-from nelssa.config import get_config
+from nelssa.config import PREFETCH_HINTS, get_config
 from nelssa.sparse.clustered import KV_DTYPES, ClusteredKV
 from nelssa.sparse.search import Selection, select_clusters
 
@@ -82,13 +82,13 @@ def attend(queries: torch.Tensor, ckvs: Sequence[ClusteredKV], sel: Selection,
     if not torch.isfinite(q).all():
         raise ValueError("queries contain NaN or Inf")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    mod = ext()
+    mod, cfg = ext(), get_config()
     if mod is not None:
         # work items: <= work_tokens rows, fewer when needed for ~4 per pool thread (sized in C++)
         return mod.sparse_attention(
             q, [[p.kv for p in c.parts] for c in ckvs], [c.cpart for c in ckvs], [c.cstart for c in ckvs],
-            [c.csize for c in ckvs], sel.ids, [n.long() for n in sel.counts], scale, get_config().work_tokens,
-            touch_only)
+            [c.csize for c in ckvs], sel.ids, [n.long() for n in sel.counts], scale, cfg.work_tokens,
+            touch_only, cfg.prefetch_rows, PREFETCH_HINTS[cfg.prefetch])
     if touch_only:
         raise RuntimeError("touch_only needs the C++ extension")
     outs = [_attend_torch(q[b], c, sel.ids[b], sel.counts[b], scale) for b, c in enumerate(ckvs)]

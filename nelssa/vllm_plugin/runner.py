@@ -41,6 +41,7 @@ class NelssaRunnerMixin:
         self._nelssa_staged: dict[str, int] = {}            # request -> end of its staged prompt range
         self._nelssa_pending: dict[str, list[Future]] = {}  # request -> staged moves in flight
         self._nelssa_stager: ThreadPoolExecutor | None = None
+        self._nelssa_side = None  # CUDA side stream of the stager, made on first use
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -161,11 +162,13 @@ class NelssaRunnerMixin:
         ev = torch.cuda.Event() if cuda else None
         if ev is not None:
             ev.record()
+            if self._nelssa_side is None:  # one side stream: the stager runs one move at a time
+                self._nelssa_side = torch.cuda.Stream()
+        side = self._nelssa_side
 
         def run(rid: str, blocks: list[int], lo: int, hi: int) -> None:
             if ev is None:
                 return self._nelssa_copy(rid, blocks, lo, hi)
-            side = torch.cuda.Stream()
             side.wait_event(ev)
             with torch.cuda.stream(side):
                 self._nelssa_copy(rid, blocks, lo, hi)
