@@ -387,11 +387,11 @@ void run_work_bf16(const Ctx& c, const std::vector<const at::BFloat16*>& kr,
 template <typename T, int HINT>
 void touch_work(const Ctx& c, const std::vector<const T*>& kr, const std::vector<const T*>& vr, int D, float* m) {
   const int64_t bytes = static_cast<int64_t>(D) * sizeof(T);
-  const int64_t N = static_cast<int64_t>(kr.size()), PF = c.pf_rows, PB = bytes;
-  for (int64_t r = 0; r < std::min(N, PF); ++r) prefetch_row<HINT>(kr[r], vr[r], PB);
+  const int64_t N = static_cast<int64_t>(kr.size()), PF = c.pf_rows;
+  for (int64_t r = 0; r < std::min(N, PF); ++r) prefetch_row<HINT>(kr[r], vr[r], bytes);
   uint64_t x = 0;
   for (int64_t r = 0; r < N; ++r) {
-    if (r + PF < N) prefetch_row<HINT>(kr[r + PF], vr[r + PF], PB);
+    if (r + PF < N) prefetch_row<HINT>(kr[r + PF], vr[r + PF], bytes);
     for (int64_t o = 0; o < bytes; o += 64)
       x ^= *reinterpret_cast<const uint64_t*>(reinterpret_cast<const char*>(kr[r]) + o) ^
            *reinterpret_cast<const uint64_t*>(reinterpret_cast<const char*>(vr[r]) + o);
