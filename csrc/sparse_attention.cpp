@@ -74,7 +74,7 @@ struct PfCursor {
   int64_t lines, total, next = 0;  // lines per K (and V) row; lines in all; next line to prefetch
   int64_t row = 0, l = 0;          // next = row * 2 * lines + l
   PfCursor(const std::vector<const T*>& k, const std::vector<const T*>& v, int64_t row_bytes)
-      : kr(k), vr(v), lines(row_bytes / 64), total(static_cast<int64_t>(k.size()) * 2 * (row_bytes / 64)) {}
+      : kr(k), vr(v), lines((row_bytes + 63) / 64), total(static_cast<int64_t>(k.size()) * 2 * lines) {}
   inline void until(int64_t x) {  // prefetch lines [next, x)
     if constexpr (HINT >= 0) {
       x = std::min(x, total);
@@ -194,7 +194,6 @@ void run_work_avx512(const Ctx& c, const std::vector<const T*>& kr, const std::v
                      const Work& w, float* m, float* l, float* acc, float* scratch) {
   constexpr int D = NV * 16;
   constexpr int HALF = NV > 4 ? 4 : NV;  // accumulator vectors per pass of the AV loop
-  const int64_t RB = D * sizeof(T);
   const int G = c.G;
   const int b = w.bh / c.Hkv, h = w.bh % c.Hkv;
   const float* qg = c.q + (static_cast<int64_t>(b) * c.Hq + static_cast<int64_t>(h) * G) * D;
@@ -203,14 +202,16 @@ void run_work_avx512(const Ctx& c, const std::vector<const T*>& kr, const std::v
   for (int g = 0; g < G; ++g) m[g] = NEG_INF, l[g] = 0.f;
   std::fill(acc, acc + static_cast<int64_t>(G) * D, 0.f);
   const int64_t N = static_cast<int64_t>(kr.size());
-  const int64_t PF = c.pf_rows;
-  for (int64_t r = 0; r < std::min(N, PF); ++r) prefetch_row<HINT>(kr[r], vr[r], RB);
+  PfCursor<HINT, T> pf(kr, vr, D * sizeof(T));  // spread over QK / softmax / AV as in the bf16 path
+  const int64_t LR = 2 * pf.lines, ahead = c.pf_rows * LR;
+  pf.until(ahead);
 
   for (int64_t t0 = 0; t0 < N; t0 += BLK) {
     const int nb = static_cast<int>(std::min<int64_t>(BLK, N - t0));
+    const int64_t base = t0 * LR + ahead, span = nb * LR;
     // QK: partial-sum vector per (head, row)
     for (int t = 0; t < nb; ++t) {
-      if (t0 + t + PF < N) prefetch_row<HINT>(kr[t0 + t + PF], vr[t0 + t + PF], RB);
+      pf.until(base + span * t / (2 * nb));
       const T* kp = kr[t0 + t];
       __m512 kv[NV];
       for (int j = 0; j < NV; ++j) kv[j] = load16<T>(kp + 16 * j);
@@ -227,6 +228,7 @@ void run_work_avx512(const Ctx& c, const std::vector<const T*>& kr, const std::v
     }
     const __mmask16 live = static_cast<__mmask16>((1u << nb) - 1u);
     for (int g = 0; g < G; ++g) {
+      pf.until(base + span / 2 + span * g / (8 * G));
       for (int t = nb; t < 16; ++t) part[g * 16 + t] = _mm512_setzero_ps();
       const __m512 s = _mm512_mask_blend_ps(live, _mm512_set1_ps(NEG_INF), reduce16(part + g * 16));
       const float mb = _mm512_reduce_max_ps(s);
@@ -245,13 +247,16 @@ void run_work_avx512(const Ctx& c, const std::vector<const T*>& kr, const std::v
       _mm512_storeu_ps(p + g * 16, e);
     }
     // AV: accumulators of HALF vectors x up to 4 heads stay in registers across the block's rows
+    const int64_t passes = static_cast<int64_t>((NV + HALF - 1) / HALF) * ((G + 3) / 4);
+    int64_t pass = 0;
     for (int j0 = 0; j0 < NV; j0 += HALF) {
-      for (int g0 = 0; g0 < G; g0 += 4) {
+      for (int g0 = 0; g0 < G; g0 += 4, ++pass) {
         const int gn = std::min(4, G - g0);
         __m512 a[4][HALF];
         for (int g = 0; g < gn; ++g)
           for (int j = 0; j < HALF; ++j) a[g][j] = _mm512_loadu_ps(acc + (g0 + g) * D + 16 * (j0 + j));
         for (int t = 0; t < nb; ++t) {
+          pf.until(base + 5 * span / 8 + 3 * span * (pass * nb + t) / (8 * passes * nb));
           const T* vp = vr[t0 + t];
           __m512 vv[HALF];
           for (int j = 0; j < HALF; ++j) vv[j] = load16<T>(vp + 16 * (j0 + j));
