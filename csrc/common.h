@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -64,6 +65,28 @@ inline void exp2_shift16(const float* x, float m, float* y, int n) {
   for (int i = 0; i < n; ++i) y[i] = std::exp2(x[i] - m);
   for (int i = n; i < 16; ++i) y[i] = 0.f;
 #endif
+}
+
+// ---- software prefetch: HINT = __builtin_prefetch locality (0 NTA, 1 T2, 3 T0), -1 = none ----
+inline bool valid_prefetch_hint(int64_t hint) { return hint == -1 || hint == 0 || hint == 1 || hint == 3; }
+
+template <int HINT>
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  if constexpr (HINT >= 0)
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(static_cast<const char*>(p) + o, 0, HINT);
+}
+
+// f(std::integral_constant<int, HINT>{}) for a runtime hint: the hint is a template argument of the
+// loops it sits in.
+template <typename F>
+inline void with_prefetch_hint(int64_t hint, F&& f) {
+  switch (hint) {
+    case -1: f(std::integral_constant<int, -1>{}); break;
+    case 0: f(std::integral_constant<int, 0>{}); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: TORCH_CHECK(false, "prefetch hint must be one of -1 (none), 0 (NTA), 1 (T2), 3 (T0), got ", hint);
+  }
 }
 
 // ---- host attention pool: threads and optional core pinning (set from Python once) ----

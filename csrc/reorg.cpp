@@ -119,7 +119,7 @@ std::tuple<double, double> read_bandwidth(const at::Tensor& buf, int64_t iters) 
 
 // Machine probe (benchmark only): reads nblocks blocks of block_bytes at random 512-byte-aligned
 // offsets of buf with the pool's threads, every 64-byte line once -> (seconds, checksum). pf_hint
-// -1: plain loads (hardware prefetchers only); 0..3: software prefetch ~16 KB ahead in the block
+// -1: plain loads (hardware prefetchers only); 0, 1, 3: software prefetch ~16 KB ahead in the block
 // stream, as the kernel does. Says what this machine gives scattered runs of a given length.
 std::tuple<double, double> block_read(const at::Tensor& buf, int64_t block_bytes, int64_t nblocks, int64_t seed,
                                       int64_t pf_hint) {
@@ -137,26 +137,20 @@ std::tuple<double, double> block_read(const at::Tensor& buf, int64_t block_bytes
   }
   const int64_t ahead = std::max<int64_t>(1, 16384 / block_bytes);
   uint64_t check = 0;
-  auto t0 = std::chrono::steady_clock::now();
+  double secs = 0.0;
+  with_prefetch_hint(pf_hint, [&](auto hint) {
+    constexpr int HINT = decltype(hint)::value;
+    auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel for schedule(static) num_threads(pool().threads) reduction(^ : check)
-  for (int64_t i = 0; i < nblocks; ++i) {
-    if (pf_hint >= 0 && i + ahead < nblocks) {
-      const char* q = p + off[i + ahead];
-      for (int64_t o = 0; o < block_bytes; o += 64) {
-        switch (pf_hint) {
-          case 0: __builtin_prefetch(q + o, 0, 0); break;
-          case 1: __builtin_prefetch(q + o, 0, 1); break;
-          case 2: __builtin_prefetch(q + o, 0, 2); break;
-          default: __builtin_prefetch(q + o, 0, 3);
-        }
-      }
+    for (int64_t i = 0; i < nblocks; ++i) {
+      if (i + ahead < nblocks) prefetch_bytes<HINT>(p + off[i + ahead], block_bytes);
+      const char* b = p + off[i];
+      uint64_t y = 0;
+      for (int64_t o = 0; o < block_bytes; o += 64) y ^= *reinterpret_cast<const uint64_t*>(b + o);
+      check ^= y;
     }
-    const char* b = p + off[i];
-    uint64_t y = 0;
-    for (int64_t o = 0; o < block_bytes; o += 64) y ^= *reinterpret_cast<const uint64_t*>(b + o);
-    check ^= y;
-  }
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  });
   return {secs, static_cast<double>(check & 0xffff)};
 }
 

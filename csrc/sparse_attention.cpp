@@ -54,12 +54,8 @@ inline void axpy(float a, const float* __restrict x, float* __restrict y, int D)
 // by the benchmark's --sweep-prefetch).
 template <int HINT>
 inline void prefetch_row(const void* k, const void* v, int64_t bytes) {
-  if constexpr (HINT >= 0) {
-    for (int64_t o = 0; o < bytes; o += 64) {
-      __builtin_prefetch(static_cast<const char*>(k) + o, 0, HINT);
-      __builtin_prefetch(static_cast<const char*>(v) + o, 0, HINT);
-    }
-  }
+  prefetch_bytes<HINT>(k, bytes);
+  prefetch_bytes<HINT>(v, bytes);
 }
 
 // Prefetch cursor over the lines of the work item's rows (each row: its K lines, then its V lines).
@@ -473,8 +469,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
               "per-request lists must all have B entries");
   TORCH_CHECK(B > 0 && !parts[0].empty(), "empty batch");
   TORCH_CHECK(work_tokens > 0, "work_tokens must be > 0");
-  TORCH_CHECK(prefetch_rows >= 0 && (prefetch_hint == -1 || prefetch_hint == 0 || prefetch_hint == 1 ||
-                                      prefetch_hint == 3),
+  TORCH_CHECK(prefetch_rows >= 0 && valid_prefetch_hint(prefetch_hint),
               "prefetch_rows must be >= 0 and prefetch_hint one of -1 (none), 0 (NTA), 1 (T2), 3 (T0)");
   const int Hkv = static_cast<int>(parts[0][0].size(0));
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "num query heads must be a multiple of num kv heads");
@@ -555,16 +550,14 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
     sv.reserve(n);
     // the table lookups are cold cache misses (one line per selected cluster): prefetch them ahead
     constexpr int64_t AHEAD = 32;
-    for (int64_t i = 0; i < std::min(n, AHEAD); ++i) {
+    auto prefetch_entry = [&](int64_t i) {  // ids are validated below; clamped here only to stay in the table
       const int64_t cid = std::clamp<int64_t>(ids[i], 0, C - 1);
       __builtin_prefetch(cs + cid), __builtin_prefetch(cz + cid), __builtin_prefetch(cp + cid);
-    }
+    };
+    for (int64_t i = 0; i < std::min(n, AHEAD); ++i) prefetch_entry(i);
     int64_t nr = 0;
     for (int64_t i = 0; i < n; ++i) {
-      if (i + AHEAD < n) {
-        const int64_t cid = std::clamp<int64_t>(ids[i + AHEAD], 0, C - 1);
-        __builtin_prefetch(cs + cid), __builtin_prefetch(cz + cid), __builtin_prefetch(cp + cid);
-      }
+      if (i + AHEAD < n) prefetch_entry(i + AHEAD);
       const int64_t cid = ids[i];
       if (cid < 0 || cid >= C) { bad[bh] = 1; break; }
       const int32_t part = cp[cid];
@@ -616,20 +609,14 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
   std::vector<float> pm(nw * G), pl(nw * G), pacc(nw * G * D);
 
   // Phase 3: the fused pass.
-  auto with_hint = [&](auto hint) {
+  with_prefetch_hint(prefetch_hint, [&](auto hint) {
     constexpr int HINT = decltype(hint)::value;
     NELSSA_DISPATCH_KV(dt, "sparse_attention", [&] {
       if (D == 64) run_all<scalar_t, 64, HINT>(c, spans, works, pm, pl, pacc);
       else if (D == 128) run_all<scalar_t, 128, HINT>(c, spans, works, pm, pl, pacc);
       else run_all<scalar_t, 0, HINT>(c, spans, works, pm, pl, pacc);
     });
-  };
-  switch (prefetch_hint) {
-    case -1: with_hint(std::integral_constant<int, -1>{}); break;
-    case 0: with_hint(std::integral_constant<int, 0>{}); break;
-    case 1: with_hint(std::integral_constant<int, 1>{}); break;
-    default: with_hint(std::integral_constant<int, 3>{});
-  }
+  });
 
   // Phase 4: combine the chunks of each (request, q head) by LSE.
   at::Tensor out = at::empty({B, Hq, D}, q.options());

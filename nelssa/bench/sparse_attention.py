@@ -27,7 +27,8 @@ import time
 
 import torch
 
-from nelssa.config import get_config, mem_available, set_config
+from nelssa._ext import ext
+from nelssa.config import PREFETCH_HINTS, get_config, mem_available, set_config
 from nelssa.sparse import ClusteredKV, KVPart, attend, select_clusters
 from nelssa.sparse.clustered import host_empty
 from nelssa.sparse.search import Selection
@@ -73,7 +74,6 @@ def read_bandwidth(threads: int, nbytes: int = 2 * GiB, reps: int = 5) -> dict:
     huge pages like the host tier's (on 4 KiB pages TLB misses cap it well below the memory system)."""
     buf = host_empty((nbytes // 4,), torch.float32).uniform_()
     out = {}
-    from nelssa._ext import ext
     mod = ext()
     if mod is not None:
         mod.read_bandwidth(buf, 1)
@@ -90,11 +90,10 @@ def read_bandwidth(threads: int, nbytes: int = 2 * GiB, reps: int = 5) -> dict:
 
 
 def block_ceilings(nbytes: int, moved: int = 1 * GiB,
-                   blocks=(4096, 16384, 65536, 1 << 20), hints=(-1, 0)) -> list[dict]:
+                   blocks=(4096, 16384, 65536, 1 << 20), hints=("none", "nta")) -> list[dict]:
     """What the machine gives scattered runs: GB/s reading random blocks of each size (best of 3) from
     an ``nbytes`` host-tier buffer (huge pages, like the KV; sized like the benchmark's working set,
     since TLB reach matters)."""
-    from nelssa._ext import ext
     mod = ext()
     if mod is None:
         return []
@@ -104,9 +103,9 @@ def block_ceilings(nbytes: int, moved: int = 1 * GiB,
     for bb in blocks:
         for h in hints:
             n = moved // bb
-            mod.block_read(buf, bb, n, 0, h)
-            t = min(mod.block_read(buf, bb, n, s + 1, h)[0] for s in range(3))
-            rows.append({"block_bytes": bb, "prefetch_hint": h, "GBps": n * bb / t / 1e9})
+            mod.block_read(buf, bb, n, 0, PREFETCH_HINTS[h])
+            t = min(mod.block_read(buf, bb, n, s + 1, PREFETCH_HINTS[h])[0] for s in range(3))
+            rows.append({"block_bytes": bb, "prefetch": h, "GBps": n * bb / t / 1e9})
     del buf
     return rows
 
@@ -140,7 +139,7 @@ def run(contexts, batches, budget: float, steps: int, target_bytes: int, mem_fra
     print(f"read bandwidth: {bw['read_GBps']:.1f} GB/s ({threads} threads; " +
           ", ".join(f"{k} {v:.1f}" for k, v in bw.items() if k != "read_GBps") + ")", flush=True)
     for r in ceil:
-        print(f"random {r['block_bytes'] >> 10:>5} KiB blocks, prefetch {r['prefetch_hint']:>2}: {r['GBps']:6.1f} GB/s "
+        print(f"random {r['block_bytes'] >> 10:>5} KiB blocks, prefetch {r['prefetch']:>4}: {r['GBps']:6.1f} GB/s "
               f"({r['GBps'] / bw['read_GBps'] * 100:5.1f}% of read)", flush=True)
     budget_mem = mem_frac * mem_available()
 
@@ -218,7 +217,6 @@ def run(contexts, batches, budget: float, steps: int, target_bytes: int, mem_fra
                   f"({row['frac_of_read_bw'] * 100:5.1f}% of read)  x{row['speedup_vs_torch']:.1f} vs torch  "
                   f"gather-only {gather:5.1f} GB/s", flush=True)
             del c
-    from nelssa._ext import ext
     mod = ext()
     return {
         "benchmark": "sparse_attention", "shape": {"kv_heads": H, "q_heads": Hq, "head_dim": D, "dtype": "bf16",

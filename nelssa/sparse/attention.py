@@ -84,7 +84,7 @@ def attend(queries: torch.Tensor, ckvs: Sequence[ClusteredKV], sel: Selection,
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     mod, cfg = ext(), get_config()
     if mod is not None:
-        # work items: <= work_tokens rows, fewer when needed for ~4 per pool thread (sized in C++)
+        # work items: <= work_tokens rows, fewer when needed for ~16 per pool thread (sized in C++)
         return mod.sparse_attention(
             q, [[p.kv for p in c.parts] for c in ckvs], [c.cpart for c in ckvs], [c.cstart for c in ckvs],
             [c.csize for c in ckvs], sel.ids, [n.long() for n in sel.counts], scale, cfg.work_tokens,
