@@ -58,7 +58,7 @@ inline void prefetch_row(const void* k, const void* v, int64_t bytes) {
   prefetch_bytes<HINT>(v, bytes);
 }
 
-// Prefetch cursor over the lines of the work item's rows (each row: its K lines, then its V lines).
+// Prefetch cursor over the lines of the work item's records ([K row, V row], contiguous).
 // The fused pass calls until(x) at many points of a block (QK rows, softmax heads, AV pairs) with x
 // proportional to its progress, so prefetches go out at the rate lines are consumed. Issuing them
 // in bursts once per row (only in the QK loop) let the memory pipe drain during softmax and AV:
@@ -66,19 +66,16 @@ inline void prefetch_row(const void* k, const void* v, int64_t bytes) {
 template <int HINT, typename T>
 struct PfCursor {
   const std::vector<const T*>& kr;
-  const std::vector<const T*>& vr;
-  int64_t lines, total, next = 0;  // lines per K (and V) row; lines in all; next line to prefetch
-  int64_t row = 0, l = 0;          // next = row * 2 * lines + l
-  PfCursor(const std::vector<const T*>& k, const std::vector<const T*>& v, int64_t row_bytes)
-      : kr(k), vr(v), lines((row_bytes + 63) / 64), total(static_cast<int64_t>(k.size()) * 2 * lines) {}
+  int64_t lines, total, next = 0;  // lines per record; lines in all; next line to prefetch
+  int64_t row = 0, l = 0;          // next = row * lines + l
+  PfCursor(const std::vector<const T*>& k, int64_t row_bytes)
+      : kr(k), lines((2 * row_bytes + 63) / 64), total(static_cast<int64_t>(k.size()) * lines) {}
   inline void until(int64_t x) {  // prefetch lines [next, x)
     if constexpr (HINT >= 0) {
       x = std::min(x, total);
       for (; next < x; ++next) {
-        const char* p = l < lines ? reinterpret_cast<const char*>(kr[row]) + 64 * l
-                                  : reinterpret_cast<const char*>(vr[row]) + 64 * (l - lines);
-        __builtin_prefetch(p, 0, HINT);
-        if (++l == 2 * lines) l = 0, ++row;
+        __builtin_prefetch(reinterpret_cast<const char*>(kr[row]) + 64 * l, 0, HINT);
+        if (++l == lines) l = 0, ++row;
       }
     }
   }
@@ -198,8 +195,8 @@ void run_work_avx512(const Ctx& c, const std::vector<const T*>& kr, const std::v
   for (int g = 0; g < G; ++g) m[g] = NEG_INF, l[g] = 0.f;
   std::fill(acc, acc + static_cast<int64_t>(G) * D, 0.f);
   const int64_t N = static_cast<int64_t>(kr.size());
-  PfCursor<HINT, T> pf(kr, vr, D * sizeof(T));  // spread over QK / softmax / AV as in the bf16 path
-  const int64_t LR = 2 * pf.lines, ahead = c.pf_rows * LR;
+  PfCursor<HINT, T> pf(kr, D * sizeof(T));  // spread over QK / softmax / AV as in the bf16 path
+  const int64_t LR = pf.lines, ahead = c.pf_rows * LR;
   pf.until(ahead);
 
   for (int64_t t0 = 0; t0 < N; t0 += BLK) {
@@ -207,7 +204,7 @@ void run_work_avx512(const Ctx& c, const std::vector<const T*>& kr, const std::v
     const int64_t base = t0 * LR + ahead, span = nb * LR;
     // QK: partial-sum vector per (head, row)
     for (int t = 0; t < nb; ++t) {
-      pf.until(base + span * t / (2 * nb));
+      pf.until(base + t * (LR / 2));  // = span * t / (2 * nb)
       const T* kp = kr[t0 + t];
       __m512 kv[NV];
       for (int j = 0; j < NV; ++j) kv[j] = load16<T>(kp + 16 * j);
@@ -244,6 +241,8 @@ void run_work_avx512(const Ctx& c, const std::vector<const T*>& kr, const std::v
     }
     // AV: accumulators of HALF vectors x up to 4 heads stay in registers across the block's rows
     const int64_t passes = static_cast<int64_t>((NV + HALF - 1) / HALF) * ((G + 3) / 4);
+    const int64_t av0 = base + 5 * span / 8;  // AV: the last 3/8 of the block's lines
+    const float avs = 3.f * static_cast<float>(span) / static_cast<float>(8 * passes * nb);  // no division per row
     int64_t pass = 0;
     for (int j0 = 0; j0 < NV; j0 += HALF) {
       for (int g0 = 0; g0 < G; g0 += 4, ++pass) {
@@ -252,7 +251,7 @@ void run_work_avx512(const Ctx& c, const std::vector<const T*>& kr, const std::v
         for (int g = 0; g < gn; ++g)
           for (int j = 0; j < HALF; ++j) a[g][j] = _mm512_loadu_ps(acc + (g0 + g) * D + 16 * (j0 + j));
         for (int t = 0; t < nb; ++t) {
-          pf.until(base + 5 * span / 8 + 3 * span * (pass * nb + t) / (8 * passes * nb));
+          pf.until(av0 + static_cast<int64_t>(avs * static_cast<float>(pass * nb + t)));
           const T* vp = vr[t0 + t];
           __m512 vv[HALF];
           for (int j = 0; j < HALF; ++j) vv[j] = load16<T>(vp + 16 * (j0 + j));
@@ -294,8 +293,8 @@ void run_work_bf16(const Ctx& c, const std::vector<const at::BFloat16*>& kr,
   std::fill(acc, acc + static_cast<int64_t>(G) * D, 0.f);
   const __m512 sc = _mm512_set1_ps(c.qscale);
   const int64_t N = static_cast<int64_t>(kr.size());
-  PfCursor<HINT, at::BFloat16> pf(kr, vr, 2 * D);
-  const int64_t LR = 2 * pf.lines;  // prefetch lines per row
+  PfCursor<HINT, at::BFloat16> pf(kr, 2 * D);
+  const int64_t LR = pf.lines;  // prefetch lines per row
   const int64_t ahead = c.pf_rows * LR;
   pf.until(ahead);
 
@@ -304,7 +303,7 @@ void run_work_bf16(const Ctx& c, const std::vector<const at::BFloat16*>& kr,
     // progress through the block, in lines: QK covers the first half, softmax and AV the second
     const int64_t base = t0 * LR + ahead, span = nb * LR;
     for (int t = 0; t < nb; ++t) {
-      pf.until(base + span * t / (2 * nb));
+      pf.until(base + t * (LR / 2));  // = span * t / (2 * nb)
       const at::BFloat16* kp = kr[t0 + t];
       __m512i kv[NC];
       for (int j = 0; j < NC; ++j) kv[j] = _mm512_loadu_si512(kp + 32 * j);
@@ -341,14 +340,16 @@ void run_work_bf16(const Ctx& c, const std::vector<const at::BFloat16*>& kr,
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + g * 8), (__m256i)eb);
     }
     const int npair = (nb + 1) / 2;
-    const int64_t steps = static_cast<int64_t>((G + GB - 1) / GB) * npair;  // AV: the last 3/8
+    const int64_t steps = static_cast<int64_t>((G + GB - 1) / GB) * npair;
+    const int64_t av0 = base + 5 * span / 8;  // AV: the last 3/8 of the block's lines
+    const float avs = 3.f * static_cast<float>(span) / static_cast<float>(8 * steps);  // no division per pair
     for (int g0 = 0; g0 < G; g0 += GB) {
       const int gn = std::min(GB, G - g0);
       __m512 a[GB][2 * NC];
       for (int g = 0; g < gn; ++g)
         for (int j = 0; j < 2 * NC; ++j) a[g][j] = _mm512_loadu_ps(acc + (g0 + g) * D + 16 * j);
       for (int k = 0; k < npair; ++k) {
-        pf.until(base + 5 * span / 8 + 3 * span * ((g0 / GB) * npair + k) / (8 * steps));
+        pf.until(av0 + static_cast<int64_t>(avs * static_cast<float>((g0 / GB) * npair + k)));
         const at::BFloat16* ra = vr[t0 + 2 * k];
         const at::BFloat16* rb = 2 * k + 1 < nb ? vr[t0 + 2 * k + 1] : ra;  // its probability is 0
         __m512i lo[NC], hi[NC];
@@ -400,59 +401,85 @@ void touch_work(const Ctx& c, const std::vector<const T*>& kr, const std::vector
   m[0] = static_cast<float>(x & 1);
 }
 
+// One work item: rows collected into the calling pool thread's buffers (reused across calls), then
+// the path for the dtype / D / CPU. Chosen once per call (ItemFn) outside the parallel region.
+using ItemFn = void (*)(const Ctx&, const std::vector<Span>&, const Work&, float*, float*, float*);
+
 template <typename T, int DC, int HINT>
-void run_all(const Ctx& c, const std::vector<std::vector<Span>>& spans_bh, const std::vector<Work>& works,
-             std::vector<float>& pm, std::vector<float>& pl, std::vector<float>& pacc) {
+void run_item(const Ctx& c, const std::vector<Span>& spans, const Work& w, float* wm, float* wl, float* wa) {
+  thread_local std::vector<const T*> kr, vr;
+  thread_local std::vector<float> kf, vf, s, p;
   const int G = c.G, D = c.D;
-  const int64_t nw = static_cast<int64_t>(works.size());
-#pragma omp parallel num_threads(pool().threads)
-  {
-    pin_this_thread();
-    std::vector<const T*> kr, vr;
-    std::vector<float> kf(D), vf(D), s(G * BLK), p(G * BLK);
+  collect_rows<T>(spans, w, D, kr, vr);
+  if (c.touch_only) return touch_work<T, HINT>(c, kr, vr, D, wm);
 #if defined(__AVX512F__)
-    std::vector<__m512> scratch(G * 17 + 1);  // [G][16] partial sums + [G][16] floats of p
+  thread_local std::vector<__m512> scratch;  // [G][16] partial sums + [G][16] floats of p
+  if (scratch.size() < static_cast<size_t>(G * 17 + 1)) scratch.resize(G * 17 + 1);
+  float* sc = reinterpret_cast<float*>(scratch.data());
 #endif
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < nw; ++i) {
-      const Work& w = works[i];
-      float *wm = pm.data() + i * G, *wl = pl.data() + i * G, *wa = pacc.data() + i * G * D;
-      collect_rows<T>(spans_bh[w.bh], w, D, kr, vr);
-      if (c.touch_only) {
-        touch_work<T, HINT>(c, kr, vr, D, wm);
-        continue;
-      }
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, at::BFloat16> && DC > 0 && DC % 32 == 0) {
-        if (c.qb != nullptr) {
-          float* sc = reinterpret_cast<float*>(scratch.data());
-          switch (G) {
-            case 1: run_work_bf16<DC / 32, 1, HINT>(c, kr, vr, w, wm, wl, wa, sc); break;
-            case 2: run_work_bf16<DC / 32, 2, HINT>(c, kr, vr, w, wm, wl, wa, sc); break;
-            case 3: run_work_bf16<DC / 32, 3, HINT>(c, kr, vr, w, wm, wl, wa, sc); break;
-            case 4: run_work_bf16<DC / 32, 4, HINT>(c, kr, vr, w, wm, wl, wa, sc); break;
-            case 8: run_work_bf16<DC / 32, 8, HINT>(c, kr, vr, w, wm, wl, wa, sc); break;
-            default: run_work_bf16<DC / 32, 0, HINT>(c, kr, vr, w, wm, wl, wa, sc);
-          }
-          continue;
-        }
+  if constexpr (std::is_same_v<T, at::BFloat16> && DC > 0 && DC % 32 == 0) {
+    if (c.qb != nullptr) {
+      switch (G) {
+        case 1: return run_work_bf16<DC / 32, 1, HINT>(c, kr, vr, w, wm, wl, wa, sc);
+        case 2: return run_work_bf16<DC / 32, 2, HINT>(c, kr, vr, w, wm, wl, wa, sc);
+        case 3: return run_work_bf16<DC / 32, 3, HINT>(c, kr, vr, w, wm, wl, wa, sc);
+        case 4: return run_work_bf16<DC / 32, 4, HINT>(c, kr, vr, w, wm, wl, wa, sc);
+        case 8: return run_work_bf16<DC / 32, 8, HINT>(c, kr, vr, w, wm, wl, wa, sc);
+        default: return run_work_bf16<DC / 32, 0, HINT>(c, kr, vr, w, wm, wl, wa, sc);
       }
-#endif
-#if defined(__AVX512F__)
-      if constexpr (DC > 0 && DC % 16 == 0) {
-        run_work_avx512<T, DC / 16, HINT>(c, kr, vr, w, wm, wl, wa, reinterpret_cast<float*>(scratch.data()));
-        continue;
-      }
-#endif
-      run_work<T, DC, HINT>(c, kr, vr, w, wm, wl, wa, kf.data(), vf.data(), s.data(), p.data());
     }
   }
+#endif
+#if defined(__AVX512F__)
+  if constexpr (DC > 0 && DC % 16 == 0) return run_work_avx512<T, DC / 16, HINT>(c, kr, vr, w, wm, wl, wa, sc);
+#endif
+  if (kf.size() < static_cast<size_t>(D)) kf.resize(D), vf.resize(D);
+  if (s.size() < static_cast<size_t>(G * BLK)) s.resize(G * BLK), p.resize(G * BLK);
+  run_work<T, DC, HINT>(c, kr, vr, w, wm, wl, wa, kf.data(), vf.data(), s.data(), p.data());
 }
+
+// Grow-only buffer (no value-initialisation on reuse): per-call scratch that would otherwise be
+// allocated, zeroed and page-faulted on every call.
+template <typename T>
+inline T* grow(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// qs = q * qsc, qb = q's upper 16 bits (bf16 if exact); flags: any NaN/Inf, any q not exactly bf16.
+template <typename T>
+void prepare_q(const T* qp, int64_t n, float qsc, float* qs, uint16_t* qb, uint32_t& nonfinite, uint32_t& inexact) {
+  uint32_t nf = 0, ie = 0;
+#pragma omp simd reduction(| : nf, ie)
+  for (int64_t i = 0; i < n; ++i) {
+    const float f = static_cast<float>(qp[i]);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    nf |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+    ie |= u & 0xffffu;
+    qb[i] = static_cast<uint16_t>(u >> 16);
+    qs[i] = f * qsc;
+  }
+  nonfinite = nf, inexact = ie;
+}
+
+// Per calling thread scratch of sparse_attention, kept between calls.
+struct CallBufs {
+  std::vector<std::vector<Span>> spans;                        // [B * Hkv]
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> wk;    // work ranges per (request, kv head)
+  std::vector<int> bad;
+  std::vector<int64_t> nrows, wbeg;
+  std::vector<Work> works;
+  std::vector<float> qs, pm, pl, pacc;
+  std::vector<uint16_t> qb;
+  int64_t work = 0;
+};
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> sparse_attention(
-    const at::Tensor& q,                         // [B, Hq, D] fp32
+    const at::Tensor& q,                         // [B, Hq, D] fp32 / bf16 / fp16
     const std::vector<std::vector<at::Tensor>>& parts,  // [B][P_b] of [Hkv, Lp, 2, D]: token records [K row, V row]
     const std::vector<at::Tensor>& cpart,        // [B] of int32 [C_b]: part of each cluster
     const std::vector<at::Tensor>& cstart,       // [B] of int64 [Hkv, C_b]: first token of the cluster in its part
@@ -460,8 +487,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
     const std::vector<at::Tensor>& sel,          // [B] of int64 [Hkv, S_b]: selected cluster ids
     const std::vector<at::Tensor>& nsel,         // [B] of int64 [Hkv]: valid ids per head
     double scale, int64_t work_tokens, bool touch_only, int64_t prefetch_rows, int64_t prefetch_hint) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu(),
-              "q must be a contiguous CPU float32 [B, Hq, D] tensor");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(),
+              "q must be a contiguous CPU [B, Hq, D] tensor (fp32, or the KV dtype)");
   const int B = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), D = static_cast<int>(q.size(2));
   const size_t nb = parts.size();
   TORCH_CHECK(static_cast<int>(nb) == B && cpart.size() == nb && cstart.size() == nb && csize.size() == nb &&
@@ -507,150 +534,171 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
   c.B = B, c.Hq = Hq, c.Hkv = Hkv, c.G = G, c.D = D;
   c.touch_only = touch_only;
   c.pf_rows = prefetch_rows;
-  // q pre-scaled to log2 units; the bf16 fast path also needs q as bf16, iff q is exactly bf16 (it
-  // is, from a bf16 model). Plain loops: ATen ops here cost tens of microseconds per call.
+  // The calling thread's scratch, reused across calls (the call runs on this thread and its pool).
+  thread_local CallBufs tls;
+  CallBufs& cb = tls;  // shared by the pool threads below (a thread_local named inside the region would be theirs)
+  const int BH = B * Hkv;
+  if (cb.spans.size() < static_cast<size_t>(BH)) cb.spans.resize(BH), cb.wk.resize(BH);
+  int* bad = grow(cb.bad, BH);
+  int64_t* nrows = grow(cb.nrows, BH);
+  int64_t* wbeg = grow(cb.wbeg, BH + 1);
+
+  // q pre-scaled to log2 units, checked for NaN/Inf in the same pass; the bf16 fast path also needs
+  // q as bf16: given as bf16, or fp32 that is exactly bf16 (it is, from a bf16 model).
   const int64_t nq = static_cast<int64_t>(B) * Hq * D;
-  const float* qp = q.data_ptr<float>();
-  std::vector<float> qs(nq);
+  float* qs = grow(cb.qs, nq);
+  uint16_t* qb = grow(cb.qb, nq);
   const float qsc = static_cast<float>(scale * LOG2E);
-  for (int64_t i = 0; i < nq; ++i) qs[i] = qp[i] * qsc;
-  c.q = qs.data();
+  uint32_t nonfinite = 0, inexact = 0;
+  NELSSA_DISPATCH_KV(q.scalar_type(), "queries",
+                     [&] { prepare_q(q.data_ptr<scalar_t>(), nq, qsc, qs, qb, nonfinite, inexact); });
+  TORCH_CHECK_VALUE(!nonfinite, "queries contain NaN or Inf");
+  c.q = qs;
 #if defined(__AVX512BF16__)
-  std::vector<uint16_t> qb;
-  if (dt == at::kBFloat16 && D % 32 == 0) {
-    qb.resize(nq);
-    bool exact = true;
-    for (int64_t i = 0; i < nq && exact; ++i) {
-      uint32_t u;
-      std::memcpy(&u, qp + i, 4);
-      exact = (u & 0xffffu) == 0;
-      qb[i] = static_cast<uint16_t>(u >> 16);
-    }
-    if (exact) c.qb = qb.data(), c.qscale = qsc;
-  }
+  if (dt == at::kBFloat16 && D % 32 == 0 && !inexact) c.qb = qb, c.qscale = qsc;
 #endif
 
-  // Phase 1: spans per (request, kv head): one per selected cluster (validated).
-  const int BH = B * Hkv;
-  std::vector<std::vector<Span>> spans(BH);
-  std::vector<std::vector<std::pair<int32_t, int32_t>>> wk(BH);
-  std::vector<int> bad(BH, 0);
-  std::vector<int64_t> nrows(BH, 0);
-#pragma omp parallel for schedule(dynamic, 4) num_threads(pool().threads)
-  for (int bh = 0; bh < BH; ++bh) {
-    const int b = bh / Hkv, h = bh % Hkv;
-    const int64_t C = cpart[b].numel(), S = sel[b].size(1);
-    const int64_t n = nsel[b].data_ptr<int64_t>()[h];
-    if (n < 0 || n > S) { bad[bh] = 1; continue; }
-    const int64_t* ids = sel[b].data_ptr<int64_t>() + h * S;
-    const int32_t* cp = cpart[b].data_ptr<int32_t>();
-    const int64_t* cs = cstart[b].data_ptr<int64_t>() + h * C;
-    const int32_t* cz = csize[b].data_ptr<int32_t>() + h * C;
-    auto& sv = spans[bh];
-    sv.reserve(n);
-    // the table lookups are cold cache misses (one line per selected cluster): prefetch them ahead
-    constexpr int64_t AHEAD = 32;
-    auto prefetch_entry = [&](int64_t i) {  // ids are validated below; clamped here only to stay in the table
-      const int64_t cid = std::clamp<int64_t>(ids[i], 0, C - 1);
-      __builtin_prefetch(cs + cid), __builtin_prefetch(cz + cid), __builtin_prefetch(cp + cid);
-    };
-    for (int64_t i = 0; i < std::min(n, AHEAD); ++i) prefetch_entry(i);
-    int64_t nr = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      if (i + AHEAD < n) prefetch_entry(i + AHEAD);
-      const int64_t cid = ids[i];
-      if (cid < 0 || cid >= C) { bad[bh] = 1; break; }
-      const int32_t part = cp[cid];
-      const int64_t st = cs[cid], sz = cz[cid];
-      if (part < 0 || part >= static_cast<int32_t>(rows[b].size()) || st < 0 || sz < 0 ||
-          st + sz > rows[b][part]) { bad[bh] = 1; break; }
-      const char* head = base[b][part] + 2 * h * rows[b][part] * row_bytes;
-      sv.push_back({head + 2 * st * row_bytes, head + (2 * st + 1) * row_bytes, sz});
-      nr += sz;
-    }
-    nrows[bh] = nr;
-  }
-  // Work items of <= work rows: at most work_tokens, and small enough for ~16 items per thread (the
-  // dynamic schedule's tail, about half an item per thread, stays a few % of the call).
-  int64_t total = 0;
-  for (int64_t r : nrows) total += r;
-  const int64_t work = std::max<int64_t>(
-      std::min<int64_t>(64, work_tokens), std::min<int64_t>(work_tokens, (total + 16 * pool().threads - 1) / (16 * pool().threads)));
-#pragma omp parallel for schedule(dynamic, 4) num_threads(pool().threads)
-  for (int bh = 0; bh < BH; ++bh) {
-    if (bad[bh]) continue;
-    auto& sv = spans[bh];
-    if (std::any_of(sv.begin(), sv.end(), [&](const Span& sp) { return sp.n > work; })) {
-      std::vector<Span> split;  // clusters larger than one work item are cut (rare: clusters are small)
-      for (const Span& sp : sv)
-        for (int64_t o = 0; o < sp.n; o += work)
-          split.push_back({sp.k + 2 * o * row_bytes, sp.v + 2 * o * row_bytes, std::min(work, sp.n - o)});
-      sv.swap(split);
-    }
-    int64_t acc = 0;
-    int32_t s0 = 0;
-    for (int32_t i = 0; i < static_cast<int32_t>(sv.size()); ++i) {
-      acc += sv[i].n;
-      if (acc >= work) { wk[bh].push_back({s0, i + 1}); s0 = i + 1; acc = 0; }
-    }
-    if (s0 < static_cast<int32_t>(sv.size())) wk[bh].push_back({s0, static_cast<int32_t>(sv.size())});
-  }
-  for (int bh = 0; bh < BH; ++bh)
-    TORCH_CHECK(!bad[bh], "request ", bh / Hkv, " kv head ", bh % Hkv, ": selection out of range of its cluster table");
-
-  // Phase 2: flat work list.
-  std::vector<Work> works;
-  std::vector<int64_t> wbeg(BH + 1, 0);
-  for (int bh = 0; bh < BH; ++bh) {
-    for (auto& r : wk[bh]) works.push_back({bh, r.first, r.second});
-    wbeg[bh + 1] = static_cast<int64_t>(works.size());
-  }
-  const int64_t nw = static_cast<int64_t>(works.size());
-  std::vector<float> pm(nw * G), pl(nw * G), pacc(nw * G * D);
-
-  // Phase 3: the fused pass.
+  ItemFn item = nullptr;
   with_prefetch_hint(prefetch_hint, [&](auto hint) {
     constexpr int HINT = decltype(hint)::value;
     NELSSA_DISPATCH_KV(dt, "sparse_attention", [&] {
-      if (D == 64) run_all<scalar_t, 64, HINT>(c, spans, works, pm, pl, pacc);
-      else if (D == 128) run_all<scalar_t, 128, HINT>(c, spans, works, pm, pl, pacc);
-      else run_all<scalar_t, 0, HINT>(c, spans, works, pm, pl, pacc);
+      item = D == 64 ? &run_item<scalar_t, 64, HINT> : D == 128 ? &run_item<scalar_t, 128, HINT>
+                                                                : &run_item<scalar_t, 0, HINT>;
     });
   });
-
-  // Phase 4: combine the chunks of each (request, q head) by LSE.
-  at::Tensor out = at::empty({B, Hq, D}, q.options());
-  at::Tensor lse = at::empty({B, Hq}, q.options());
+  at::Tensor out = at::empty({B, Hq, D}, q.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({B, Hq}, q.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   float* ls = lse.data_ptr<float>();
-#pragma omp parallel for num_threads(pool().threads)
-  for (int bh = 0; bh < BH; ++bh) {
-    const int b = bh / Hkv, h = bh % Hkv;
-    for (int g = 0; g < G; ++g) {
-      const int64_t row = static_cast<int64_t>(b) * Hq + h * G + g;
-      float M = NEG_INF;
-      for (int64_t w = wbeg[bh]; w < wbeg[bh + 1]; ++w) M = std::max(M, pm[w * G + g]);
-      float* od = o + row * D;
-      std::fill(od, od + D, 0.f);
-      float L = 0.f;
-      if (M != NEG_INF) {
-        for (int64_t w = wbeg[bh]; w < wbeg[bh + 1]; ++w) {
-          const float f = std::exp2(pm[w * G + g] - M);
-          L += f * pl[w * G + g];
-          const float* a = pacc.data() + (w * G + g) * D;
-#pragma omp simd
-          for (int d = 0; d < D; ++d) od[d] += f * a[d];
-        }
+
+  // One parallel region for the whole call (fork/join costs tens of microseconds on many-core VMs);
+  // nothing in it throws: bad selections are flagged and raised after it.
+  auto& spans = cb.spans;
+  auto& wk = cb.wk;
+  auto& works = cb.works;
+  float *pm = nullptr, *pl = nullptr, *pacc = nullptr;
+  int64_t nw = 0;
+  bool failed = false;
+#pragma omp parallel num_threads(pool().threads)
+  {
+    pin_this_thread();
+    // Phase 1: spans per (request, kv head): one per selected cluster (validated).
+#pragma omp for schedule(dynamic, 4)
+    for (int bh = 0; bh < BH; ++bh) {
+      const int b = bh / Hkv, h = bh % Hkv;
+      auto& sv = spans[bh];
+      sv.clear(), wk[bh].clear();
+      bad[bh] = 0, nrows[bh] = 0;
+      const int64_t C = cpart[b].numel(), S = sel[b].size(1);
+      const int64_t n = nsel[b].data_ptr<int64_t>()[h];
+      if (n < 0 || n > S) { bad[bh] = 1; continue; }
+      const int64_t* ids = sel[b].data_ptr<int64_t>() + h * S;
+      const int32_t* cp = cpart[b].data_ptr<int32_t>();
+      const int64_t* cs = cstart[b].data_ptr<int64_t>() + h * C;
+      const int32_t* cz = csize[b].data_ptr<int32_t>() + h * C;
+      sv.reserve(n);
+      // the table lookups are cold cache misses (one line per selected cluster): prefetch them ahead
+      constexpr int64_t AHEAD = 32;
+      auto prefetch_entry = [&](int64_t i) {  // ids are validated below; clamped here only to stay in the table
+        const int64_t cid = std::clamp<int64_t>(ids[i], 0, C - 1);
+        __builtin_prefetch(cs + cid), __builtin_prefetch(cz + cid), __builtin_prefetch(cp + cid);
+      };
+      for (int64_t i = 0; i < std::min(n, AHEAD); ++i) prefetch_entry(i);
+      int64_t nr = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        if (i + AHEAD < n) prefetch_entry(i + AHEAD);
+        const int64_t cid = ids[i];
+        if (cid < 0 || cid >= C) { bad[bh] = 1; break; }
+        const int32_t part = cp[cid];
+        const int64_t st = cs[cid], sz = cz[cid];
+        if (part < 0 || part >= static_cast<int32_t>(rows[b].size()) || st < 0 || sz < 0 ||
+            st + sz > rows[b][part]) { bad[bh] = 1; break; }
+        const char* head = base[b][part] + 2 * h * rows[b][part] * row_bytes;
+        sv.push_back({head + 2 * st * row_bytes, head + (2 * st + 1) * row_bytes, sz});
+        nr += sz;
       }
-      if (L > 0.f) {
-        const float inv = 1.f / L;
-        for (int d = 0; d < D; ++d) od[d] *= inv;
-        ls[row] = (M + std::log2(L)) * LN2;
-      } else {
-        ls[row] = NEG_INF;
+      nrows[bh] = nr;
+    }
+    // Work items of <= work rows: at most work_tokens, and small enough for ~16 items per thread (the
+    // dynamic schedule's tail, about half an item per thread, stays a few % of the call).
+#pragma omp single
+    {
+      int64_t total = 0;
+      for (int bh = 0; bh < BH; ++bh) total += nrows[bh], failed |= bad[bh] != 0;
+      const int64_t per = (total + 16 * pool().threads - 1) / (16 * pool().threads);
+      cb.work = std::max<int64_t>(std::min<int64_t>(64, work_tokens), std::min<int64_t>(work_tokens, per));
+    }
+    const int64_t work = cb.work;
+    if (!failed) {
+#pragma omp for schedule(dynamic, 4)
+      for (int bh = 0; bh < BH; ++bh) {
+        auto& sv = spans[bh];
+        if (std::any_of(sv.begin(), sv.end(), [&](const Span& sp) { return sp.n > work; })) {
+          std::vector<Span> split;  // clusters larger than one work item are cut (rare: clusters are small)
+          for (const Span& sp : sv)
+            for (int64_t o = 0; o < sp.n; o += work)
+              split.push_back({sp.k + 2 * o * row_bytes, sp.v + 2 * o * row_bytes, std::min(work, sp.n - o)});
+          sv.swap(split);
+        }
+        int64_t acc = 0;
+        int32_t s0 = 0;
+        for (int32_t i = 0; i < static_cast<int32_t>(sv.size()); ++i) {
+          acc += sv[i].n;
+          if (acc >= work) { wk[bh].push_back({s0, i + 1}); s0 = i + 1; acc = 0; }
+        }
+        if (s0 < static_cast<int32_t>(sv.size())) wk[bh].push_back({s0, static_cast<int32_t>(sv.size())});
+      }
+      // Phase 2: flat work list; per-item results (m, l, acc) in reused buffers.
+#pragma omp single
+      {
+        works.clear();
+        wbeg[0] = 0;
+        for (int bh = 0; bh < BH; ++bh) {
+          for (auto& r : wk[bh]) works.push_back({bh, r.first, r.second});
+          wbeg[bh + 1] = static_cast<int64_t>(works.size());
+        }
+        nw = static_cast<int64_t>(works.size());
+        pm = grow(cb.pm, nw * G), pl = grow(cb.pl, nw * G), pacc = grow(cb.pacc, nw * G * D);
+      }
+      // Phase 3: the fused pass.
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < nw; ++i) {
+        const Work& w = works[i];
+        item(c, spans[w.bh], w, pm + i * G, pl + i * G, pacc + i * G * D);
+      }
+      // Phase 4: combine the chunks of each (request, q head) by LSE.
+#pragma omp for
+      for (int bh = 0; bh < BH; ++bh) {
+        const int b = bh / Hkv, h = bh % Hkv;
+        for (int g = 0; g < G; ++g) {
+          const int64_t row = static_cast<int64_t>(b) * Hq + h * G + g;
+          float M = NEG_INF;
+          for (int64_t w = wbeg[bh]; w < wbeg[bh + 1]; ++w) M = std::max(M, pm[w * G + g]);
+          float* od = o + row * D;
+          std::fill(od, od + D, 0.f);
+          float L = 0.f;
+          if (M != NEG_INF) {
+            for (int64_t w = wbeg[bh]; w < wbeg[bh + 1]; ++w) {
+              const float f = std::exp2(pm[w * G + g] - M);
+              L += f * pl[w * G + g];
+              const float* a = pacc + (w * G + g) * D;
+#pragma omp simd
+              for (int d = 0; d < D; ++d) od[d] += f * a[d];
+            }
+          }
+          if (L > 0.f) {
+            const float inv = 1.f / L;
+            for (int d = 0; d < D; ++d) od[d] *= inv;
+            ls[row] = (M + std::log2(L)) * LN2;
+          } else {
+            ls[row] = NEG_INF;
+          }
+        }
       }
     }
   }
+  for (int bh = 0; bh < BH && failed; ++bh)
+    TORCH_CHECK(!bad[bh], "request ", bh / Hkv, " kv head ", bh % Hkv, ": selection out of range of its cluster table");
   return {out, lse};
 }
 

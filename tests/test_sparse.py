@@ -83,6 +83,27 @@ def test_cpp_and_torch_agree_at_sparse_budget(dtype, G, D, use_cpp):
     assert (la - lb).abs().max() <= TOL[dtype]
 
 
+@pytest.mark.parametrize("cpp", [True, False])
+def test_queries_in_kv_dtype_or_fp32_and_nan_checked(cpp, use_cpp):
+    """attend takes q in the KV dtype (no conversion on the host path) or fp32: same result; a NaN or
+    Inf query raises ValueError on both paths (the C++ kernel checks it while scaling q). Repeated
+    calls with other batch shapes reuse the kernel's per-thread buffers and stay exact."""
+    from nelssa.sparse import attend
+    use_cpp(cpp)
+    for dtype, D in [(torch.bfloat16, 128), (torch.float16, 64)]:
+        ckvs = [cluster_kv(*rand_kv(2, n, D, dtype, seed=n)) for n in (3000, 900, 2000)]
+        for B in (3, 1, 2):
+            q = torch.randn(B, 8, D).to(dtype)
+            sel = select_clusters(q, ckvs[:B], 0.1)
+            a = attend(q, ckvs[:B], sel)
+            b = attend(q.float(), ckvs[:B], sel)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        for bad in (float("nan"), float("inf")):
+            q[0, 3, 1] = bad
+            with pytest.raises(ValueError, match="NaN or Inf"):
+                attend(q, ckvs[:B], sel)
+
+
 def test_cpp_splits_large_clusters_into_work_items(use_cpp):
     """Clusters far larger than a work item (512 tokens vs 16-row items) are cut and recombined by
     LSE: still exact at budget 100%."""

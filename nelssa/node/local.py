@@ -106,7 +106,7 @@ class LocalHostTier:
                       layer: int) -> Future:
         """Start host attention of q [n, Hq, D] over the selected clusters; returns a future of
         fp32 (out [n, Hq, D], lse [n, Hq]) on the host."""
-        q_cpu = q.detach().to("cpu", torch.float32)  # in the caller's stream/thread
+        q_cpu = q.detach().to("cpu")  # in the caller's stream/thread; the kernel takes the KV dtype
         fault = self.cfg.fault
 
         def run():

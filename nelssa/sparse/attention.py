@@ -78,19 +78,24 @@ def attend(queries: torch.Tensor, ckvs: Sequence[ClusteredKV], sel: Selection,
     Uses the fused C++ kernel (GIL released) or the torch reference path (config use_cpp / no extension).
     touch_only (benchmark probe, C++ only): read the selected rows the same way, compute nothing.
     """
-    q = queries.detach().to(device="cpu", dtype=torch.float32).contiguous()
-    if not torch.isfinite(q).all():
-        raise ValueError("queries contain NaN or Inf")
+    q = queries.detach()
+    if q.device.type != "cpu" or not q.is_contiguous():
+        q = q.to("cpu").contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     mod, cfg = ext(), get_config()
     if mod is not None:
-        # work items: <= work_tokens rows, fewer when needed for ~16 per pool thread (sized in C++)
+        # No torch ops on this path (each costs microseconds per layer call): the kernel takes q in
+        # fp32 or the KV dtype and raises ValueError on NaN/Inf itself. Work items: <= work_tokens
+        # rows, fewer when needed for ~16 per pool thread (sized in C++).
         return mod.sparse_attention(
             q, [[p.kv for p in c.parts] for c in ckvs], [c.cpart for c in ckvs], [c.cstart for c in ckvs],
-            [c.csize for c in ckvs], sel.ids, [n.long() for n in sel.counts], scale, cfg.work_tokens,
+            [c.csize for c in ckvs], sel.ids, sel.counts, scale, cfg.work_tokens,
             touch_only, cfg.prefetch_rows, PREFETCH_HINTS[cfg.prefetch])
     if touch_only:
         raise RuntimeError("touch_only needs the C++ extension")
+    q = q.float()
+    if not torch.isfinite(q).all():
+        raise ValueError("queries contain NaN or Inf")
     outs = [_attend_torch(q[b], c, sel.ids[b], sel.counts[b], scale) for b, c in enumerate(ckvs)]
     return torch.stack([o for o, _ in outs]), torch.stack([s for _, s in outs])
 
