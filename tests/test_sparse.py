@@ -203,6 +203,24 @@ def test_layout_is_cluster_contiguous_and_complete():
     assert torch.allclose(ckv.centroids[h, c].float(), k[h, ckv.perm[h, s:s + n]].mean(0), atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned-staging copy is for CUDA keys")
+def test_gpu_pack_through_pinned_staging_equals_cpu_pack(monkeypatch):
+    """GPU-clustered K/V reach the host through two pinned buffers, chunk by chunk (chunks smaller
+    than the tensor here): byte-equal to the CPU reorganisation."""
+    import nelssa.sparse.clustered as cl
+    monkeypatch.setattr(cl, "STAGE_BYTES", 1 << 16)
+    monkeypatch.setattr(cl._stage, "bufs", None, raising=False)
+    k, v = rand_kv(3, 3001, 64, torch.bfloat16)
+    perm = torch.stack([torch.randperm(3001) for _ in range(3)])
+    assert torch.equal(cl.pack(k.cuda(), v.cuda(), perm.cuda()), cl.pack(k, v, perm))
+
+
+def test_to_host_refuses_size_mismatch():
+    from nelssa.sparse.clustered import host_empty, to_host
+    with pytest.raises(ValueError, match="bytes into"):
+        to_host(torch.zeros(4, 8), host_empty((4, 9), torch.float32))
+
+
 def test_kmeans_deterministic_and_segmented():
     k = torch.randn(2, 20000, 64)
     a, ca = segmented_kmeans(k, seed=7, cluster_size=16)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -54,8 +55,50 @@ def pack(keys: torch.Tensor, values: torch.Tensor, perm: torch.Tensor) -> torch.
         mod.copy_rows(values.contiguous(), perm, flat, (2 * rows + 1).contiguous())
         return out
     idx = perm.unsqueeze(-1).expand(-1, -1, D)
-    out.copy_(torch.stack([keys.gather(1, idx), values.gather(1, idx)], dim=2))
+    packed = torch.stack([keys.gather(1, idx), values.gather(1, idx)], dim=2)
+    if packed.device.type == "cuda":
+        to_host(packed, out)
+    else:
+        out.copy_(packed)
     return out
+
+
+STAGE_BYTES = 16 << 20  # per pinned staging buffer (two per thread that copies from a GPU)
+_stage = threading.local()
+
+
+def to_host(src: torch.Tensor, out: torch.Tensor) -> None:
+    """Copy a contiguous CUDA tensor into host-tier memory (same shape and dtype).
+
+    The host tier is pageable huge-page memory (the kernel wants the TLB reach), and a device-to-
+    pageable copy runs at a few GB/s (3.6 GB/s measured on the H200). So the copy goes through two
+    pinned buffers of the calling thread, chunk by chunk: the next chunk's DMA on the current stream
+    overlaps the host copy of the previous one. Returns when ``out`` holds the data.
+    """
+    a = src.contiguous().view(-1).view(torch.uint8)
+    b = out.view(-1).view(torch.uint8)
+    if a.numel() != b.numel():
+        raise ValueError(f"to_host: {a.numel()} bytes into {b.numel()}")
+    bufs = getattr(_stage, "bufs", None)
+    if bufs is None:
+        bufs = _stage.bufs = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    stream = torch.cuda.current_stream(src.device)
+    chunks = [(o, min(STAGE_BYTES, a.numel() - o)) for o in range(0, a.numel(), STAGE_BYTES)]
+    done = []
+
+    def issue(i: int) -> None:
+        o, n = chunks[i]
+        bufs[i % 2][:n].copy_(a[o:o + n], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        done.append(ev)
+
+    issue(0)
+    for i, (o, n) in enumerate(chunks):
+        if i + 1 < len(chunks):
+            issue(i + 1)  # its buffer's previous chunk (i - 1) was copied out below already
+        done[i].synchronize()
+        b[o:o + n].copy_(bufs[i % 2][:n])
 
 
 @dataclass
