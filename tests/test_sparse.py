@@ -219,6 +219,7 @@ def test_to_host_refuses_size_mismatch():
     from nelssa.sparse.clustered import host_empty, to_host
     with pytest.raises(ValueError, match="bytes into"):
         to_host(torch.zeros(4, 8), host_empty((4, 9), torch.float32))
+    to_host(torch.zeros(0, 8), host_empty((0, 8), torch.float32))  # nothing to copy: no staging, no CUDA call
 
 
 def test_kmeans_deterministic_and_segmented():

@@ -79,6 +79,8 @@ def to_host(src: torch.Tensor, out: torch.Tensor) -> None:
     b = out.view(-1).view(torch.uint8)
     if a.numel() != b.numel():
         raise ValueError(f"to_host: {a.numel()} bytes into {b.numel()}")
+    if a.numel() == 0:
+        return
     bufs = getattr(_stage, "bufs", None)
     if bufs is None:
         bufs = _stage.bufs = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
