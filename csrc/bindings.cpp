@@ -23,8 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Fused sparse attention over selected clusters -> (out [B,Hq,D] fp32, lse [B,Hq] fp32, natural log); "
         "touch_only: read the selected rows in the same order without computing (bandwidth probe)",
         py::arg("q"), py::arg("parts"), py::arg("cpart"), py::arg("cstart"), py::arg("csize"), py::arg("sel"),
-        py::arg("nsel"), py::arg("scale"), py::arg("work_tokens"), py::arg("touch_only") = false,
-        py::arg("prefetch_rows") = 16, py::arg("prefetch_hint") = 3);
+        py::arg("nsel"), py::arg("scale"), py::arg("work_tokens"), py::arg("touch_only"), py::arg("prefetch_rows"),
+        py::arg("prefetch_hint"));  // no defaults: the caller passes the config's (nelssa.sparse.attend)
   m.def("copy_rows", &nelssa::copy_rows, release(), "dst[h, di[h,i]] = src[h, si[h,i]]");
   m.def("read_bandwidth", &nelssa::read_bandwidth, release(), "(seconds, checksum) to read buf iters times");
   m.def("block_read", &nelssa::block_read, release(),

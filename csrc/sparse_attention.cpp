@@ -471,6 +471,8 @@ inline void scale_q(const T* qp, int64_t n, float qsc, float* qs) {
 
 // Per calling thread scratch of sparse_attention, kept between calls.
 struct CallBufs {
+  std::vector<std::vector<const char*>> base;                  // [B][part] KV data
+  std::vector<std::vector<int64_t>> rows;                      // [B][part] KV rows
   std::vector<std::vector<Span>> spans;                        // [B * Hkv]
   std::vector<std::vector<std::pair<int32_t, int32_t>>> wk;    // work ranges per (request, kv head)
   std::vector<int> bad;
@@ -509,10 +511,15 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
   const at::ScalarType dt = parts[0][0].scalar_type();
   const int64_t row_bytes = static_cast<int64_t>(D) * parts[0][0].element_size();
 
-  std::vector<std::vector<const char*>> base(B);
-  std::vector<std::vector<int64_t>> rows(B);
+  // The calling thread's scratch, reused across calls (the call runs on this thread and its pool).
+  thread_local CallBufs tls;
+  CallBufs& cb = tls;  // shared by the pool threads below (a thread_local named inside the region would be theirs)
+  if (cb.base.size() < static_cast<size_t>(B)) cb.base.resize(B), cb.rows.resize(B);
+  auto& base = cb.base;  // [b][part]: KV part's data and rows
+  auto& rows = cb.rows;
   for (int b = 0; b < B; ++b) {
     TORCH_CHECK(!parts[b].empty(), "request ", b, ": no KV parts");
+    base[b].clear(), rows[b].clear();
     for (size_t j = 0; j < parts[b].size(); ++j) {
       const at::Tensor& kv = parts[b][j];
       TORCH_CHECK(kv.dim() == 4 && kv.size(0) == Hkv && kv.size(2) == 2 && kv.size(3) == D,
@@ -539,9 +546,6 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
   c.B = B, c.Hq = Hq, c.Hkv = Hkv, c.G = G, c.D = D;
   c.touch_only = touch_only;
   c.pf_rows = prefetch_rows;
-  // The calling thread's scratch, reused across calls (the call runs on this thread and its pool).
-  thread_local CallBufs tls;
-  CallBufs& cb = tls;  // shared by the pool threads below (a thread_local named inside the region would be theirs)
   const int BH = B * Hkv;
   if (cb.spans.size() < static_cast<size_t>(BH)) cb.spans.resize(BH), cb.wk.resize(BH);
   int* bad = grow(cb.bad, BH);
@@ -551,8 +555,6 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
   // q: checked for NaN/Inf; the bf16 fast path takes q as bf16 (given as bf16, or fp32 that is exactly
   // bf16: it is, from a bf16 model), the others as fp32 pre-scaled to log2 units.
   const int64_t nq = static_cast<int64_t>(B) * Hq * D;
-  float* qs = grow(cb.qs, nq);
-  uint16_t* qb = grow(cb.qb, nq);
   const float qsc = static_cast<float>(scale * LOG2E);
   const at::ScalarType qt = q.scalar_type();
   TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf, "queries must be fp32, bf16 or fp16");
@@ -566,11 +568,13 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
 #if defined(__AVX512BF16__)
   if (dt == at::kBFloat16 && D % 32 == 0) {
     if (qt == at::kBFloat16) c.qb = static_cast<const uint16_t*>(qp), fast = true;
-    else if (qt == at::kFloat && split_bf16(static_cast<const uint32_t*>(qp), nq, qb)) c.qb = qb, fast = true;
+    else if (qt == at::kFloat && split_bf16(static_cast<const uint32_t*>(qp), nq, grow(cb.qb, nq)))
+      c.qb = cb.qb.data(), fast = true;
     if (fast) c.qscale = qsc;
   }
 #endif
   if (!fast) {  // the other paths take q as fp32, pre-scaled to log2 units
+    float* qs = grow(cb.qs, nq);
     NELSSA_DISPATCH_KV(qt, "queries", [&] { scale_q(static_cast<const scalar_t*>(qp), nq, qsc, qs); });
     c.q = qs;
   }

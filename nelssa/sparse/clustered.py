@@ -63,7 +63,7 @@ def pack(keys: torch.Tensor, values: torch.Tensor, perm: torch.Tensor) -> torch.
     return out
 
 
-STAGE_BYTES = 16 << 20  # per pinned staging buffer (two per thread that copies from a GPU)
+STAGE_BYTES = 16 << 20  # per pinned staging buffer (two per thread that copies from a GPU; made on first use)
 _stage = threading.local()
 
 
@@ -84,8 +84,9 @@ def to_host(src: torch.Tensor, out: torch.Tensor) -> None:
     bufs = getattr(_stage, "bufs", None)
     if bufs is None:
         bufs = _stage.bufs = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    step = bufs[0].numel()
     stream = torch.cuda.current_stream(src.device)
-    chunks = [(o, min(STAGE_BYTES, a.numel() - o)) for o in range(0, a.numel(), STAGE_BYTES)]
+    chunks = [(o, min(step, a.numel() - o)) for o in range(0, a.numel(), step)]
     done = []
 
     def issue(i: int) -> None:
