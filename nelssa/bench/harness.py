@@ -126,18 +126,52 @@ def run(spec: dict) -> dict:
     return out
 
 
+class EngineTimeout(RuntimeError):
+    """An engine run in run_subprocess exceeded its time limit (its process group was killed)."""
+
+
+def _describe_run(spec: dict) -> str:
+    reqs = spec.get("requests", [])
+    toks = sum(len(r["prompt_ids"]) if "prompt_ids" in r else r.get("text_tokens", 0) for r in reqs)
+    return (f"mode={spec.get('mode')!r} dtype={spec.get('dtype', 'float32')!r} nelssa={spec.get('nelssa', {})} "
+            f"{len(reqs)} requests, ~{toks} prompt tokens")
+
+
 def run_subprocess(spec: dict, env: dict | None = None, timeout: float | None = None) -> dict:
     """Run the harness in a fresh process (clean vLLM state) and return its JSON. NELSSA_OFF is not
-    inherited: spec["mode"] decides; ``env`` adds to the environment. RuntimeError on failure."""
+    inherited: spec["mode"] decides; ``env`` adds to the environment. RuntimeError on failure;
+    EngineTimeout (a RuntimeError) past ``timeout`` seconds, after killing the child's process group,
+    naming the run, the time, the CPU's relevant flags and what to change."""
+    import signal
     import subprocess
     e = {k: v for k, v in os.environ.items() if k != "NELSSA_OFF"}
     e.update(env or {})
-    r = subprocess.run([sys.executable, "-m", "nelssa.bench.harness"], input=json.dumps(spec), text=True,
-                       capture_output=True, env=e, timeout=timeout)
-    for line in r.stdout.splitlines():
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-m", "nelssa.bench.harness"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e, start_new_session=True)
+    try:
+        out, err = p.communicate(json.dumps(spec), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # the engine and anything it started
+        out, err = p.communicate()
+        from nelssa.cpu import describe
+        dt = time.monotonic() - t0
+        raise EngineTimeout(
+            f"engine run exceeded its {timeout:.0f} s limit and was killed after {dt:.0f} s: {_describe_run(spec)}.\n"
+            f"{describe()}.\n"
+            "Hint: an engine in bfloat16 on a CPU without avx512_bf16/amx_bf16 runs emulated bf16 GEMMs "
+            "(several times slower): use nelssa.cpu.cpu_dtype() for the dtype; check the threads vLLM "
+            "uses (VLLM_CPU_OMP_THREADS_BIND, OMP_NUM_THREADS) against the usable cores; else shrink "
+            f"the workload or raise the limit.\nlast stderr of the run:\n{(err or '')[-3000:]}") from None
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)  # e.g. KeyboardInterrupt: leave no engine behind
+        p.wait()
+        raise
+    for line in out.splitlines():
         if line.startswith("HARNESS_JSON "):
             return json.loads(line[len("HARNESS_JSON "):])
-    raise RuntimeError(f"harness failed (rc={r.returncode}):\n{r.stderr[-6000:]}")
+    raise RuntimeError(f"harness failed (rc={p.returncode}, {time.monotonic() - t0:.0f} s, {_describe_run(spec)}):\n"
+                       f"{err[-6000:]}")
 
 
 def equal_prefix(a: list, b: list) -> int:

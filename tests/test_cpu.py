@@ -1,0 +1,100 @@
+"""The CPU dtype decision (nelssa.cpu), its use by `nelssa serve`, and the engine-run time limit."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from nelssa import cpu
+
+BF16_CPU = frozenset({"avx2", "avx512f", "avx512_bf16"})
+AMX_CPU = frozenset({"avx2", "avx512f", "amx_bf16", "amx_tile"})
+NO_BF16_CPU = frozenset({"avx2", "avx512f", "avx512bw"})
+
+
+@pytest.mark.parametrize("flags,caps,native", [
+    (BF16_CPU, {}, True),
+    (AMX_CPU, {}, True),
+    (NO_BF16_CPU, {}, False),
+    (frozenset({"avx2"}), {}, False),
+    (BF16_CPU, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, False),
+    (BF16_CPU, {"ONEDNN_MAX_CPU_ISA": "avx2"}, False),
+    (BF16_CPU, {"DNNL_MAX_CPU_ISA": "AVX512_CORE_VNNI"}, False),
+    (BF16_CPU, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, True),
+    (AMX_CPU, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, True),
+    (BF16_CPU, {"ONEDNN_MAX_CPU_ISA": "ALL"}, True),
+    (BF16_CPU, {"ATEN_CPU_CAPABILITY": "avx2"}, False),
+    (BF16_CPU, {"ATEN_CPU_CAPABILITY": "default"}, False),
+    (BF16_CPU, {"ATEN_CPU_CAPABILITY": "avx512"}, True),
+    (NO_BF16_CPU, {"ONEDNN_MAX_CPU_ISA": "ALL", "ATEN_CPU_CAPABILITY": "avx512"}, False),  # caps only lower
+])
+def test_native_bf16_decision(flags, caps, native):
+    assert (cpu._bf16_refusal(flags, caps) is None) is native
+
+
+def test_unknown_cap_is_an_error():
+    with pytest.raises(ValueError, match="ONEDNN_MAX_CPU_ISA"):
+        cpu._bf16_refusal(BF16_CPU, {"ONEDNN_MAX_CPU_ISA": "AVX513"})
+    with pytest.raises(ValueError, match="ATEN_CPU_CAPABILITY"):
+        cpu._bf16_refusal(BF16_CPU, {"ATEN_CPU_CAPABILITY": "avx1024"})
+
+
+def test_this_process_follows_the_caps(monkeypatch):
+    """The helper reads the real /proc/cpuinfo and the real environment."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    flags = cpu.cpu_flags()
+    want = "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+    assert cpu.cpu_dtype() == want
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
+    assert cpu.cpu_dtype() == "float32"
+    assert "ONEDNN_MAX_CPU_ISA=AVX512_CORE" in cpu.describe() and "engine dtype float32" in cpu.describe()
+
+
+def test_serve_defaults_to_the_cpu_dtype(monkeypatch):
+    import torch
+
+    from nelssa.cli import serve_command
+    monkeypatch.delenv("NELSSA_OFF", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("the CPU default applies to CPU hosts")
+    cmd = serve_command("/some/model", "{}", ["--port", "1"])
+    assert cmd[cmd.index("--dtype") + 1] == cpu.cpu_dtype()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    cmd = serve_command("/some/model", "{}", [])
+    assert cmd[cmd.index("--dtype") + 1] == "float32"
+    cmd = serve_command("/some/model", "{}", ["--dtype", "float16"])  # the user's choice wins, once
+    assert cmd.count("--dtype") == 1 and cmd[cmd.index("--dtype") + 1] == "float16"
+
+
+def _engine_processes() -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return {int(line.split()[0]) for line in out.splitlines()[1:] if "-m nelssa.bench.harness" in line}
+
+
+def test_engine_run_past_its_limit_fails_clearly():
+    """A run past its limit raises EngineTimeout naming the run, the time, the CPU's flags and the
+    hint, and leaves no engine process behind."""
+    from nelssa.bench.harness import EngineTimeout, run_subprocess
+    before = _engine_processes()
+    spec = {"mode": "on", "dtype": "bfloat16", "nelssa": {"budget": 0.04},
+            "requests": [{"id": "x", "text_tokens": 3000, "max_tokens": 4}]}
+    t0 = time.monotonic()
+    with pytest.raises(EngineTimeout) as ei:
+        run_subprocess(spec, timeout=2)
+    assert time.monotonic() - t0 < 60
+    msg = str(ei.value)
+    assert "2 s limit" in msg and "mode='on'" in msg and "dtype='bfloat16'" in msg and "~3000 prompt tokens" in msg
+    assert "flags:" in msg and "engine dtype" in msg and "cpu_dtype()" in msg and "OMP_NUM_THREADS" in msg
+    assert isinstance(ei.value, RuntimeError)  # callers that catch harness failures see it too
+    time.sleep(0.5)
+    assert _engine_processes() <= before
+
+
+def test_cpu_module_runs():
+    out = subprocess.run([sys.executable, "-m", "nelssa.cpu"], capture_output=True, text=True, check=True,
+                         env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}).stdout
+    assert "engine dtype float32" in out and "ATEN_CPU_CAPABILITY=avx2" in out
