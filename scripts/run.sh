@@ -11,6 +11,7 @@ py=$(bash scripts/setup_env.sh | tail -n 1)
 "$py" setup.py -q build_ext --inplace >/dev/null
 "$py" -m nelssa.cli prepare-model
 mkdir -p results
+echo "[run] $("$py" -m nelssa.cpu)" >&2
 "$py" -m nelssa.bench.sparse_attention --out results/bench_sparse_attention.json "$@"
 "$py" -m nelssa.bench.real_kv --out results/real_kv.json
 "$py" -m nelssa.bench.compare --out results/nelssa_vs_baseline.json

@@ -8,5 +8,6 @@ echo "[test] building nelssa._C (incremental)" >&2
 "$py" setup.py -q build_ext --inplace >/dev/null
 echo "[test] preparing SmolLM2" >&2
 "$py" -m nelssa.cli prepare-model
+echo "[test] $("$py" -m nelssa.cpu)" >&2
 echo "[test] pytest" >&2
 exec "$py" -m pytest -q "$@"

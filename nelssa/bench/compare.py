@@ -23,7 +23,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/nelssa_vs_baseline.json")
     ap.add_argument("--budget", type=float, default=0.04, help="the sparse budget (100%% always runs too)")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32",
+                    help="engine dtype; float32 (exact on every CPU) so budget 100%% can be compared token for token")
     ap.add_argument("--blocks", type=int, default=70)
     a = ap.parse_args(argv)
     reqs = [{"id": "long3k", "text_tokens": 3000, "max_tokens": 32},
@@ -36,7 +37,8 @@ def main(argv=None) -> None:
     res = {"on": run_subprocess({**spec, "mode": "on"}),
            "on_sparse": run_subprocess({**spec, "mode": "on", "nelssa": {**spec["nelssa"], "budget": a.budget}}),
            "off": run_subprocess({**spec, "mode": "off"})}
-    summary = {"workload": spec, "modes": {}}
+    from nelssa.cpu import describe
+    summary = {"workload": spec, "cpu": describe(), "modes": {}}
     for m, r in res.items():
         held = {}
         for rid in ("long3k", "long5k", "long7k"):

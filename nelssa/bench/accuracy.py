@@ -1,0 +1,188 @@
+"""Needle accuracy of NELSSA against dense attention (NELSSA_OFF) in the vLLM engine, per prompt.
+
+Runs a needle set (nelssa.bench.needle) through the real engine twice (NELSSA at a sparse budget,
+and NELSSA_OFF), in this CPU's engine dtype (nelssa.cpu.cpu_dtype()) unless --dtype says otherwise,
+and reports the accuracies, the paired verdict (see ``paired_verdict``) and every prompt whose
+answer differs between the two. ``--diagnose`` explains each differing prompt offline: the prompt
+plus the dense answer goes once through transformers (post-RoPE q/k/v captured), each layer's host
+range is clustered as the plugin does (same cluster size, segment, iterations, seed) and, for the
+decode queries of the answer, it reports whether the needle's value tokens are in the window, the
+fraction of them inside the clusters selected at the budget (needle recall, mean over layers, KV
+heads and answer steps; per layer minimum too), and the mean tokens per cluster holding them. This
+re-computation follows the algorithm, not the engine's exact block-aligned ranges, so it explains
+rather than reproduces.
+
+    python -m nelssa.bench.accuracy                         # the full 32-prompt sweep (2.2K-6.8K tokens)
+    python -m nelssa.bench.accuracy --set ci --diagnose     # the CI test's set, with the diagnosis
+    python -m nelssa.bench.accuracy --cluster-size 16       # a known regression: must fail the verdict
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import time
+
+# Needle sets: (lengths, depths, seed). "full" is the former CI sweep (32 prompts, ~145K tokens of
+# prefill per mode); "ci" is the test's set (tests/test_vllm_nelssa.py::test_needle_accuracy_at_4_percent).
+SETS = {
+    "full": dict(lengths=(2200, 3500, 5000, 6800), depths=(0.05, 0.2, 0.3, 0.45, 0.55, 0.7, 0.8, 0.9), seed=7),
+    "ci": dict(lengths=(2200, 2400, 2600, 2800), depths=(0.1, 0.2, 0.3, 0.45, 0.55, 0.7, 0.8, 0.9), seed=11),
+}
+
+
+def needle_requests(tok, lengths, depths, seed: int, max_tokens: int = 12) -> tuple[list[dict], list[str]]:
+    from nelssa.bench.needle import cases, make_prompt
+    reqs, want = [], []
+    for L, d, s in cases(lengths=lengths, depths=depths, seed=seed):
+        ids, v = make_prompt(tok, L, d, s)
+        reqs.append({"id": f"n{L}_{d}", "prompt_ids": ids, "max_tokens": max_tokens})
+        want.append(v)
+    return reqs, want
+
+
+def paired_verdict(on_ok: list[bool], off_ok: list[bool], z: float = 2.0) -> dict:
+    """NELSSA is not worse than dense on this set unless its net loss of answers exceeds what chance
+    explains. lost = prompts dense answers and NELSSA does not, gained = the reverse. If NELSSA were
+    as accurate as dense, each of the d = lost + gained discordant prompts would be lost or gained
+    with equal odds (a sign test): lost - gained has mean 0 and standard deviation sqrt(d). The
+    verdict fails when lost - gained > z * sqrt(d), at least 1 (z = 2: about a 2-3% chance for a
+    method as good as dense; the limit grows with the discordance, never to one prompt's flip).
+    A systematic regression loses many answers and gains few, so lost - gained grows like d."""
+    lost = sum(a and not b for a, b in zip(off_ok, on_ok))
+    gained = sum(b and not a for a, b in zip(off_ok, on_ok))
+    d = lost + gained
+    limit = max(1.0, z * math.sqrt(d))
+    n = len(on_ok)
+    return {"n": n, "acc_nelssa": 100.0 * sum(on_ok) / n, "acc_dense": 100.0 * sum(off_ok) / n,
+            "lost": lost, "gained": gained, "net_loss": lost - gained, "limit": round(limit, 2),
+            "ok": lost - gained <= limit}
+
+
+def run_set(model_dir: str, lengths, depths, seed: int, *, dtype: str | None = None, budget: float = 0.04,
+            nelssa: dict | None = None, timeout: float | None = None, max_tokens: int = 12) -> dict:
+    """Both engine runs on one needle set -> per-prompt rows, verdict, wall times."""
+    from transformers import AutoTokenizer
+
+    from nelssa.bench.harness import run_subprocess
+    from nelssa.cpu import cpu_dtype
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    reqs, want = needle_requests(tok, lengths, depths, seed, max_tokens)
+    dtype = dtype or cpu_dtype()
+    section = {"T_input": 2048, "budget": budget, **(nelssa or {})}
+    spec = {"dtype": dtype, "nelssa": section, "requests": reqs}
+    t0 = time.time()
+    on = run_subprocess({**spec, "mode": "on"}, timeout=timeout)
+    t1 = time.time()
+    off = run_subprocess({**spec, "mode": "off"}, timeout=timeout)
+    t2 = time.time()
+    rows = []
+    for r, v in zip(reqs, want):
+        a, b = on["results"][r["id"]], off["results"][r["id"]]
+        rows.append({"id": r["id"], "prompt_len": len(r["prompt_ids"]), "value": v,
+                     "nelssa_ok": v in a["text"], "dense_ok": v in b["text"],
+                     "nelssa_text": a["text"], "dense_text": b["text"], "dense_ids": b["token_ids"]})
+    verdict = paired_verdict([x["nelssa_ok"] for x in rows], [x["dense_ok"] for x in rows])
+    return {"dtype": dtype, "nelssa": section, "prompt_tokens": sum(x["prompt_len"] for x in rows),
+            "wall_s": {"nelssa": round(t1 - t0, 1), "dense": round(t2 - t1, 1)}, "verdict": verdict,
+            "rows": rows, "_reqs": reqs}
+
+
+def _needle_positions(tok, ids: list[int], value: str) -> list[int]:
+    """Token positions of the needle's value inside the prompt (the first occurrence of its digits)."""
+    text, spans, pos = "", [], []
+    for i, t in enumerate(ids):
+        piece = tok.decode([t])
+        spans.append((len(text), len(text) + len(piece)))
+        text += piece
+    m = re.search(re.escape(value), text)
+    if not m:
+        return []
+    return [i for i, (a, b) in enumerate(spans) if a < m.end() and b > m.start()]
+
+
+def diagnose(model_dir: str, ids: list[int], answer_ids: list[int], value: str, *, budget: float, sink: int,
+             recent: int, cluster_size: int, segment: int, iters: int, seed: int, dtype: str) -> dict:
+    """Offline explanation of one prompt (see the module docstring)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from nelssa.bench.real_kv import capture_qkv
+    from nelssa.sparse import cluster_kv, select_clusters
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    needle = _needle_positions(tok, ids, value)
+    L = len(ids)
+    lo, hi = sink, L - recent  # host range of the prompt (the engine's is block-aligned)
+    in_host = [p - lo for p in needle if lo <= p < hi]
+    full = ids + list(answer_ids[:-1])
+    steps = list(range(L, len(full)))  # decode queries (the first answer token came from the dense prefill)
+    layers = list(range(30))
+    qkv, _ = capture_qkv(model_dir, 0, layers, dtype=getattr(torch, dtype), ids=full)
+    per_layer, sizes = [], []
+    for layer in layers:
+        q, k, v = qkv[layer]
+        ckv = cluster_kv(k[:, lo:hi].contiguous(), v[:, lo:hi].contiguous(), cluster_size=cluster_size,
+                         segment=segment, iters=iters, seed=seed)
+        H = k.shape[0]
+        rec = []
+        for t in steps:
+            sel = select_clusters(q[:, t].unsqueeze(0), [ckv], budget)
+            for h in range(H):
+                chosen = set(sel.ids[0][h, :sel.counts[0][h]].tolist())
+                inv = torch.empty(hi - lo, dtype=torch.long)
+                for c in range(ckv.num_clusters):
+                    st, sz = int(ckv.cstart[h, c]), int(ckv.csize[h, c])
+                    inv[ckv.perm[h, st:st + sz]] = c
+                cl = [int(inv[p]) for p in in_host]
+                rec.append(sum(c in chosen for c in cl) / max(1, len(cl)))
+                sizes += [int(ckv.csize[h, c]) for c in cl]
+        per_layer.append(sum(rec) / max(1, len(rec)))
+    return {"prompt_len": L, "needle_tokens": needle, "needle_in_window": len(in_host) < len(needle),
+            "needle_recall_mean": round(sum(per_layer) / len(per_layer), 3),
+            "needle_recall_min_layer": round(min(per_layer), 3),
+            "layers_recall_below_half": [i for i, r in enumerate(per_layer) if r < 0.5],
+            "tokens_per_needle_cluster": round(sum(sizes) / max(1, len(sizes)), 1), "decode_steps": len(steps)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--set", choices=sorted(SETS), default="full")
+    ap.add_argument("--dtype", default=None, help="engine dtype (default: nelssa.cpu.cpu_dtype())")
+    ap.add_argument("--budget", type=float, default=0.04)
+    ap.add_argument("--cluster-size", type=int, default=None, help="NELSSA cluster_size (default: the config's)")
+    ap.add_argument("--diagnose", action="store_true", help="explain each prompt whose answers differ")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    from nelssa.config import load_config
+    from nelssa.cpu import describe
+    from nelssa.models import prepare_smollm2
+    model_dir = str(prepare_smollm2())
+    extra = {"cluster_size": a.cluster_size} if a.cluster_size else {}
+    print(describe(), flush=True)
+    res = run_set(model_dir, **SETS[a.set], dtype=a.dtype, budget=a.budget, nelssa=extra)
+    reqs = res.pop("_reqs")
+    cfg = load_config({"nelssa": res["nelssa"]})
+    differ = [(r, x) for r, x in zip(reqs, res["rows"]) if x["nelssa_ok"] != x["dense_ok"]]
+    for r, x in differ:
+        line = f"{x['id']}: dense {'ok' if x['dense_ok'] else 'wrong'} {x['dense_text']!r}, " \
+               f"NELSSA {'ok' if x['nelssa_ok'] else 'wrong'} {x['nelssa_text']!r}"
+        if a.diagnose:
+            x["diagnosis"] = diagnose(model_dir, r["prompt_ids"], x["dense_ids"], x["value"], budget=a.budget,
+                                      sink=cfg.sink, recent=cfg.recent, cluster_size=cfg.cluster_size,
+                                      segment=cfg.segment, iters=cfg.iters, seed=cfg.seed, dtype=res["dtype"])
+            line += f"\n    {x['diagnosis']}"
+        print(line, flush=True)
+    for x in res["rows"]:
+        x.pop("dense_ids")
+    print(json.dumps({k: v for k, v in res.items() if k != "rows"}, indent=1))
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
