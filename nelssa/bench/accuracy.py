@@ -6,9 +6,11 @@ and reports the accuracies, the paired verdict (see ``paired_verdict``) and ever
 answer differs between the two. ``--diagnose`` explains each differing prompt offline: the prompt
 plus the dense answer goes once through transformers (post-RoPE q/k/v captured), each layer's host
 range is clustered as the plugin does (same cluster size, segment, iterations, seed) and, for the
-decode queries of the answer, it reports whether the needle's value tokens are in the window, the
-fraction of them inside the clusters selected at the budget (needle recall, mean over layers, KV
-heads and answer steps; per layer minimum too), and the mean tokens per cluster holding them. This
+decode queries that produce the answer's value, it reports whether the needle's value tokens are in
+the window, the fraction of them inside the clusters selected at the budget (needle recall: plain
+mean over layers, KV heads and steps, and weighted by dense attention's mass on each needle token,
+which counts the heads that actually read the needle), the share of dense attention on the needle,
+the layers with recall below one half, and the mean tokens per cluster holding needle tokens. This
 re-computation follows the algorithm, not the engine's exact block-aligned ranges, so it explains
 rather than reproduces.
 
@@ -84,7 +86,8 @@ def run_set(model_dir: str, lengths, depths, seed: int, *, dtype: str | None = N
         a, b = on["results"][r["id"]], off["results"][r["id"]]
         rows.append({"id": r["id"], "prompt_len": len(r["prompt_ids"]), "value": v,
                      "nelssa_ok": v in a["text"], "dense_ok": v in b["text"],
-                     "nelssa_text": a["text"], "dense_text": b["text"], "dense_ids": b["token_ids"]})
+                     "nelssa_text": a["text"], "dense_text": b["text"],
+                     "answer_ids": b["token_ids"] if v in b["text"] else a["token_ids"]})
     verdict = paired_verdict([x["nelssa_ok"] for x in rows], [x["dense_ok"] for x in rows])
     return {"dtype": dtype, "nelssa": section, "prompt_tokens": sum(x["prompt_len"] for x in rows),
             "wall_s": {"nelssa": round(t1 - t0, 1), "dense": round(t2 - t1, 1)}, "verdict": verdict,
@@ -106,7 +109,8 @@ def _needle_positions(tok, ids: list[int], value: str) -> list[int]:
 
 def diagnose(model_dir: str, ids: list[int], answer_ids: list[int], value: str, *, budget: float, sink: int,
              recent: int, cluster_size: int, segment: int, iters: int, seed: int, dtype: str) -> dict:
-    """Offline explanation of one prompt (see the module docstring)."""
+    """Offline explanation of one prompt (see the module docstring). ``answer_ids``: the answer that
+    contains the value; the decode queries are those that predict its tokens up to the value's end."""
     import torch
     from transformers import AutoTokenizer
 
@@ -116,35 +120,46 @@ def diagnose(model_dir: str, ids: list[int], answer_ids: list[int], value: str, 
     needle = _needle_positions(tok, ids, value)
     L = len(ids)
     lo, hi = sink, L - recent  # host range of the prompt (the engine's is block-aligned)
-    in_host = [p - lo for p in needle if lo <= p < hi]
-    full = ids + list(answer_ids[:-1])
-    steps = list(range(L, len(full)))  # decode queries (the first answer token came from the dense prefill)
+    in_host = [p for p in needle if lo <= p < hi]
+    end = next((e for e in range(1, len(answer_ids) + 1) if value in tok.decode(answer_ids[:e])), len(answer_ids))
+    full = ids + list(answer_ids[:end - 1])
+    steps = list(range(L, len(full)))  # decode queries predicting answer tokens 1..end-1 (token 0: dense prefill)
     layers = list(range(30))
     qkv, _ = capture_qkv(model_dir, 0, layers, dtype=getattr(torch, dtype), ids=full)
-    per_layer, sizes = [], []
+    per_layer, sizes, mass_all, cov_all, share = [], [], 0.0, 0.0, []
     for layer in layers:
         q, k, v = qkv[layer]
         ckv = cluster_kv(k[:, lo:hi].contiguous(), v[:, lo:hi].contiguous(), cluster_size=cluster_size,
                          segment=segment, iters=iters, seed=seed)
-        H = k.shape[0]
+        H, G, D = k.shape[0], q.shape[0] // k.shape[0], k.shape[2]
+        needle_cl = []  # per KV head: the cluster of each needle token in the host range
+        for h in range(H):
+            inv = torch.empty(hi - lo, dtype=torch.long)
+            for c in range(ckv.num_clusters):
+                st, sz = int(ckv.cstart[h, c]), int(ckv.csize[h, c])
+                inv[ckv.perm[h, st:st + sz]] = c
+            needle_cl.append([int(inv[p - lo]) for p in in_host])
+            sizes += [int(ckv.csize[h, c]) for c in needle_cl[-1]]
         rec = []
         for t in steps:
             sel = select_clusters(q[:, t].unsqueeze(0), [ckv], budget)
             for h in range(H):
                 chosen = set(sel.ids[0][h, :sel.counts[0][h]].tolist())
-                inv = torch.empty(hi - lo, dtype=torch.long)
-                for c in range(ckv.num_clusters):
-                    st, sz = int(ckv.cstart[h, c]), int(ckv.csize[h, c])
-                    inv[ckv.perm[h, st:st + sz]] = c
-                cl = [int(inv[p]) for p in in_host]
-                rec.append(sum(c in chosen for c in cl) / max(1, len(cl)))
-                sizes += [int(ckv.csize[h, c]) for c in cl]
+                hit = torch.tensor([c in chosen for c in needle_cl[h]], dtype=torch.bool)
+                rec.append(float(hit.float().mean()) if len(hit) else 1.0)
+                # dense attention of the group's query heads at step t: mass on the needle, covered mass
+                p = torch.softmax(q[h * G:(h + 1) * G, t].double() @ k[h, :t + 1].double().T * D ** -0.5, -1)
+                m = p[:, in_host].sum(0) if in_host else torch.zeros(0, dtype=torch.float64)
+                mass_all += float(m.sum())
+                cov_all += float(m[hit].sum()) if len(hit) else 0.0
+                share.append(float(p[:, needle].sum(-1).mean()))
         per_layer.append(sum(rec) / max(1, len(rec)))
     return {"prompt_len": L, "needle_tokens": needle, "needle_in_window": len(in_host) < len(needle),
-            "needle_recall_mean": round(sum(per_layer) / len(per_layer), 3),
-            "needle_recall_min_layer": round(min(per_layer), 3),
+            "decode_steps": len(steps), "needle_recall_mean": round(sum(per_layer) / len(per_layer), 3),
+            "needle_recall_attention_weighted": round(cov_all / mass_all, 3) if mass_all else None,
+            "needle_attention_share": round(sum(share) / max(1, len(share)), 4),
             "layers_recall_below_half": [i for i, r in enumerate(per_layer) if r < 0.5],
-            "tokens_per_needle_cluster": round(sum(sizes) / max(1, len(sizes)), 1), "decode_steps": len(steps)}
+            "tokens_per_needle_cluster": round(sum(sizes) / max(1, len(sizes)), 1)}
 
 
 def main(argv=None) -> None:
@@ -170,13 +185,13 @@ def main(argv=None) -> None:
         line = f"{x['id']}: dense {'ok' if x['dense_ok'] else 'wrong'} {x['dense_text']!r}, " \
                f"NELSSA {'ok' if x['nelssa_ok'] else 'wrong'} {x['nelssa_text']!r}"
         if a.diagnose:
-            x["diagnosis"] = diagnose(model_dir, r["prompt_ids"], x["dense_ids"], x["value"], budget=a.budget,
+            x["diagnosis"] = diagnose(model_dir, r["prompt_ids"], x["answer_ids"], x["value"], budget=a.budget,
                                       sink=cfg.sink, recent=cfg.recent, cluster_size=cfg.cluster_size,
                                       segment=cfg.segment, iters=cfg.iters, seed=cfg.seed, dtype=res["dtype"])
             line += f"\n    {x['diagnosis']}"
         print(line, flush=True)
     for x in res["rows"]:
-        x.pop("dense_ids")
+        x.pop("answer_ids")
     print(json.dumps({k: v for k, v in res.items() if k != "rows"}, indent=1))
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
