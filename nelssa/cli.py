@@ -16,6 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--out", default=None)
     b = sub.add_parser("bench-sparse", help="host sparse-attention benchmark (see nelssa.bench.sparse_attention)")
     b.add_argument("args", nargs=argparse.REMAINDER)
+    bh = sub.add_parser("bench", help="benchmarks: hol (head-of-line scenario, NELSSA vs NELSSA_OFF)")
+    bh.add_argument("name", choices=["hol"])
+    bh.add_argument("args", nargs=argparse.REMAINDER)
     sv = sub.add_parser("serve", help="vLLM's OpenAI server with NELSSA (NELSSA_OFF=1: the stock baseline)",
                         description="Extra arguments go to vLLM's api_server (e.g. --port 8000 --max-model-len 8192).")
     sv.add_argument("--model", default=None, help="model path (default: the prepared SmolLM2)")
@@ -23,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     a, rest = ap.parse_known_args(argv)
     if a.cmd == "serve":
         return serve(a.model, a.nelssa, rest)
+    if a.cmd == "bench":
+        from nelssa.bench.hol import main as hol
+        return hol(a.args + rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if a.cmd == "prepare-model":
@@ -53,8 +59,11 @@ def serve_command(model: str | None, nelssa_json: str, extra: list[str]) -> list
     if not torch.cuda.is_available() and not any(a == "--dtype" or a.startswith("--dtype=") for a in extra):
         from nelssa.cpu import cpu_dtype
         cmd += ["--dtype", cpu_dtype()]
+    from nelssa.vllm_plugin.connector import CONNECTOR
     for k, v in engine_args(json.loads(nelssa_json)).items():
         flag = "--" + k.replace("_", "-")
+        if k == "kv_transfer_config":
+            v = dict(CONNECTOR)
         cmd += [flag, json.dumps(v) if isinstance(v, dict) else str(v)]
     return cmd + extra
 

@@ -85,6 +85,7 @@ class NelssaConfig:
     sink: int = 16                # first tokens kept on the device
     recent: int = 64              # last tokens kept on the device
     chunk: int = 1024             # generated tokens clustered and appended to the host tier at once
+    long_prefills: int = 1        # long prompts prefilling at once (admission; 0: no limit)
     engine: str = "local"         # host tier: "local" (in-process pool)
     cluster_size: int = 8         # mean tokens per cluster (8 measured better than 16 on needles, see README)
     segment: int = 8192           # k-means segment length (tokens)
@@ -110,6 +111,8 @@ class NelssaConfig:
             f"budget must be in (0, 1], got {self.budget!r}")
         req(self.sink >= 0 and self.recent >= 1, f"sink must be >= 0 and recent >= 1, got {self.sink}, {self.recent}")
         req(self.chunk >= 1, f"chunk must be >= 1, got {self.chunk}")
+        req(isinstance(self.long_prefills, int) and self.long_prefills >= 0,
+            f"long_prefills must be an int >= 0, got {self.long_prefills!r}")
         req(self.engine in ("local",), f"engine must be 'local', got {self.engine!r}")
         req(self.cluster_size >= 1 and self.segment >= self.cluster_size and self.iters >= 1,
             "cluster_size >= 1, segment >= cluster_size and iters >= 1 required")
@@ -137,6 +140,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_SINK": ("sink", int),
     "NELSSA_RECENT": ("recent", int),
     "NELSSA_CHUNK": ("chunk", int),
+    "NELSSA_LONG_PREFILLS": ("long_prefills", int),
     "NELSSA_ENGINE": ("engine", str),
     "NELSSA_SEED": ("seed", int),
     "NELSSA_USE_CPP": ("use_cpp", _bool),

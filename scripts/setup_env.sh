@@ -82,6 +82,9 @@ fi
 log "installing nixl==$NIXL_VERSION + nixl-cu13==$NIXL_VERSION (--no-deps)"
 pip install -q --no-deps "nixl==$NIXL_VERSION" "nixl-cu13==$NIXL_VERSION"
 
+log "installing matplotlib==$MATPLOTLIB_VERSION (benchmark plots)"
+pip install -q -c "$cons" "matplotlib==$MATPLOTLIB_VERSION"
+
 log "installing nelssa (editable, test extras) and building nelssa._C"
 pip install -q -c "$cons" setuptools wheel ninja
 pip install -q -c "$cons" --no-build-isolation -e "$repo[test]"

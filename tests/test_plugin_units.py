@@ -10,19 +10,23 @@ from nelssa.sparse import cluster_kv, dense_attention, merge_states, select_clus
 from nelssa.vllm_plugin.policy import Policy, host_bytes
 
 
-def test_policy_host_range_and_freed_blocks():
+def test_policy_goal_switch_and_freed_blocks():
     p = Policy(T_input=2048, sink=16, recent=64, chunk=256, block_size=128)
     assert not p.is_long(2047) and p.is_long(2048)
-    assert p.host_end(5000, 4999) == 0  # prompt not yet processed
-    assert p.host_end(1000, 1200) == 0  # short request
+    assert p.goal(5000, 4999) == 0  # prompt not yet processed
+    assert p.goal(1000, 1200) == 0  # short request
     h0 = (5000 - 64) // 128 * 128
-    assert p.host_end(5000, 5000) == h0 == 4864
+    assert p.goal(5000, 5000) == h0 == 4864
     # generated tokens move a chunk at a time, keeping >= recent tokens on the device
-    assert p.host_end(5000, h0 + 64 + 255) == h0 and p.host_end(5000, h0 + 64 + 256) == h0 + 256
+    assert p.goal(5000, h0 + 64 + 255) == h0 and p.goal(5000, h0 + 64 + 256) == h0 + 256
     for n in range(5000, 6000, 7):
-        h = p.host_end(5000, n)
-        assert h % 128 == 0 and n - h >= 64 and p.device_tokens(5000, n) == 16 + n - h
-    assert p.freed_blocks(5000, 5000) == (1, 38)
+        h = p.goal(5000, n)
+        assert h % 128 == 0 and n - h >= 64
+    # a range is used only once hand-offs cover the prompt's goal: staged segments alone do not switch
+    assert p.in_use(5000, 16 + 2048) == 0 and p.in_use(5000, h0 - 128) == 0
+    assert p.in_use(5000, h0) == h0 and p.in_use(5000, h0 + 256) == h0 + 256
+    assert p.in_use(1000, 5000) == 0
+    assert p.freed_blocks(h0) == (1, 38) and p.freed_blocks(0) == (1, 0)
     with pytest.raises(ValueError, match="multiple of the KV block size"):
         Policy(2048, 16, 64, 100, 128)
     with pytest.raises(ValueError, match="T_input"):
@@ -103,3 +107,61 @@ def test_estimate_of_unselected_clusters():
         ref, _ = dense_attention(q[0], k, v)
         errs.append((rel_err(out, ref), rel_err(merged, ref)))
     assert sum(m for _, m in errs) < 0.9 * sum(o for o, _ in errs)
+
+
+def test_prepared_parts_stay_invisible_until_committed():
+    """A background hand-off prepares parts (commit=False) that attention must not see until the
+    switch: the committed view is unchanged, and committing gives exactly the eager result."""
+    k, v = torch.randn(2, 600, 32), torch.randn(2, 600, 32)
+    eager = cluster_kv(k[:, :400], v[:, :400], seed=3)
+    eager.append(k[:, 400:], v[:, 400:])
+    lazy = cluster_kv(k[:, :400], v[:, :400], seed=3, commit=False)
+    assert lazy.length == 0 and lazy.num_clusters == 0 and lazy.pending_tokens == 400
+    lazy.commit_until(400)
+    lazy.append(k[:, 400:], v[:, 400:], commit=False)
+    assert lazy.length == 400 and lazy.pending_tokens == 200
+    with pytest.raises(ValueError, match="500 expected"):
+        lazy.commit_until(500)  # out of step with the policy: loud
+    lazy.commit_until(600)
+    for name in ("centroids", "sizes", "cstart", "csize", "perm", "cpart"):
+        assert torch.equal(getattr(lazy, name), getattr(eager, name)), name
+    q = torch.randn(4, 32)
+    o1, l1 = sparse_attention(q, lazy, 1.0)
+    o2, l2 = sparse_attention(q, eager, 1.0)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+def test_scheduler_follows_vllms_async_scheduling_choice():
+    """vLLM builds the --scheduler-cls it is given; NELSSA's class then takes vLLM's AsyncScheduler as
+    its base when async scheduling is on (CUDA default), so that fast path stays on."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from nelssa.vllm_plugin.scheduler import NelssaAsyncScheduler, NelssaScheduler
+
+    def cfg(on):
+        return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=on))
+    a = NelssaScheduler.__new__(NelssaScheduler, vllm_config=cfg(True))
+    s = NelssaScheduler.__new__(NelssaScheduler, cfg(False))
+    assert type(a) is NelssaAsyncScheduler and isinstance(a, AsyncScheduler) and isinstance(a, NelssaScheduler)
+    assert type(s) is NelssaScheduler and not isinstance(s, AsyncScheduler)
+    # NELSSA's overrides run before AsyncScheduler's, which run before Scheduler's
+    mro = NelssaAsyncScheduler.__mro__
+    assert mro.index(NelssaScheduler) < mro.index(AsyncScheduler)
+
+
+def test_layers_clustered_together_equal_layer_by_layer():
+    """The hand-off clusters all layers in one k-means run (stacked along the head axis): each layer
+    gets the labels a run of its own with the same seed gives; a small logits cap splits the layers
+    into groups (seeded by their first layer) without changing shapes."""
+    from nelssa.sparse.clustered import cluster_layers
+    from nelssa.sparse.kmeans import segmented_kmeans
+    ks = [torch.randn(3, 700, 32) for _ in range(4)]
+    got = cluster_layers(ks, seed=5, cluster_size=8, segment=300, iters=4)
+    for k, (lab, c) in zip(ks, got):
+        want, wc = segmented_kmeans(k, seed=5, cluster_size=8, segment=300, iters=4)
+        assert c == wc and torch.equal(lab, want)
+    small = cluster_layers(ks, seed=5, cluster_size=8, segment=300, iters=4, max_logits_bytes=1)
+    assert [lab.shape for lab, _ in small] == [(3, 700)] * 4
+    assert torch.equal(small[2][0], segmented_kmeans(ks[2], seed=7, cluster_size=8, segment=300, iters=4)[0])

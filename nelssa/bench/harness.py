@@ -6,6 +6,9 @@ per step and request the device blocks held, free blocks, host-tier bytes; at th
 
     python -m nelssa.bench.harness '{"mode": "on", "nelssa": {"budget": 1.0}, "requests": [...]}'
 
+Spec "sync_handoff" (default true): after each step wait for NELSSA's background hand-offs, so the
+switch to host attention comes at deterministic steps (a run of `nelssa bench hol` keeps them
+asynchronous, as in serving).
 A request: {"id", "prompt_ids" | "text_tokens": n (+ "offset") | "chat": str, "max_tokens",
 "abort_at_step"?, "add_at_step"?, "priority"?}.
 """
@@ -66,6 +69,7 @@ def run(spec: dict) -> dict:
     worker = core.model_executor.driver_worker.worker
     runner = worker.model_runner
     host = getattr(runner, "nelssa_host", None)
+    sync_handoff = spec.get("sync_handoff", True) and getattr(runner, "nelssa_handoff", None) is not None
     tok = llm.get_tokenizer()
 
     reqs = spec["requests"]
@@ -90,6 +94,8 @@ def run(spec: dict) -> dict:
         if not pending and not sched.has_requests():  # as EngineCore: one more step flushes finished ids
             break
         outs = eng.step()
+        if sync_handoff:  # deterministic switch points for tests: each move done before the next step
+            runner.nelssa_handoff.wait_all()
         for rid, req in sched.requests.items():
             seen[rid] = req
         row: dict = {"step": step, "free_blocks": kvm.block_pool.get_num_free_blocks(), "rss_mb": _rss_mb(),

@@ -17,6 +17,7 @@ import torch
 
 from nelssa.config import NelssaConfig
 from nelssa.sparse import ClusteredKV, RequestKV, Selection, attend, cluster_kv
+from nelssa.sparse.clustered import cluster_layers
 
 
 class HostError(RuntimeError):
@@ -37,11 +38,16 @@ class HostStats:
         self.cluster_s: list[float] = []   # per-request clustering seconds (all layers of a move)
         self.moved_tokens = 0
         self.failures = 0
+        self.handoff_wait_s: list[float] = []  # main-thread waits for a hand-off not done by its switch
+        self.offload_step_s: list[float] = []  # wall time of each forward with offloaded rows (launch + waits)
+        self.host_wait_s: list[float] = []     # per such step: time the forward's thread waited for host results
 
     def take(self) -> dict:
         with self._lock:
             d = {"long_requests": self.long_requests, "attn_s": self.attn_s, "cluster_s": self.cluster_s,
-                 "moved_tokens": self.moved_tokens, "failures": self.failures}
+                 "moved_tokens": self.moved_tokens, "failures": self.failures,
+                 "handoff_wait_s": self.handoff_wait_s, "offload_step_s": self.offload_step_s,
+                 "host_wait_s": self.host_wait_s}
             self.reset()
         return d
 
@@ -66,8 +72,9 @@ class LocalHostTier:
         self._lock = threading.Lock()
 
     # -------- KV placement
-    def put(self, req_id: str, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Cluster tokens [H, n, D] of a layer into the request's store (first call) or append them."""
+    def put(self, req_id: str, layer: int, keys: torch.Tensor, values: torch.Tensor, commit: bool = True) -> None:
+        """Cluster tokens [H, n, D] of a layer into the request's store (first call) or append them.
+        ``commit=False``: prepared in the background, invisible to attention until ``commit``."""
         with self._lock:
             rkv = self.reqs.get(req_id)
             if rkv is None:
@@ -75,9 +82,47 @@ class LocalHostTier:
                 self.stats.add(long_requests=1)
         ckv = rkv.layers[layer]
         if ckv is None:
-            rkv.set_layer(layer, cluster_kv(keys, values, seed=self.cfg.seed + layer))
+            rkv.set_layer(layer, cluster_kv(keys, values, seed=self.cfg.seed + layer, commit=commit))
         else:
-            ckv.append(keys, values)
+            ckv.append(keys, values, commit=commit)
+
+    def put_layers(self, req_id: str, keys: list[torch.Tensor], values: list[torch.Tensor],
+                   commit: bool = True) -> None:
+        """``put`` for every layer at once ([H, n, D] each, layer order): k-means runs over the layers
+        together (``cluster_layers``), far fewer launches than layer by layer."""
+        cfg = self.cfg
+        with self._lock:
+            rkv = self.reqs.get(req_id)
+            if rkv is None:
+                rkv = self.reqs[req_id] = RequestKV(req_id, self.num_layers)
+                self.stats.add(long_requests=1)
+        if len(keys) != self.num_layers or len(values) != self.num_layers:
+            raise HostError(f"put_layers: {len(keys)} layers given, the host tier has {self.num_layers}")
+        part = 0 if rkv.layers[0] is None else len(rkv.layers[0].parts) + len(rkv.layers[0]._pending)
+        labels = cluster_layers(keys, seed=cfg.seed + 1000 * part, cluster_size=cfg.cluster_size,
+                                segment=cfg.segment, iters=cfg.iters)
+        for i, (k, v, lab) in enumerate(zip(keys, values, labels)):
+            ckv = rkv.layers[i]
+            if ckv is None:
+                ckv = ClusteredKV(k.shape[0], k.shape[2], k.dtype, k.device, cluster_size=cfg.cluster_size,
+                                  segment=cfg.segment, iters=cfg.iters, seed=cfg.seed + i)
+                rkv.set_layer(i, ckv)
+            ckv.append(k, v, commit=commit, labels=lab)
+
+    def commit(self, req_id: str, length: int) -> None:
+        """Make a request's prepared parts visible until every layer holds exactly ``length`` tokens."""
+        rkv = self.reqs.get(req_id)
+        if rkv is None:
+            raise HostError(f"request {req_id} has no host KV")
+        if not rkv.complete:
+            raise HostError(f"request {req_id}: host KV incomplete (layers missing)")
+        for ckv in rkv.layers:
+            ckv.commit_until(length)
+
+    def committed(self, req_id: str) -> int:
+        """Tokens of a request visible to attention (0 when none)."""
+        rkv = self.reqs.get(req_id)
+        return rkv.layers[0].length if rkv is not None and rkv.layers[0] is not None else 0
 
     def layer_kv(self, req_id: str, layer: int) -> ClusteredKV:
         rkv = self.reqs.get(req_id)
@@ -106,15 +151,26 @@ class LocalHostTier:
                       layer: int) -> Future:
         """Start host attention of q [n, Hq, D] over the selected clusters; returns a future of
         fp32 (out [n, Hq, D], lse [n, Hq]) on the host."""
-        q_cpu = q.detach().to("cpu")  # in the caller's stream/thread; the kernel takes the KV dtype
+        ready, pinned = sel.ready, q.is_cuda
+        if q.is_cuda:  # no wait on the caller's thread: pinned copy, the pool thread waits for the event
+            q_cpu = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
+            q_cpu.copy_(q.detach(), non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()  # after the selection's copies on the same stream: covers them too
+        else:
+            q_cpu = q.detach()  # the kernel takes q in the KV dtype or fp32
         fault = self.cfg.fault
 
         def run():
+            if ready is not None:
+                ready.synchronize()
             t = time.perf_counter()
             if fault == "attend":
                 raise HostError("injected host-tier fault (NELSSA_FAULT=attend)")
             out = attend(q_cpu, ckvs, sel, scale)
             self.stats.add(attn_s=time.perf_counter() - t)
+            if pinned:  # the caller copies it to the device without waiting for its stream
+                out = tuple(x.pin_memory() for x in out)
             return out
 
         return self._pool.submit(run)

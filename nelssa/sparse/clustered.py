@@ -110,6 +110,18 @@ class KVPart:
     kv: torch.Tensor
 
 
+@dataclass
+class _Pending:
+    """A clustered part prepared by ``append(commit=False)``, not yet visible to readers."""
+    n: int
+    kv: torch.Tensor
+    sizes_cpu: torch.Tensor
+    perm: torch.Tensor
+    cent: torch.Tensor
+    sizes: torch.Tensor
+    vmean: torch.Tensor
+
+
 class ClusteredKV:
     """A request's clustered KV for one layer.
 
@@ -136,6 +148,7 @@ class ClusteredKV:
         self.csize = torch.empty(H, 0, dtype=torch.int32)
         self.perm = torch.empty(H, 0, dtype=torch.int64)
         self.length = 0
+        self._pending: list[_Pending] = []
         self.freed = False
 
     @property
@@ -145,7 +158,7 @@ class ClusteredKV:
     @property
     def nbytes(self) -> int:
         """Host bytes held (K/V rows and tables)."""
-        kv = sum(p.kv.nbytes for p in self.parts)
+        kv = sum(p.kv.nbytes for p in self.parts) + sum(p.kv.nbytes for p in list(self._pending))
         return kv + self.cpart.nbytes + self.cstart.nbytes + self.csize.nbytes + self.perm.nbytes
 
     @property
@@ -157,10 +170,16 @@ class ClusteredKV:
         if self.freed:
             raise ValueError("this ClusteredKV was freed")
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def append(self, keys: torch.Tensor, values: torch.Tensor, commit: bool = True,
+               labels: tuple[torch.Tensor, int] | None = None) -> None:
         """Cluster a chunk of new tokens [H, n, D] on its own and append it as a new part.
 
-        Existing clusters are untouched; new tokens get positions length .. length + n - 1.
+        Existing clusters are untouched; new tokens get positions length .. length + n - 1. With
+        ``commit=False`` the part is prepared (clustered, packed on the host, centroids on the device)
+        but stays invisible to readers until ``commit_until``: a background hand-off builds it while
+        attention keeps reading the committed parts. One thread appends; readers and the committer
+        are another (list append/pop are atomic). ``labels`` ([H, n] cluster ids, C): clustering done
+        by the caller (``cluster_layers`` runs it for many layers at once).
         """
         self.check_alive()
         _check_kv(keys, values)
@@ -168,8 +187,9 @@ class ClusteredKV:
         if (H, D) != (self.num_kv_heads, self.head_dim) or keys.dtype != self.dtype:
             raise ValueError(f"append: chunk is [{H}, *, {D}] {keys.dtype}, store is "
                              f"[{self.num_kv_heads}, *, {self.head_dim}] {self.dtype}")
-        seed = self.seed + len(self.parts)
-        labels, C = segmented_kmeans(keys, seed=seed, **self.params)
+        if labels is None:
+            labels = segmented_kmeans(keys, seed=self.seed + len(self.parts) + len(self._pending), **self.params)
+        labels, C = labels
         sizes = torch.zeros(H, C, dtype=torch.long, device=keys.device)
         sizes.scatter_add_(1, labels, torch.ones_like(labels))
         perm = torch.sort(labels, dim=1, stable=True).indices
@@ -177,24 +197,44 @@ class ClusteredKV:
         count = sizes.clamp_min(1).unsqueeze(-1)
         cent = (torch.zeros(H, C, D, device=keys.device).scatter_add_(1, idx, keys.float()) / count).to(self.dtype)
         vmean = (torch.zeros(H, C, D, device=keys.device).scatter_add_(1, idx, values.float()) / count).to(self.dtype)
-
-        part = len(self.parts)
-        self.parts.append(KVPart(pack(keys, values, perm)))
-        sizes_cpu = sizes.cpu()
-        starts = torch.cumsum(sizes_cpu, 1) - sizes_cpu
-        self.cpart = torch.cat([self.cpart, torch.full((C,), part, dtype=torch.int32)])
-        self.cstart = torch.cat([self.cstart, starts], 1).contiguous()
-        self.csize = torch.cat([self.csize, sizes_cpu.to(torch.int32)], 1).contiguous()
-        self.perm = torch.cat([self.perm, perm.cpu() + self.length], 1)
         dev = self.device
-        self.centroids = torch.cat([self.centroids, cent.to(dev)], 1)
-        self.sizes = torch.cat([self.sizes, sizes.to(device=dev, dtype=torch.int32)], 1)
-        self.vmeans = torch.cat([self.vmeans, vmean.to(dev)], 1)
-        self.length += n
+        part = _Pending(n=n, kv=pack(keys, values, perm), sizes_cpu=sizes.cpu(), perm=perm.cpu(),
+                        cent=cent.to(dev), sizes=sizes.to(device=dev, dtype=torch.int32), vmean=vmean.to(dev))
+        self._pending.append(part)
+        if commit:
+            self.commit_until(self.length + self.pending_tokens)
+
+    @property
+    def pending_tokens(self) -> int:
+        return sum(p.n for p in list(self._pending))
+
+    def commit_until(self, length: int) -> None:
+        """Make prepared parts visible, in order, while they fit in ``length`` tokens. Raises if they do
+        not add up to exactly ``length`` (a hand-off out of step with the policy); a part that would
+        overshoot stays prepared."""
+        self.check_alive()
+        while self._pending and self.length + self._pending[0].n <= length:
+            p = self._pending.pop(0)
+            part = len(self.parts)
+            self.parts.append(KVPart(p.kv))
+            starts = torch.cumsum(p.sizes_cpu, 1) - p.sizes_cpu
+            C = p.sizes_cpu.shape[1]
+            self.cpart = torch.cat([self.cpart, torch.full((C,), part, dtype=torch.int32)])
+            self.cstart = torch.cat([self.cstart, starts], 1).contiguous()
+            self.csize = torch.cat([self.csize, p.sizes_cpu.to(torch.int32)], 1).contiguous()
+            self.perm = torch.cat([self.perm, p.perm + self.length], 1)
+            self.centroids = torch.cat([self.centroids, p.cent], 1)
+            self.sizes = torch.cat([self.sizes, p.sizes], 1)
+            self.vmeans = torch.cat([self.vmeans, p.vmean], 1)
+            self.length += p.n
+        if self.length != length:
+            raise ValueError(f"host KV holds {self.length} committed (+{self.pending_tokens} prepared) tokens, "
+                             f"{length} expected")
 
     def free(self) -> None:
         """Release host and device memory now; later use raises."""
         self.parts.clear()
+        self._pending.clear()
         H = self.num_kv_heads
         self.centroids = self.centroids.new_empty(H, 0, self.head_dim)
         self.sizes = self.sizes.new_empty(H, 0)
@@ -211,7 +251,7 @@ class ClusteredKV:
 
 def cluster_kv(keys: torch.Tensor, values: torch.Tensor, *, seed: int | None = None,
                cluster_size: int | None = None, segment: int | None = None, iters: int | None = None,
-               centroid_device: torch.device | str | None = None) -> ClusteredKV:
+               centroid_device: torch.device | str | None = None, commit: bool = True) -> ClusteredKV:
     """Cluster one layer of one request: keys/values [kv_heads, L, D] -> ClusteredKV.
 
     Clustering runs on the keys' device; K/V go to the host cluster-contiguously; centroids stay on
@@ -223,5 +263,23 @@ def cluster_kv(keys: torch.Tensor, values: torch.Tensor, *, seed: int | None = N
                       torch.device(centroid_device) if centroid_device is not None else keys.device,
                       cluster_size=cluster_size or cfg.cluster_size, segment=segment or cfg.segment,
                       iters=iters or cfg.iters, seed=cfg.seed if seed is None else seed)
-    ckv.append(keys, values)
+    ckv.append(keys, values, commit=commit)
     return ckv
+
+
+def cluster_layers(keys: list[torch.Tensor], *, seed: int, cluster_size: int, segment: int, iters: int,
+                   max_logits_bytes: int = 1 << 30) -> list[tuple[torch.Tensor, int]]:
+    """Segmented k-means of several layers' keys ([H, n, D] each, same shape) in as few launches as
+    memory allows: layers are stacked along the head axis (k-means is per head), in groups whose
+    assignment logits stay under ``max_logits_bytes``. -> per layer (labels [H, n], C)."""
+    H, n, _ = keys[0].shape
+    c = max(1, round(min(n, segment) / cluster_size))
+    per_layer = H * min(n, segment) * c * 4
+    g = max(1, min(len(keys), max_logits_bytes // max(1, per_layer)))
+    out: list[tuple[torch.Tensor, int]] = []
+    for i in range(0, len(keys), g):
+        group = keys[i:i + g]
+        labels, C = segmented_kmeans(torch.cat(group, 0), seed=seed + i, cluster_size=cluster_size, segment=segment,
+                                     iters=iters)
+        out.extend((lab, C) for lab in labels.split(H, 0))
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ class Selection:
     ids: list[torch.Tensor]
     counts: list[torch.Tensor]
     estimate: tuple[torch.Tensor, torch.Tensor] | None = None
+    ready: Any = None  # CUDA event: ids/counts (pinned host memory) are valid once it has completed
 
     def tokens(self, ckvs: list[ClusteredKV]) -> list[torch.Tensor]:
         """Selected tokens per (request, head), for reporting."""
@@ -37,13 +39,17 @@ def budget_tokens(budget: float, length: int) -> int:
 
 
 def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: float,
-                    scale: float | None = None, estimate: bool = False) -> Selection:
+                    scale: float | None = None, estimate: bool = False, no_sync: bool = False) -> Selection:
     """Rank clusters by the query heads' softmax probability mass and fill the budget.
 
     queries [B, Hq, D] (on the centroids' device). Per request and KV head: scores of its centroids
     against each query head of the GQA group (scaled dot products), softmax over clusters, summed
     over the group; clusters in descending order until ``budget`` of the request's tokens is covered
     (the last cluster may overshoot). Empty clusters are never selected. Batched over requests.
+
+    ``no_sync`` (CUDA centroids): the ids go to pinned host memory by an asynchronous copy sized by the
+    budget's upper bound (a selected cluster holds >= 1 token), so the caller never waits for the
+    device; ``ready`` is the event after which they are valid.
     """
     B, Hq, D = queries.shape
     H = ckvs[0].num_kv_heads
@@ -71,7 +77,10 @@ def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: floa
     order = torch.argsort(mass, dim=-1, descending=True)
     ssz = sizes.gather(-1, order).long()
     before = torch.cumsum(ssz, -1) - ssz
-    target = torch.tensor([budget_tokens(budget, c.length) for c in ckvs], device=dev).view(B, 1, 1)
+    target = torch.tensor([budget_tokens(budget, c.length) for c in ckvs])
+    if dev.type == "cuda":  # a pageable host->device copy would wait for the stream: pinned + async
+        target = target.pin_memory()
+    target = target.to(dev, non_blocking=True).view(B, 1, 1)
     keep = (before < target) & (ssz > 0)
     counts = keep.sum(-1)
     ids = torch.where(keep, order, torch.full_like(order, cmax)).sort(-1).values
@@ -83,6 +92,15 @@ def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: floa
         w = torch.exp(lg - lse.unsqueeze(-1)).nan_to_num_(0.0)
         out = torch.einsum("bhgc,bhcd->bhgd", w, vm.float())
         est = (out.reshape(B, Hq, D), lse.reshape(B, Hq))
+    if no_sync and dev.type == "cuda":
+        bound = max(1, min(cmax, max(budget_tokens(budget, c.length) for c in ckvs)))
+        ids_h = torch.empty((B, H, bound), dtype=ids.dtype, pin_memory=True)
+        cnt_h = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        ids_h.copy_(ids[..., :bound], non_blocking=True)
+        cnt_h.copy_(counts, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return Selection([ids_h[b] for b in range(B)], [cnt_h[b] for b in range(B)], est, ready=ev)
     smax = int(counts.max())
     ids, counts = ids[..., :smax].cpu(), counts.cpu()
     return Selection([ids[b, :, :smax].contiguous() for b in range(B)], [counts[b] for b in range(B)], est)

@@ -5,6 +5,7 @@ NELSSA when its ``additional_config`` has a "nelssa" section and NELSSA_OFF is u
 NELSSA's worker, scheduler and KV connector, which ``engine_args()`` spells out:
 
     LLM(model, **engine_args({"T_input": 2048, "budget": 0.04}))
+    AsyncEngineArgs(model=model, **engine_args({...}))   # EngineArgs too: the same keywords
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ def register() -> None:
 
 
 def engine_args(nelssa: dict[str, Any] | None = None, *, cuda: bool | None = None) -> dict[str, Any]:
-    """vLLM engine arguments that turn NELSSA on (or, with NELSSA_OFF=1, the stock baseline: {})."""
+    """vLLM engine arguments that turn NELSSA on (or, with NELSSA_OFF=1, the stock baseline: {}).
+
+    The values are vLLM's own config objects where vLLM wants one (``kv_transfer_config``), so the
+    same keywords work for ``LLM``, ``EngineArgs`` and ``AsyncEngineArgs``."""
     from nelssa.config import _bool, load_config
     if _bool(os.environ.get("NELSSA_OFF", "0")):
         return {}
@@ -42,5 +46,6 @@ def engine_args(nelssa: dict[str, Any] | None = None, *, cuda: bool | None = Non
         cuda = torch.cuda.is_available()
     if cuda:
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    from vllm.config import KVTransferConfig
     return {"additional_config": {"nelssa": section}, "worker_cls": WORKER_GPU if cuda else WORKER_CPU,
-            "scheduler_cls": SCHEDULER, "kv_transfer_config": dict(CONNECTOR)}
+            "scheduler_cls": SCHEDULER, "kv_transfer_config": KVTransferConfig(**CONNECTOR)}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ class StepPlan:
     seq_lens: list[int]             # tokens with KV after this step's write
     failed: dict[str, str] = field(default_factory=dict)
     cache: dict = field(default_factory=dict)  # per-step derived tensors, keyed by purpose
+    wait_s: float = 0.0                         # time this step's forward waited for host results
 
     def fail(self, req_id: str, msg: str) -> None:
         self.failed.setdefault(req_id, msg)
@@ -190,7 +192,9 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
     li = layer.nelssa_layer
     backend = self.nelssa_backend
     q = query.view(-1, self.num_heads, self.head_size)
-    tok = plan.token_idx.to(q.device)
+    tok = plan.cache.get("tok")
+    if tok is None:
+        tok = plan.cache["tok"] = plan.token_idx.to(q.device)
     q_off = q.index_select(0, tok)
     host, live = plan.host, [r not in plan.failed for r in plan.req_ids]
 
@@ -201,7 +205,7 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
         try:
             ckvs = [host.layer_kv(plan.req_ids[i], li) for i in sel_rows]
             qs = q_off[sel_rows] if len(sel_rows) < len(live) else q_off
-            sel = select_clusters(qs, ckvs, cfg.budget, self.scale, estimate=cfg.estimate)
+            sel = select_clusters(qs, ckvs, cfg.budget, self.scale, estimate=cfg.estimate, no_sync=True)
             fut = host.submit_attend(qs, ckvs, sel, self.scale, li)
         except Exception as e:  # noqa: BLE001 - any host-tier failure fails these requests, loudly
             for i in sel_rows:
@@ -225,12 +229,17 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
     out = torch.zeros_like(w_out)
     if fut is not None:
         try:
-            idx = torch.tensor(sel_rows, device=w_out.device)
+            idx = plan.cache.get(("sel", tuple(sel_rows)))
+            if idx is None:
+                idx = plan.cache[("sel", tuple(sel_rows))] = torch.tensor(sel_rows, device=w_out.device)
             m, m_lse = w_out[idx], w_lse[idx]
             if sel.estimate is not None:  # the unselected clusters, estimated on the device
                 m, m_lse = merge_states(m, m_lse, *sel.estimate)
+            t = time.perf_counter()
             h_out, h_lse = host.wait(fut, li)
-            m, _ = merge_states(m, m_lse, h_out.to(w_out.device), h_lse.to(w_out.device))
+            plan.wait_s += time.perf_counter() - t
+            m, _ = merge_states(m, m_lse, h_out.to(w_out.device, non_blocking=True),
+                                h_lse.to(w_out.device, non_blocking=True))
             out[idx] = m
         except Exception as e:  # noqa: BLE001
             for i in sel_rows:

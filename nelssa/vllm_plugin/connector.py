@@ -1,9 +1,15 @@
-"""NELSSA's KV connector: the worker -> scheduler channel (failed requests) and NELSSA's metrics.
+"""NELSSA's KV connector: the scheduler <-> worker channel of the host tier, and NELSSA's metrics.
 
-It moves no KV itself (in P/D it runs beside NixlConnector in a MultiConnector). Worker side: each
-step it reports the requests whose host-tier work failed (KVConnectorWorkerMetadata, read by
-NelssaScheduler before it emits tokens) and the host tier's counters (KVConnectorStats). Those reach
-the API process, where build_prom_metrics exports them on /metrics.
+It moves no KV itself (in P/D it runs beside NixlConnector in a MultiConnector).
+  * scheduler -> worker, each step (NelssaConnectorMetadata): ``host_ends``, the host range [sink, H)
+    each scheduled long request uses in this step (NelssaScheduler decides it; the KV-cache manager
+    frees the blocks below it in the same step's scheduling).
+  * worker -> scheduler, each step (NelssaWorkerMeta): ``handoffs``, the ends of hand-offs completed
+    since the last report (with the request's preemption count, so a stale report is ignored), and
+    ``failed``, requests whose host-tier work failed (finished with an error before any token of
+    theirs from that step is emitted).
+  * worker: the host tier's counters (KVConnectorStats) reach the API process, where
+    build_prom_metrics exports them on /metrics.
 """
 
 from __future__ import annotations
@@ -21,22 +27,42 @@ CONNECTOR = {"kv_connector": "NelssaConnector", "kv_connector_module_path": "nel
              "kv_role": "kv_both"}
 
 
+@dataclass
 class NelssaConnectorMetadata(KVConnectorMetadata):
-    pass
+    host_ends: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class NelssaWorkerMeta(KVConnectorWorkerMetadata):
     failed: dict[str, str] = field(default_factory=dict)
+    handoffs: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (end, generation)
 
     def aggregate(self, other: "NelssaWorkerMeta") -> "NelssaWorkerMeta":
-        return NelssaWorkerMeta({**self.failed, **other.failed})
+        return NelssaWorkerMeta({**self.failed, **other.failed}, {**self.handoffs, **other.handoffs})
+
+
+def nelssa_worker_meta(meta) -> "NelssaWorkerMeta | None":
+    """Ours from a step's aggregated worker metadata (alone or inside a MultiConnector's)."""
+    if isinstance(meta, NelssaWorkerMeta):
+        return meta
+    return next((m for m in getattr(meta, "metadata", ()) or () if isinstance(m, NelssaWorkerMeta)), None)
+
+
+def step_host_ends(meta) -> dict[str, int]:
+    """This step's host ranges from the scheduler output's connector metadata (ours alone or inside
+    a MultiConnector's)."""
+    if isinstance(meta, NelssaConnectorMetadata):
+        return meta.host_ends
+    for m in getattr(meta, "metadata", ()) or ():
+        if isinstance(m, NelssaConnectorMetadata):
+            return m.host_ends
+    return {}
 
 
 @dataclass
 class NelssaStats(KVConnectorStats):
     """data: long_requests, failures, moved_tokens (counts); host_bytes, reserved_bytes (latest);
-    attn_s, cluster_s (lists of seconds)."""
+    attn_s, cluster_s, handoff_wait_s, offload_step_s, host_wait_s (lists of seconds)."""
 
     def reset(self) -> None:
         self.data = {}
@@ -92,6 +118,12 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
                                    documentation="Host sparse attention per layer and step (all long requests)")),
             "cluster_s": per_engine(h(name="nelssa:clustering_seconds", labelnames=labelnames, buckets=buckets,
                                       documentation="Clustering + move to the host tier, per request and move")),
+            "handoff_wait_s": per_engine(h(name="nelssa:handoff_wait_seconds", labelnames=labelnames, buckets=buckets,
+                                           documentation="Step-path waits for a hand-off not done by its switch")),
+            "offload_step_s": per_engine(h(name="nelssa:offload_step_seconds", labelnames=labelnames, buckets=buckets,
+                                           documentation="Forward wall time of steps with offloaded rows")),
+            "host_wait_s": per_engine(h(name="nelssa:host_wait_seconds", labelnames=labelnames, buckets=buckets,
+                                        documentation="Per step with offloaded rows: time waiting for host results")),
         }
 
     def observe(self, data: dict[str, Any], engine_idx: int = 0):
@@ -112,6 +144,7 @@ class NelssaConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.sched_stats: dict[str, Any] = {}  # filled by NelssaScheduler (scheduler role)
+        self.host_ends: dict[str, int] = {}    # set by NelssaScheduler (scheduler role): request -> H in use
 
     # ---- scheduler side: nothing to load, nothing to send
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -121,7 +154,8 @@ class NelssaConnector(KVConnectorBase_V1):
         pass
 
     def build_connector_meta(self, scheduler_output):
-        return NelssaConnectorMetadata()
+        sched = scheduler_output.num_scheduled_tokens
+        return NelssaConnectorMetadata({r: h for r, h in self.host_ends.items() if r in sched})
 
     def request_finished(self, request, block_ids):
         return False, None
@@ -140,8 +174,8 @@ class NelssaConnector(KVConnectorBase_V1):
         pass
 
     def build_connector_worker_meta(self):
-        new = runtime.take_new_failures()
-        return NelssaWorkerMeta(new) if new else None
+        new, done = runtime.take_new_failures(), runtime.take_handoffs()
+        return NelssaWorkerMeta(new, done) if new or done else None
 
     def get_kv_connector_stats(self):
         if self._role == KVConnectorRole.SCHEDULER:

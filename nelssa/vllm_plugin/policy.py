@@ -1,13 +1,19 @@
-"""Which tokens of a request live on the host tier: one pure function shared by the scheduler's KV-cache
-manager (which frees device blocks) and the worker (which moves KV and splits attention), so both
-sides agree without a channel.
+"""Which tokens of a request belong on the host tier: pure functions of (prompt length, tokens with KV)
+that the worker (which hands KV off) and the scheduler (which switches a request to it and frees its
+device blocks) both use.
 
 A request is long when its prompt has >= T_input tokens. Once its prompt is processed (n >= P tokens
-have KV), the host holds [sink, H) and the device keeps the window [0, sink) + [H, n):
-    H = H0 + chunk * floor(max(0, n - recent - H0) / chunk),   H0 = floor((P - recent) / bs) * bs
-H is block aligned (chunk is a multiple of bs), so whole blocks [ceil(sink / bs), H / bs) are freed,
-every token is in exactly one of host / window, and generated tokens move to the host a chunk at a
-time while at least ``recent`` of them stay on the device.
+have KV), the *goal* is that the host holds [sink, G) and the device the window [0, sink) + [G, n):
+    G(n) = H0 + chunk * floor(max(0, n - recent - H0) / chunk),   H0 = floor((P - recent) / bs) * bs
+G is block aligned (chunk is a multiple of bs), so whole blocks [ceil(sink / bs), G / bs) can be
+freed, every token is in exactly one of host / window, and generated tokens move to the host a chunk
+at a time while at least ``recent`` of them stay on the device.
+
+Moving a range to the host takes time (clustering, copying), so it runs in the background
+(handoff.Handoff) while the request keeps decoding from its device blocks. The range in use, H, is
+the end of the hand-offs the worker has reported complete (``in_use``) — the scheduler sets it per
+step and sends it to the worker in the NELSSA connector's metadata; it frees the blocks below H. So
+no step ever waits for a hand-off, and the two sides cannot disagree.
 """
 
 from __future__ import annotations
@@ -34,22 +40,21 @@ class Policy:
     def is_long(self, prompt_len: int) -> bool:
         return prompt_len >= self.T_input
 
-    def host_end(self, prompt_len: int, n: int) -> int:
-        """End H of the host range [sink, H) once n tokens have KV; 0 when nothing is on the host."""
+    def goal(self, prompt_len: int, n: int) -> int:
+        """G: end of the range that should be on the host once n tokens have KV (0: nothing)."""
         if prompt_len < self.T_input or n < prompt_len:
             return 0
         h0 = (prompt_len - self.recent) // self.block_size * self.block_size
         return h0 + self.chunk * (max(0, n - self.recent - h0) // self.chunk)
 
-    def freed_blocks(self, prompt_len: int, n: int) -> tuple[int, int]:
-        """Device block range [first, last) that is on the host (empty when first >= last)."""
-        h = self.host_end(prompt_len, n)
-        return -(-self.sink // self.block_size), h // self.block_size
+    def in_use(self, prompt_len: int, done: int) -> int:
+        """H to use given the end of the completed hand-offs: 0 until the whole prompt's range (G at
+        the prompt's end) is on the host; hand-offs end at the sink, a segment boundary or a G."""
+        return done if self.is_long(prompt_len) and done >= self.goal(prompt_len, prompt_len) else 0
 
-    def device_tokens(self, prompt_len: int, n: int) -> int:
-        """Tokens a long request keeps on the device (window) once n tokens have KV."""
-        h = self.host_end(prompt_len, n)
-        return n if h == 0 else self.sink + (n - h)
+    def freed_blocks(self, h: int) -> tuple[int, int]:
+        """Device block range [first, last) that is on the host when [sink, h) is (empty if first >= last)."""
+        return -(-self.sink // self.block_size), h // self.block_size
 
 
 def host_bytes(tokens: int, num_layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:

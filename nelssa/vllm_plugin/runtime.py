@@ -8,6 +8,7 @@ _host = None
 _lock = threading.Lock()
 failed: dict[str, str] = {}   # request id -> why it failed; kept until the request is freed
 _reported: set[str] = set()
+_handoffs: dict[str, tuple[int, int]] = {}  # request id -> (end of completed hand-offs, generation)
 
 
 def set_host(host) -> None:
@@ -36,3 +37,21 @@ def forget(req_id: str) -> None:
     with _lock:
         failed.pop(req_id, None)
         _reported.discard(req_id)
+
+
+def handoff_done(req_id: str, end: int, gen: int) -> None:
+    """A hand-off of the request (``gen``: how often it was preempted) completed up to ``end``."""
+    with _lock:
+        e, g = _handoffs.get(req_id, (0, -1))
+        if gen > g:
+            _handoffs[req_id] = (end, gen)
+        elif gen == g:
+            _handoffs[req_id] = (max(e, end), gen)
+
+
+def take_handoffs() -> dict[str, tuple[int, int]]:
+    """Completed hand-offs not yet reported to the scheduler."""
+    global _handoffs
+    with _lock:
+        out, _handoffs = _handoffs, {}
+    return out

@@ -1,8 +1,23 @@
-"""Scheduler (``--scheduler-cls``): host-tier admission and error results for long requests.
+"""Scheduler (``--scheduler-cls``): admission of long requests and error results for host-tier failures.
 
-* Admission: a long request reserves host-tier bytes for prompt + max_tokens. More than the whole
-  capacity: rejected at once with an error result saying so. More than what is free now: held back
-  (not scheduled) until running long requests finish.
+``NelssaScheduler`` is what vLLM selects: it becomes ``NelssaAsyncScheduler`` (over vLLM's
+AsyncScheduler) when async scheduling is on, and stays over the synchronous Scheduler otherwise
+(CPU), so vLLM's own fast path is kept.
+
+* Admission: a long request waits outside vLLM's queues (short requests pass it) until
+  - host tier: its bytes for prompt + max_tokens fit beside the other admitted long requests'
+    (more than the whole capacity: rejected at once with an error result saying so);
+  - prefill: fewer than ``long_prefills`` admitted long requests still hold their whole prompt on the
+    device (until their hand-off is in use and the blocks are freed), and its prompt's blocks fit in
+    the free blocks beside what the running requests still need to finish. So a long prompt never
+    makes vLLM preempt running short requests to find room (stock vLLM does: head-of-line blocking).
+  - while it prefills, vLLM's admission watermark is raised by the blocks its prompt still needs,
+    so short requests admitted meanwhile leave them free.
+* Switch: the worker reports completed hand-offs through the NELSSA connector; before each step the
+  scheduler sets each long request's host range in use, H = policy.in_use(prompt, completed end),
+  sends it to the worker in the connector's metadata and lets the KV-cache manager free the blocks
+  below it. A request whose hand-off is still running keeps decoding from its device blocks: no
+  step waits for one. A preemption discards the request's reports (the worker frees its host KV).
 * Errors: requests the worker reports failed (host-tier exception, timeout, missing KV) are finished
   with FINISHED_ERROR *before* this step's tokens are emitted, so no token computed from a failed
   attention reaches the client.
@@ -14,11 +29,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
 from nelssa.config import mem_available, vllm_nelssa_config
+from nelssa.vllm_plugin.connector import nelssa_worker_meta
 from nelssa.vllm_plugin.policy import host_bytes
 from nelssa.vllm_plugin.spec import NelssaSpec
 
@@ -26,12 +43,20 @@ log = logging.getLogger("vllm.nelssa")
 
 
 class NelssaScheduler(Scheduler):
+    def __new__(cls, *args, **kwargs):
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        if cls is NelssaScheduler and vllm_config is not None and vllm_config.scheduler_config.async_scheduling:
+            cls = NelssaAsyncScheduler
+        return super().__new__(cls)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.nelssa = cfg = vllm_nelssa_config(self.vllm_config.additional_config)
         self._held: deque[Request] = deque()
         self._reserved: dict[str, int] = {}
         self._rejected: list[tuple[Request, str]] = []
+        self._done: dict[str, int] = {}      # request -> end of its completed hand-offs
+        self._host_end: dict[str, int] = {}  # request -> H in use (shared with the manager and connector)
         if cfg is None:
             return
         groups = self.kv_cache_config.kv_cache_groups
@@ -42,6 +67,12 @@ class NelssaScheduler(Scheduler):
                              "nelssa plugin?")
         spec = specs[0]
         self.nelssa_policy = spec.policy()
+        from nelssa.vllm_plugin.spec import NelssaManager
+        managers = [m for m in self.kv_cache_manager.coordinator.single_type_managers if isinstance(m, NelssaManager)]
+        conn = self._nelssa_connector()
+        if len(managers) != 1 or conn is None:
+            raise ValueError("NELSSA needs its KV-cache manager and its KV connector (see nelssa.vllm_plugin.engine_args)")
+        managers[0].host_ends = conn.host_ends = self._host_end
         self._bytes_per = (len(groups[0].layer_names), spec.num_kv_heads, spec.head_size, spec.dtype.itemsize)
         self.host_capacity = cfg.host_capacity or int(0.8 * mem_available())
         log.info("NELSSA scheduler: T_input=%d, host capacity %.2f GiB", cfg.T_input, self.host_capacity / 2**30)
@@ -55,35 +86,107 @@ class NelssaScheduler(Scheduler):
                 or request.request_id in self.requests:
             return super().add_request(request)
         need = self._need(request)
+        msg = None
         if need > self.host_capacity:
             msg = (f"nelssa: request needs {need / 2**30:.2f} GiB of host-tier memory for "
                    f"{request.num_prompt_tokens} prompt + {request.max_tokens} max tokens; the host tier "
                    f"holds {self.host_capacity / 2**30:.2f} GiB (NELSSA_HOST_CAPACITY)")
+        elif self._blocks(request.num_prompt_tokens) > self.kv_cache_manager.block_pool.num_gpu_blocks - 1:
+            msg = (f"nelssa: the {request.num_prompt_tokens}-token prompt needs more device KV blocks for its "
+                   "prefill than the instance has")
+        if msg is not None:
             log.error("rejecting request %s: %s", request.request_id, msg)
             request.status = RequestStatus.FINISHED_ERROR
             self._rejected.append((request, msg))
             return
-        if need > self.host_capacity - sum(self._reserved.values()):
-            self._held.append(request)
-            return
-        self._reserved[request.request_id] = need
-        super().add_request(request)
+        self._held.append(request)
+        self._admit_held()
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _nelssa_connector(self):
+        from nelssa.vllm_plugin.connector import NelssaConnector
+        c = self.connector
+        if isinstance(c, NelssaConnector):
+            return c
+        return next((x for x in getattr(c, "_connectors", []) if isinstance(x, NelssaConnector)), None)
+
+    def _prefilling_longs(self) -> int:
+        """Admitted long requests that still hold (or will hold) their whole prompt on the device."""
+        return sum(1 for rid in self._reserved if rid in self.requests and not self._host_end.get(rid))
+
+    def _switch(self) -> None:
+        """Set H for long requests whose completed hand-offs now cover their goal's prompt range."""
+        pol = self.nelssa_policy
+        for rid, done in self._done.items():
+            r = self.requests.get(rid)
+            if r is not None and r.num_computed_tokens >= r.num_prompt_tokens:
+                h = pol.in_use(r.num_prompt_tokens, done)
+                if h > self._host_end.get(rid, 0):
+                    self._host_end[rid] = h
+
+    def _preempt_request(self, request: Request, timestamp: float) -> None:
+        self._done.pop(request.request_id, None)
+        self._host_end.pop(request.request_id, None)
+        return super()._preempt_request(request, timestamp)
+
+    def _device_room(self, request: Request) -> bool:
+        """The prompt's blocks fit in the free blocks beside what running requests need to finish."""
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        pol = self.nelssa_policy
+        need = 0
+        for r in self.running:
+            if pol.is_long(r.num_prompt_tokens):
+                continue  # offloaded: keeps a window; prefilling: capped by long_prefills
+            end = min(r.num_prompt_tokens + (r.max_tokens or 0), self.max_model_len)
+            need += max(0, self._blocks(end) - self._blocks(r.num_computed_tokens))
+        return self._blocks(request.num_prompt_tokens) + need <= free
 
     def _admit_held(self) -> None:
+        cfg = self.nelssa
         while self._held:
-            need = self._need(self._held[0])
+            req = self._held[0]
+            need = self._need(req)
             if need > self.host_capacity - sum(self._reserved.values()):
                 return
-            req = self._held.popleft()
+            if cfg.long_prefills and self._prefilling_longs() >= cfg.long_prefills:
+                return
+            if not self._device_room(req):
+                return
+            self._held.popleft()
             self._reserved[req.request_id] = need
             super().add_request(req)
 
+    def _prefill_reserve(self) -> int:
+        """Blocks that running long prefills still have to allocate."""
+        pol, n = self.nelssa_policy, 0
+        for rid in self._reserved:
+            r = self.requests.get(rid)
+            if r is not None and r.status == RequestStatus.RUNNING and r.num_computed_tokens < r.num_prompt_tokens:
+                n += max(0, self._blocks(r.num_prompt_tokens) - self._blocks(r.num_computed_tokens))
+        return n
+
     def schedule(self, *args, **kwargs):
+        if self.nelssa is None:
+            return super().schedule(*args, **kwargs)
         self._admit_held()
-        return super().schedule(*args, **kwargs)
+        self._switch()
+        # vLLM's watermark keeps blocks free when it admits waiting requests: raised by what running
+        # long prefills still need, so short arrivals cannot take them (vLLM would then preempt
+        # running requests to finish the prompt)
+        kvm = self.kv_cache_manager
+        base = kvm.watermark_blocks
+        kvm.watermark_blocks = base + self._prefill_reserve()
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            kvm.watermark_blocks = base
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
         self._reserved.pop(request.request_id, None)
+        self._done.pop(request.request_id, None)
+        self._host_end.pop(request.request_id, None)
         return super()._free_request(request, delay_free_blocks)
 
     def finish_requests(self, request_ids, finished_status):
@@ -103,7 +206,12 @@ class NelssaScheduler(Scheduler):
         errors: list[EngineCoreOutput] = []
         clients: list[int] = []
         kvo = model_runner_output.kv_connector_output
-        failed = getattr(kvo.kv_connector_worker_meta, "failed", None) if kvo is not None else None
+        meta = nelssa_worker_meta(kvo.kv_connector_worker_meta) if kvo is not None else None
+        failed = getattr(meta, "failed", None)
+        for rid, (end, gen) in (getattr(meta, "handoffs", None) or {}).items():
+            r = self.requests.get(rid)
+            if r is not None and gen == r.num_preemptions:  # else a report from before a preemption
+                self._done[rid] = max(self._done.get(rid, 0), end)
         if failed:
             for req in self.finish_requests(failed.keys(), RequestStatus.FINISHED_ERROR):
                 errors.append(self._error_output(req, f"nelssa: {failed[req.request_id]}"))
@@ -126,3 +234,7 @@ class NelssaScheduler(Scheduler):
     def _error_output(req: Request, msg: str) -> EngineCoreOutput:
         return EngineCoreOutput(request_id=req.request_id, new_token_ids=[], finish_reason=req.get_finished_reason(),
                                 stop_reason=msg, events=req.take_events(), trace_headers=req.trace_headers)
+
+
+class NelssaAsyncScheduler(NelssaScheduler, AsyncScheduler):
+    """NelssaScheduler over vLLM's AsyncScheduler (selected by NelssaScheduler when async scheduling is on)."""

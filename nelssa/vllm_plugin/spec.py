@@ -34,23 +34,26 @@ class NelssaSpec(FullAttentionSpec):
 
 
 class NelssaManager(FullAttentionManager):
-    """Frees the device blocks of a long request's host range once its KV has moved there.
+    """Frees the device blocks of a long request's host range once its KV is on the host.
 
-    ``remove_skipped_blocks`` is called by ``KVCacheManager.allocate_slots`` for every scheduled
-    request with the tokens *processed* so far, so a block is freed only after the step that copied
-    it to the host has run. Freed blocks become null blocks in the request's table (as for R-SWA);
-    the worker never reads them (window attention gathers window positions only).
+    ``host_ends`` (request -> H in use, set by NelssaScheduler from the worker's completed hand-offs)
+    says which range that is; ``remove_skipped_blocks``, called by ``KVCacheManager.allocate_slots``
+    for every scheduled request, frees the blocks below H. Freed blocks become null blocks in the
+    request's table (as for R-SWA); the worker never reads them (window attention gathers window
+    positions only).
     """
 
     def __init__(self, kv_cache_spec: NelssaSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         self.policy = kv_cache_spec.policy()
+        self.host_ends: dict[str, int] = {}
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        if num_prompt_tokens is None:
+        h = self.host_ends.get(request_id, 0)
+        if num_prompt_tokens is None or not h:
             return super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
-        first, last = self.policy.freed_blocks(num_prompt_tokens, processed_computed_tokens)
+        first, last = self.policy.freed_blocks(h)
         if first < last:
             self._remove_blocks_in_range(request_id, first, last)
 

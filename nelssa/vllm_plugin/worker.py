@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from nelssa.vllm_plugin.connector import step_host_ends
 from nelssa.vllm_plugin.runner import NelssaRunnerMixin
 
 
@@ -41,14 +42,9 @@ def _gpu_classes():
                 kwargs["use_cascade_attn"] = True  # forbids FULL graphs only
             return super()._determine_batch_execution_and_padding(*args, **kwargs)
 
-        def _nelssa_has_offloaded(self, so) -> bool:
-            pol = self._nelssa_policy
-            ib = self.input_batch
-            for i in range(ib.num_reqs):
-                p = self.requests[ib.req_ids[i]].num_prompt_tokens
-                if pol.is_long(p) and pol.host_end(p, int(ib.num_computed_tokens_cpu[i])):
-                    return True
-            return False
+        @staticmethod
+        def _nelssa_has_offloaded(so) -> bool:
+            return any(step_host_ends(so.kv_connector_metadata).values())
 
     class NelssaGPUWorker(Worker):
         def init_device(self):

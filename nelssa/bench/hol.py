@@ -1,0 +1,419 @@
+"""Head-of-line benchmark: short requests at a Poisson rate, long requests injected mid-run, KV limited.
+
+    nelssa bench hol --dummy --out results/hol                # the H200 scenario (defaults below)
+    nelssa bench hol --model DIR --preset cpu --out DIR       # the scaled-down CPU run (CI)
+
+One invocation runs every mode (``on``: NELSSA, ``off``: stock vLLM, the NELSSA_OFF baseline) as its
+own subprocess with the same arrivals and prompts, each through vLLM's AsyncLLM (async scheduling,
+CUDA graphs: whatever vLLM picks), recording every token's arrival time. Per mode and phase:
+  * before       -- from the start until the long requests arrive;
+  * long_prefill -- from their arrival until every long request has its first token;
+  * long_decode  -- from then until the last long request finishes;
+short requests' TTFT (by arrival) and inter-token latency (by token time) p50/p99, their TPOT, the
+longest time without any short-request token; long requests' TTFT/TPOT; output tok/s over the run;
+vLLM's preemptions and KV usage; NELSSA's host-tier counters (from the front end's Prometheus
+registry, where the NELSSA connector's metrics land). Writes ``hol.json`` (summary, NELSSA/OFF
+ratios, the targets of issue 9 checked), ``hol_<mode>.jsonl`` (per request) and ``hol.png``.
+
+Defaults are the H200 scenario: short 1K in / 128 out at 8 req/s for 60 s, two 100K-token requests
+at t = 20 s, Llama-3.1-8B-shaped dummy weights, gpu_memory_utilization 0.27 (KV ~ 187K tokens),
+prefix caching off, greedy with ignore_eos; NELSSA T_input 8192, budget 4%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "h200": {},
+    # SmolLM2 on 2 CPU cores: a few short requests around one long prompt that does not fit beside
+    # the others' KV in stock vLLM's way of admitting it; budget 1.0 so outputs must be equal.
+    "cpu": dict(rate=1.5, duration=10.0, short_in=96, short_out=12, long_at=3.0, n_long=1, long_len=2600,
+                long_out=24, prompts="text", dtype="float32", util=None, kv_blocks=28, max_model_len=4096,
+                max_num_seqs=16, max_num_batched_tokens=1024, long_prefill_token_threshold=512,
+                enforce_eager=True, load_format="auto",
+                nelssa={"T_input": 2048, "budget": 1.0, "chunk": 128}),
+}
+
+
+@dataclass
+class Scenario:
+    rate: float = 8.0                  # short requests per second (Poisson)
+    duration: float = 60.0             # seconds of short arrivals
+    short_in: int = 1000
+    short_out: int = 128
+    long_at: float = 20.0              # seconds: the long requests arrive together
+    n_long: int = 2
+    long_len: int = 100_000
+    long_out: int = 256
+    seed: int = 0
+    prompts: str = "random"            # random token ids | text (real text, for equal-output checks)
+    # engine (both modes alike)
+    dtype: str = "bfloat16"
+    util: float | None = 0.27          # gpu_memory_utilization (None: leave vLLM's default)
+    kv_blocks: int | None = None       # num_gpu_blocks_override (CPU runs)
+    max_model_len: int = 131072
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 8192
+    long_prefill_token_threshold: int = 2048  # vLLM's cap on a long prompt's chunk per step
+    enforce_eager: bool = False
+    load_format: str = "dummy"
+    nelssa: dict = field(default_factory=lambda: {"T_input": 8192, "budget": 0.04})
+
+
+# ------------------------------------------------------------------ one mode (subprocess)
+
+def _arrivals(sc: Scenario) -> list[dict]:
+    rng = random.Random(sc.seed)
+    reqs, t, i = [], 0.0, 0
+    while t < sc.duration:
+        reqs.append({"id": f"s{i}", "kind": "short", "at": t, "n_in": sc.short_in, "n_out": sc.short_out})
+        i += 1
+        t += rng.expovariate(sc.rate)
+    for j in range(sc.n_long):
+        reqs.append({"id": f"long{j}", "kind": "long", "at": sc.long_at, "n_in": sc.long_len, "n_out": sc.long_out})
+    return sorted(reqs, key=lambda r: r["at"])
+
+
+def _prompt_ids(sc: Scenario, tok, r: dict, k: int) -> list[int]:
+    if sc.prompts == "text":
+        from nelssa.bench.corpus import real_text
+        text = real_text()
+        off = (k * 7919 * 13) % max(1, len(text) - 8 * r["n_in"])
+        ids = tok.encode(text[off:off + 8 * r["n_in"]], add_special_tokens=False)[:r["n_in"]]
+        if len(ids) < r["n_in"]:
+            raise ValueError(f"corpus too short for a {r['n_in']}-token prompt")
+        return ids
+    rng = random.Random(sc.seed * 1_000_003 + k)
+    hi = max(200, min(tok.vocab_size, 40_000) - 100)
+    return [rng.randrange(100, hi) for _ in range(r["n_in"])]
+
+
+def _scrape() -> dict[str, float]:
+    """vLLM and NELSSA metrics of this (front-end) process, summed over label sets."""
+    from prometheus_client import REGISTRY
+    out: dict[str, float] = {}
+    for fam in REGISTRY.collect():
+        if fam.name.startswith(("vllm:", "nelssa:")):
+            for s in fam.samples:
+                out[s.name] = out.get(s.name, 0.0) + float(s.value)
+    return out
+
+
+async def _run_mode(mode: str, sc: Scenario, model: str) -> dict:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from nelssa.vllm_plugin import engine_args
+    kw: dict[str, Any] = dict(model=model, load_format=sc.load_format, dtype=sc.dtype, max_model_len=sc.max_model_len,
+                              enable_prefix_caching=False, max_num_seqs=sc.max_num_seqs,
+                              max_num_batched_tokens=sc.max_num_batched_tokens,
+                              long_prefill_token_threshold=sc.long_prefill_token_threshold,
+                              enforce_eager=sc.enforce_eager, disable_log_stats=False, seed=0)
+    if sc.util is not None:
+        kw["gpu_memory_utilization"] = sc.util
+    if sc.kv_blocks is not None:
+        kw["num_gpu_blocks_override"] = sc.kv_blocks
+    if mode == "on":
+        kw.update(engine_args(sc.nelssa))
+    eng = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
+    tok = eng.tokenizer if getattr(eng, "tokenizer", None) is not None else await eng.get_tokenizer()
+    plan = _arrivals(sc)
+    prompts = {r["id"]: _prompt_ids(sc, tok, r, k) for k, r in enumerate(plan)}
+
+    async def one(r: dict, t0: float, rec: list | None) -> None:
+        sp = SamplingParams(temperature=0, max_tokens=r["n_out"], ignore_eos=True)
+        start, stamps, ids, finish = time.perf_counter() - t0, [], [], None
+        async for out in eng.generate({"prompt_token_ids": prompts[r["id"]]}, sp, request_id=r["id"]):
+            o = out.outputs[0]
+            now = time.perf_counter() - t0
+            stamps.extend([now] * (len(o.token_ids) - len(ids)))
+            ids = list(o.token_ids)
+            finish = o.finish_reason
+        if rec is not None:
+            rec.append({**r, "start": start, "stamps": stamps, "token_ids": ids, "finish_reason": finish})
+
+    # warm-up (not recorded): one short request through the whole path
+    prompts["warmup"] = prompts[plan[0]["id"]]
+    await one({"id": "warmup", "kind": "short", "at": 0, "n_in": sc.short_in, "n_out": 4}, time.perf_counter(), None)
+    base = _scrape()
+    recs: list[dict] = []
+    samples: list[dict] = []
+    t0 = time.perf_counter()
+    done = asyncio.Event()
+
+    async def sampler() -> None:
+        last = 0.0
+        while not done.is_set():
+            m = _scrape()
+            now = time.perf_counter() - t0
+            samples.append({"t": now, "kv_usage": m.get("vllm:kv_cache_usage_perc", 0.0),
+                            "running": m.get("vllm:num_requests_running", 0.0),
+                            "waiting": m.get("vllm:num_requests_waiting", 0.0)})
+            if now - last >= 5:
+                last = now
+                print(f"[hol:{mode}] t={now:5.1f}s finished {len(recs)}/{len(plan)} running "
+                      f"{samples[-1]['running']:.0f} waiting {samples[-1]['waiting']:.0f} "
+                      f"kv {100 * samples[-1]['kv_usage']:.0f}%", file=sys.stderr, flush=True)
+            await asyncio.sleep(0.25)
+
+    smp = asyncio.create_task(sampler())
+    tasks = []
+    for r in plan:
+        await asyncio.sleep(max(0.0, r["at"] - (time.perf_counter() - t0)))
+        tasks.append(asyncio.create_task(one(r, t0, recs)))
+    await asyncio.gather(*tasks)
+    wall = time.perf_counter() - t0
+    done.set()
+    await smp
+    await asyncio.sleep(1.5)  # let the last iteration stats reach the registry
+    end = _scrape()
+    eng.shutdown()
+    delta = {k: v - base.get(k, 0.0) for k, v in end.items()
+             if k.endswith(("_total", "_sum", "_count")) or k.startswith("nelssa:")}
+    return {"mode": mode, "wall_s": wall, "requests": recs, "samples": samples, "metrics": delta}
+
+
+def _worker(spec: dict) -> None:
+    sc = Scenario(**spec["scenario"])
+    res = asyncio.run(_run_mode(spec["mode"], sc, spec["model"]))
+    print("HOL_JSON " + json.dumps(res), flush=True)
+
+
+# ------------------------------------------------------------------ analysis
+
+def _pct(v: list[float], p: float) -> float | None:
+    if not v:
+        return None
+    import numpy as np
+    return float(np.percentile(np.asarray(v), p))
+
+
+def analyse(run: dict) -> dict:
+    recs = run["requests"]
+    shorts = [r for r in recs if r["kind"] == "short" and r["stamps"]]
+    longs = [r for r in recs if r["kind"] == "long"]
+    if longs and all(r["stamps"] for r in longs):
+        t_arr = min(r["start"] for r in longs)
+        t_first = max(r["stamps"][0] for r in longs)
+        t_end = max(r["stamps"][-1] for r in longs)
+    else:
+        t_arr = t_first = t_end = float("inf")
+    phases = {"before": (0.0, t_arr), "long_prefill": (t_arr, t_first), "long_decode": (t_first, t_end)}
+    all_stamps = sorted(t for r in shorts for t in r["stamps"])
+    out: dict[str, Any] = {"phases_s": {k: [a, b] for k, (a, b) in phases.items()}}
+    for name, (lo, hi) in phases.items():
+        ttft = [1e3 * (r["stamps"][0] - r["start"]) for r in shorts if lo <= r["start"] < hi]
+        itl = [1e3 * (b - a) for r in shorts for a, b in zip(r["stamps"], r["stamps"][1:]) if lo <= b < hi]
+        tpot = [1e3 * (r["stamps"][-1] - r["stamps"][0]) / (len(r["stamps"]) - 1) for r in shorts
+                if len(r["stamps"]) > 1 and lo <= r["stamps"][0] and r["stamps"][-1] < hi]
+        inside = [t for t in all_stamps if lo <= t < hi]
+        gaps = [b - a for a, b in zip([lo] + inside, inside + [min(hi, all_stamps[-1] if all_stamps else hi)])]
+        out[name] = {"short_ttft_p50_ms": _pct(ttft, 50), "short_ttft_p99_ms": _pct(ttft, 99),
+                     "short_itl_p50_ms": _pct(itl, 50), "short_itl_p99_ms": _pct(itl, 99),
+                     "short_tpot_p50_ms": _pct(tpot, 50), "short_tpot_p99_ms": _pct(tpot, 99),
+                     "max_gap_without_short_token_s": max(gaps) if gaps and hi != float("inf") else None,
+                     "n_short_arrivals": len(ttft), "n_short_tokens": len(inside)}
+    out["long"] = [{"id": r["id"], "ttft_s": (r["stamps"][0] - r["start"]) if r["stamps"] else None,
+                    "tpot_ms": 1e3 * (r["stamps"][-1] - r["stamps"][0]) / max(1, len(r["stamps"]) - 1)
+                    if len(r["stamps"]) > 1 else None, "tokens": len(r["stamps"]), "finish": r["finish_reason"]}
+                   for r in longs]
+    toks = sum(len(r["stamps"]) for r in recs)
+    last = max((r["stamps"][-1] for r in recs if r["stamps"]), default=run["wall_s"])
+    out["output_tok_s"] = toks / last if last > 0 else None
+    out["errors"] = sorted(r["id"] for r in recs if r["finish_reason"] not in ("length", "stop"))
+    m = run["metrics"]
+    out["preemptions"] = m.get("vllm:num_preemptions_total")
+    out["kv_usage_max"] = max((s["kv_usage"] for s in run["samples"]), default=None)
+    out["nelssa"] = {k: v for k, v in m.items() if k.startswith("nelssa:")}
+    return out
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def targets(on: dict, off: dict) -> dict:
+    """Issue 9's acceptance, checked on one invocation's numbers (None: not measurable here)."""
+    b, p, d = on["before"], on["long_prefill"], on["long_decode"]
+    lt_on = [x["ttft_s"] for x in on["long"] if x["ttft_s"] is not None]
+    lt_off = [x["ttft_s"] for x in off["long"] if x["ttft_s"] is not None]
+    tp_on = [x["tpot_ms"] for x in on["long"] if x["tpot_ms"] is not None]
+
+    def le(a, lim):
+        return None if a is None or lim is None else bool(a <= lim)
+    return {
+        "before_tpot_within_5pct": le(b["short_tpot_p50_ms"], off["before"]["short_tpot_p50_ms"] and
+                                      1.05 * off["before"]["short_tpot_p50_ms"]),
+        "decode_ttft_p99_le_1.5x_before": le(d["short_ttft_p99_ms"], b["short_ttft_p99_ms"] and
+                                             1.5 * b["short_ttft_p99_ms"]),
+        "decode_itl_p99_le_1.5x_before": le(d["short_itl_p99_ms"], b["short_itl_p99_ms"] and
+                                            1.5 * b["short_itl_p99_ms"]),
+        "prefill_max_gap_le_1s": le(p["max_gap_without_short_token_s"], 1.0),
+        "prefill_ttft_p99_le_2s": le(p["short_ttft_p99_ms"], 2000.0),
+        "long_ttft_le_stock": le(max(lt_on, default=None) if lt_on else None, max(lt_off) if lt_off else None),
+        "long_tpot_le_50ms": le(max(tp_on) if tp_on else None, 50.0),
+        "tok_s_ge_stock": le(off["output_tok_s"], on["output_tok_s"]),
+    }
+
+
+def plot(runs: dict[str, dict], summary: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 3.2 * len(runs)), sharex=True, squeeze=False)
+    for ax, (mode, run) in zip(axes[:, 0], runs.items()):
+        s = summary[mode]
+        for r in run["requests"]:
+            if r["kind"] == "short" and len(r["stamps"]) > 1:
+                ax.scatter(r["stamps"][1:], [1e3 * (b - a) for a, b in zip(r["stamps"], r["stamps"][1:])],
+                           s=2, color="tab:blue", alpha=0.5)
+                ax.scatter([r["stamps"][0]], [1e3 * (r["stamps"][0] - r["start"])], s=6, color="tab:orange",
+                           marker="x")
+        lo, hi = s["phases_s"]["long_prefill"]
+        d_hi = s["phases_s"]["long_decode"][1]
+        if hi != float("inf"):
+            ax.axvspan(lo, hi, color="tab:red", alpha=0.12, label="long prefill")
+            ax.axvspan(hi, d_hi, color="tab:green", alpha=0.10, label="long decode")
+        ax.set_yscale("log")
+        ax.set_ylabel("ms")
+        name = "NELSSA" if mode == "on" else "stock (NELSSA_OFF)"
+        ax.set_title(f"{name}: short-request inter-token latency (dots) and TTFT (x)", fontsize=10)
+        ax.legend(loc="upper right", fontsize=8)
+    axes[-1, 0].set_xlabel("seconds since start")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ driver
+
+def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout: float = 1800) -> dict:
+    os.makedirs(out_dir, exist_ok=True)
+    runs: dict[str, dict] = {}
+    failed: dict[str, str] = {}
+    for mode in modes:
+        spec = {"mode": mode, "scenario": asdict(sc), "model": model}
+        env = {k: v for k, v in os.environ.items() if k != "NELSSA_OFF"}
+        if mode == "off":
+            env["NELSSA_OFF"] = "1"
+        print(f"[hol] mode {mode}: starting the engine", file=sys.stderr, flush=True)
+        t = time.time()
+        try:
+            p = subprocess.run([sys.executable, "-m", "nelssa.bench.hol", "--worker"], input=json.dumps(spec),
+                               stdout=subprocess.PIPE, text=True, env=env, timeout=timeout)
+            rc, out = p.returncode, p.stdout
+        except subprocess.TimeoutExpired as e:
+            rc, out = "timeout", (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        line = next((x for x in out.splitlines() if x.startswith("HOL_JSON ")), None)
+        if rc != 0 or line is None:  # the other modes still run; the invocation fails at the end
+            failed[mode] = f"the engine run failed (rc={rc}, after {time.time() - t:.0f} s); its log is above"
+            print(f"[hol] mode {mode}: {failed[mode]}", file=sys.stderr, flush=True)
+            continue
+        runs[mode] = json.loads(line[len("HOL_JSON "):])
+        with open(os.path.join(out_dir, f"hol_{mode}.jsonl"), "w") as f:
+            for r in runs[mode]["requests"]:
+                f.write(json.dumps(r) + "\n")
+    summary: dict[str, Any] = {"scenario": asdict(sc), "model": model, "failed_modes": failed,
+                               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    for mode, run in runs.items():
+        summary[mode] = analyse(run)
+        summary[mode]["wall_s"] = run["wall_s"]
+    if "on" in runs and "off" in runs:
+        on, off = summary["on"], summary["off"]
+        summary["ratios_on_over_off"] = {
+            f"{ph}.{k}": _ratio(on[ph][k], off[ph][k]) for ph in ("before", "long_prefill", "long_decode")
+            for k in ("short_ttft_p99_ms", "short_itl_p99_ms", "short_tpot_p50_ms")}
+        summary["ratios_on_over_off"]["output_tok_s"] = _ratio(on["output_tok_s"], off["output_tok_s"])
+        summary["targets"] = targets(on, off)
+        eq = [r for r in runs["off"]["requests"]]
+        on_ids = {r["id"]: r["token_ids"] for r in runs["on"]["requests"]}
+        summary["outputs_equal"] = sum(on_ids.get(r["id"]) == r["token_ids"] for r in eq)
+        summary["outputs_total"] = len(eq)
+    with open(os.path.join(out_dir, "hol.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    if runs:
+        plot(runs, summary, os.path.join(out_dir, "hol.png"))
+    return summary
+
+
+def _table(summary: dict) -> str:
+    rows = []
+    for mode in ("off", "on"):
+        if mode not in summary:
+            continue
+        s = summary[mode]
+        f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+        for ph in ("before", "long_prefill", "long_decode"):
+            x = s[ph]
+            rows.append(f"{mode:3} {ph:12} TTFT p50/p99 {f(x['short_ttft_p50_ms'])}/{f(x['short_ttft_p99_ms'])} ms  "
+                        f"ITL p50/p99 {f(x['short_itl_p50_ms'])}/{f(x['short_itl_p99_ms'])} ms  "
+                        f"TPOT p50 {f(x['short_tpot_p50_ms'])} ms  max gap {f(x['max_gap_without_short_token_s'], 2)} s")
+        rows.append(f"{mode:3} long {[(x['ttft_s'] and round(x['ttft_s'], 2), x['tpot_ms'] and round(x['tpot_ms'], 1)) for x in s['long']]}"
+                    f"  tok/s {f(s['output_tok_s'])}  preemptions {s['preemptions']}  errors {s['errors']}")
+    if "targets" in summary:
+        rows.append("targets: " + json.dumps(summary["targets"]))
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nelssa bench hol", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help="model folder (default: the prepared SmolLM2, or with --dummy "
+                                                   "a Llama-3.1-8B-shaped config with dummy weights)")
+    ap.add_argument("--dummy", action="store_true", help="Llama-3.1-8B-shaped dummy weights (load_format=dummy)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="h200")
+    ap.add_argument("--modes", default="off,on", help="comma-separated: on (NELSSA), off (stock)")
+    ap.add_argument("--out", default="results/hol")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="override a scenario field, e.g. --set rate=4 --set 'nelssa={\"budget\": 0.02}'")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per mode")
+    a = ap.parse_args(argv)
+    if a.worker:
+        _worker(json.loads(sys.stdin.read()))
+        return 0
+    kw = dict(PRESETS[a.preset])
+    for item in a.set:
+        k, _, v = item.partition("=")
+        if k not in Scenario.__dataclass_fields__:
+            ap.error(f"unknown scenario field {k!r}; known: {sorted(Scenario.__dataclass_fields__)}")
+        try:
+            kw[k] = json.loads(v)
+        except json.JSONDecodeError:
+            kw[k] = v
+    sc = Scenario(**kw)
+    if a.model:
+        model = a.model
+    elif a.dummy:
+        from nelssa.models import make_dummy_model
+        model = str(make_dummy_model())
+    else:
+        from nelssa.models import prepare_smollm2
+        model = str(prepare_smollm2())
+    if sc.load_format == "dummy" and not (a.dummy or a.model):
+        ap.error("this preset uses dummy weights: pass --dummy (or --model with a config folder)")
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("on", "off")]
+    if bad:
+        ap.error(f"unknown modes {bad}")
+    summary = run_modes(sc, model, modes, a.out, a.timeout)
+    print(_table(summary))
+    print(f"[hol] wrote {a.out}/hol.json, hol.png, hol_<mode>.jsonl", file=sys.stderr)
+    if summary["failed_modes"]:
+        print(f"[hol] failed modes: {summary['failed_modes']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

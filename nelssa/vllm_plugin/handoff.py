@@ -1,0 +1,123 @@
+"""Background hand-off of a request's KV from the device's paged cache to the host tier.
+
+Used for a long prompt's completed k-means segments during its chunked prefill, for the rest of the
+prompt once it is processed, and for each chunk of generated tokens (and, later, for migrating a
+request that grew long). Nothing proportional to a request's length runs on the step path.
+
+Contract (worker side; the ranges come from policy.Policy, so the scheduler needs no channel):
+  1. ``submit(rid, blocks, lo, hi)`` right after the forward that wrote tokens [lo, hi) of the request:
+     one background thread reads them from the paged cache (on CUDA on a side stream that first waits
+     for the main stream's work so far), clusters each layer and packs it into host memory as a
+     *prepared* part (``commit=False``): attention does not see it yet. Ranges of a request are
+     submitted in order and back to back; ``end(rid)`` is where the next one starts. When a move is
+     complete, ``on_done(rid, hi, generation)`` reports it (to the scheduler, through the connector).
+  2. ``ready(rid, h)`` before the forward of a step whose attention uses the host range [sink, h)
+     (the scheduler chose h from reported completions, so nothing is waited for; a wait would be
+     counted as ``handoff_wait_s``): commits the prepared parts so exactly h - sink tokens are
+     visible. The scheduler frees the blocks below h in the same step's scheduling; they are written
+     again only by this step's forward, which starts after ``ready`` returns.
+  3. ``drop(rid, preempted)`` when the request finishes, is aborted or preempted: waits for its moves
+     (they read blocks that are about to be reused) and forgets them; a preemption starts a new
+     generation of the request. The caller frees its host KV.
+A failed move raises from ``ready`` (the request fails loudly); ``drop`` swallows it (the request is
+gone anyway).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+
+class Handoff:
+    def __init__(self, host, layers: list, block_size: int, sink: int, read_kv, on_done=None):
+        self.host, self.layers, self.block_size, self.sink = host, layers, block_size, sink
+        self._read_kv, self._on_done = read_kv, on_done
+        self._gen: dict[str, int] = {}                      # request -> preemptions seen
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="nelssa-handoff")
+        self._side = None                                   # CUDA side stream, made on first use
+        self._end: dict[str, int] = {}                      # request -> end of its submitted ranges
+        self._moves: dict[str, list[tuple[int, Future]]] = {}
+
+    # ------------------------------------------------------------------ 1. submit
+    def end(self, rid: str) -> int:
+        return self._end.get(rid, self.sink)
+
+    def submit(self, moves: list[tuple[str, list[int], int, int]]) -> None:
+        """Start moves (rid, block ids, lo, hi) after this step's forward was launched."""
+        if not moves:
+            return
+        ev = None
+        if self.layers[0].kv_cache.is_cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+            if self._side is None:
+                self._side = torch.cuda.Stream()
+        for rid, blocks, lo, hi in moves:
+            if lo != self.end(rid):
+                raise RuntimeError(f"hand-off of {rid}: range [{lo}, {hi}) does not follow {self.end(rid)}")
+            self._end[rid] = hi
+            fut = self._pool.submit(self._run, ev, rid, list(blocks), lo, hi, self._gen.get(rid, 0))
+            self._moves.setdefault(rid, []).append((hi, fut))
+
+    def _run(self, ev, rid: str, blocks: list[int], lo: int, hi: int, gen: int) -> None:
+        if ev is None:
+            self._copy(rid, blocks, lo, hi)
+        else:
+            self._side.wait_event(ev)
+            with torch.cuda.stream(self._side):
+                self._copy(rid, blocks, lo, hi)
+            self._side.synchronize()
+        if self._on_done is not None:
+            self._on_done(rid, hi, gen)
+
+    def _copy(self, rid: str, blocks: list[int], lo: int, hi: int) -> None:
+        """Read [lo, hi) from the paged cache, cluster it per layer, prepare it on the host."""
+        t, bs = time.perf_counter(), self.block_size
+        blocks_t, pos = torch.tensor(blocks, dtype=torch.long), torch.arange(lo, hi)
+        dev = self.layers[0].kv_cache.device
+        b, o = blocks_t[pos // bs].to(dev), (pos % bs).to(dev)
+        ks, vs = [], []
+        for layer in self.layers:  # layer order = nelssa_layer order
+            k, v = self._read_kv(layer.kv_cache, layer.impl.nelssa_backend, b, o, layer.num_kv_heads, layer.head_size)
+            ks.append(k.transpose(0, 1).contiguous())
+            vs.append(v.transpose(0, 1).contiguous())
+        self.host.put_layers(rid, ks, vs, commit=False)
+        self.host.stats.add(cluster_s=time.perf_counter() - t, moved_tokens=hi - lo)
+
+    # ------------------------------------------------------------------ 2. ready
+    def ready(self, rid: str, h: int) -> None:
+        """Before a forward that attends [sink, h) on the host: moves up to h done and committed."""
+        if self.host.committed(rid) == h - self.sink:
+            return
+        moves = self._moves.get(rid, [])
+        t = time.perf_counter()
+        waited = False
+        while moves and moves[0][0] <= h:
+            _, fut = moves.pop(0)
+            waited |= not fut.done()
+            fut.result()  # a failed move raises here: the caller fails the request
+        if waited:
+            self.host.stats.add(handoff_wait_s=time.perf_counter() - t)
+        self.host.commit(rid, h - self.sink)
+
+    # ------------------------------------------------------------------ 3. drop
+    def drop(self, rid: str, preempted: bool = False) -> None:
+        for _, fut in self._moves.pop(rid, []):
+            fut.exception()  # wait; the request is gone, its failure no longer matters
+        self._end.pop(rid, None)
+        if preempted:
+            self._gen[rid] = self._gen.get(rid, 0) + 1
+        else:
+            self._gen.pop(rid, None)
+
+    def wait_all(self) -> None:
+        """Wait until every submitted move has finished (tests and shutdown; never on the step path)."""
+        for moves in list(self._moves.values()):
+            for _, fut in list(moves):
+                fut.exception()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The head-of-line benchmark on the lent H200 host (no network there; /tmp survives while the machine
+# stays warm), in back-to-back calls:
+#   bash scripts/gpu_hol.sh stage .bundle/N          # once per vLLM bundle part (the last one installs)
+#   bash scripts/gpu_hol.sh bench [hol args ...]     # build nelssa._C, run `nelssa bench hol` (both modes)
+# Carried folders: .bundle/N (../shared/gpu/make-vllm-bundle.sh .bundle), .gpumodel/dummy-llama-3.1-8b
+# (`nelssa make-dummy-model --out .gpumodel/dummy-llama-3.1-8b`: config + tokenizer). Results: $OUT.
+set -euo pipefail
+what=${1:?usage: gpu_hol.sh stage DIR... | bench [args]}
+shift
+export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ATTENTION_BACKEND=FLASH_ATTN
+export NELSSA_CACHE=/tmp/nelssa-cache PYTHONUNBUFFERED=1
+case "$what" in
+  stage)
+    for d in "$@"; do bash "$d/install-vllm-bundle.sh" "$d"; done ;;
+  bench)
+    [ -d /tmp/site/vllm ] || { echo "vLLM is not installed: stage all bundle parts first" >&2; exit 2; }
+    # the plugin's entry point, as an installed distribution would declare it
+    mkdir -p /tmp/site/nelssa-0.1.0.dist-info
+    printf 'Metadata-Version: 2.1\nName: nelssa\nVersion: 0.1.0\n' > /tmp/site/nelssa-0.1.0.dist-info/METADATA
+    printf '[vllm.general_plugins]\nnelssa = nelssa.vllm_plugin:register\n' > /tmp/site/nelssa-0.1.0.dist-info/entry_points.txt
+    [ -f nelssa/_C*.so ] || python3 setup.py -q build_ext --inplace >/dev/null
+    { lscpu | grep -E "Model name|^CPU\(s\)"; nvidia-smi --query-gpu=name,memory.total --format=csv; } | tee "$OUT/machine.txt"
+    python3 -c "import vllm, nelssa._C; print('vllm', vllm.__version__)"
+    mkdir -p "$OUT/hol"
+    set -o pipefail
+    python3 -m nelssa.cli bench hol --model .gpumodel/dummy-llama-3.1-8b --out "$OUT/hol" "$@" 2>&1 \
+      | tee "$OUT/hol.log" | grep -E "^\[hol|^(on|off) |^targets|Traceback|Error|error" ;;
+  *) echo "unknown step $what" >&2; exit 2 ;;
+esac

@@ -1,0 +1,34 @@
+"""The head-of-line benchmark (nelssa bench hol) end to end on the CPU: SmolLM2, the scaled-down
+preset (short requests at a Poisson rate, one long prompt injected mid-run, 28 KV blocks of 128), NELSSA and
+NELSSA_OFF as two AsyncLLM engines of one invocation. Asserts the run is well-formed, every request
+finished normally and, at budget 1.0 in fp32, both modes produce the same tokens. Performance is
+judged on the H200 only (README, docs/results.md)."""
+
+import json
+import os
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+
+def test_hol_cpu_preset_is_well_formed_and_exact(tmp_path, model_dir):
+    from nelssa.bench.hol import main
+    out = tmp_path / "hol"
+    assert main(["--preset", "cpu", "--model", model_dir, "--out", str(out), "--timeout", "900"]) == 0
+    s = json.loads((out / "hol.json").read_text())
+    assert os.path.getsize(out / "hol.png") > 10_000
+    for mode in ("on", "off"):
+        r = s[mode]
+        assert r["errors"] == [], r["errors"]
+        assert r["before"]["n_short_arrivals"] > 0 and r["before"]["short_itl_p50_ms"] > 0
+        assert r["long"][0]["tokens"] == s["scenario"]["long_out"]
+        a, b = r["phases_s"]["long_prefill"]
+        assert 0 < a <= b <= r["phases_s"]["long_decode"][1]
+        lines = (out / f"hol_{mode}.jsonl").read_text().splitlines()
+        assert len(lines) == s["outputs_total"]
+    assert s["outputs_equal"] == s["outputs_total"], "budget 1.0 in fp32 must reproduce NELSSA_OFF's tokens"
+    nel = s["on"]["nelssa"]  # the NELSSA connector's metrics reached the AsyncLLM front end
+    assert nel.get("nelssa:moved_tokens_total", 0) >= s["scenario"]["long_len"] - 200, nel
+    assert nel.get("nelssa:long_requests_total", 0) == 1, nel
+    assert set(s["targets"]) >= {"before_tpot_within_5pct", "prefill_max_gap_le_1s", "long_tpot_le_50ms"}
