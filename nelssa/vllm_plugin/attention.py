@@ -118,7 +118,7 @@ def flash_window(impl, q: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, 
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
     from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
     dev, n = q.device, q.shape[0]
-    key = ("fa", id(md))
+    key = ("fa",)  # one KV-cache group (asserted by the scheduler): every layer's batch is the same
     if key not in plan.cache:
         rows = torch.tensor(plan.rows, dtype=torch.long, device=dev)
         bt = md.block_table.index_select(0, rows)
@@ -152,7 +152,7 @@ def flash_window(impl, q: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, 
 def shrunk_metadata(plan: StepPlan, md: Any, impl: Any, backend: str) -> Any:
     """A copy of the step's attention metadata where each offloaded row attends only to its last token
     (a live block): the stock kernel then neither reads freed blocks nor spends O(L) on those rows."""
-    key = ("md", id(md))
+    key = ("md",)  # built once per step, not per layer (layers may get their own metadata objects)
     if key in plan.cache:
         return plan.cache[key]
     m = copy.copy(md)
@@ -173,7 +173,7 @@ def shrunk_metadata(plan: StepPlan, md: Any, impl: Any, backend: str) -> Any:
             causal=md.causal, sliding_window_size=impl.sliding_window, isa=impl.isa,
             enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=md.dynamic_causal)
     elif backend == "flash":
-        m.max_seq_len = int(seq.max())
+        m.max_seq_len = md.max_seq_len  # an upper bound is valid; int(seq.max()) would sync the device
         if getattr(m, "scheduler_metadata", None) is not None:
             m.scheduler_metadata = None  # FA3 AOT schedule was planned for the old lengths
     plan.cache[key] = m
