@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import time
 
@@ -29,22 +28,12 @@ import torch
 
 from nelssa._ext import ext
 from nelssa.config import PREFETCH_HINTS, get_config, mem_available, set_config
+from nelssa.cpu import cpu_model
 from nelssa.sparse import ClusteredKV, KVPart, attend, select_clusters
 from nelssa.sparse.clustered import host_empty
 from nelssa.sparse.search import Selection
 
 GiB = 1 << 30
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def synthetic_ckv(L: int, H: int, D: int, dtype: torch.dtype, gen: torch.Generator, cs: int) -> ClusteredKV:
@@ -222,7 +211,7 @@ def run(contexts, batches, budget: float, steps: int, target_bytes: int, mem_fra
         "benchmark": "sparse_attention", "shape": {"kv_heads": H, "q_heads": Hq, "head_dim": D, "dtype": "bf16",
                                                    "cluster_size": cfg.cluster_size},
         "prefetch": {"rows": pf_used[0], "hint": pf_used[1], "chosen_by_sweep": bool(sweep_rows)},
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": threads,
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads,
                     "isa": getattr(mod, "isa", None), "mem_total_GiB": round(os.sysconf("SC_PAGE_SIZE") *
                                                                           os.sysconf("SC_PHYS_PAGES") / GiB, 1)},
         "bandwidth": bw, "block_read_ceilings": ceil, "results": rows, "prefetch_sweep": sweep_rows,

@@ -16,7 +16,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 from nelssa.config import NelssaConfig
-from nelssa.sparse import ClusteredKV, RequestKV, Selection, attend, cluster_kv
+from nelssa.sparse import ClusteredKV, RequestKV, Selection, attend
 from nelssa.sparse.clustered import cluster_layers
 
 
@@ -72,33 +72,25 @@ class LocalHostTier:
         self._lock = threading.Lock()
 
     # -------- KV placement
-    def put(self, req_id: str, layer: int, keys: torch.Tensor, values: torch.Tensor, commit: bool = True) -> None:
-        """Cluster tokens [H, n, D] of a layer into the request's store (first call) or append them.
-        ``commit=False``: prepared in the background, invisible to attention until ``commit``."""
+    def _request(self, req_id: str) -> RequestKV:
         with self._lock:
             rkv = self.reqs.get(req_id)
             if rkv is None:
                 rkv = self.reqs[req_id] = RequestKV(req_id, self.num_layers)
                 self.stats.add(long_requests=1)
-        ckv = rkv.layers[layer]
-        if ckv is None:
-            rkv.set_layer(layer, cluster_kv(keys, values, seed=self.cfg.seed + layer, commit=commit))
-        else:
-            ckv.append(keys, values, commit=commit)
+        return rkv
 
     def put_layers(self, req_id: str, keys: list[torch.Tensor], values: list[torch.Tensor],
                    commit: bool = True) -> None:
-        """``put`` for every layer at once ([H, n, D] each, layer order): k-means runs over the layers
-        together (``cluster_layers``), far fewer launches than layer by layer."""
+        """Cluster tokens [H, n, D] of every layer (layer order) into the request's store (first call) or
+        append them; k-means runs over the layers together (``cluster_layers``), far fewer launches
+        than layer by layer. ``commit=False``: prepared in the background, invisible to attention
+        until ``commit``."""
         cfg = self.cfg
-        with self._lock:
-            rkv = self.reqs.get(req_id)
-            if rkv is None:
-                rkv = self.reqs[req_id] = RequestKV(req_id, self.num_layers)
-                self.stats.add(long_requests=1)
+        rkv = self._request(req_id)
         if len(keys) != self.num_layers or len(values) != self.num_layers:
             raise HostError(f"put_layers: {len(keys)} layers given, the host tier has {self.num_layers}")
-        part = 0 if rkv.layers[0] is None else len(rkv.layers[0].parts) + len(rkv.layers[0]._pending)
+        part = 0 if rkv.layers[0] is None else rkv.layers[0].num_parts
         labels = cluster_layers(keys, seed=cfg.seed + 1000 * part, cluster_size=cfg.cluster_size,
                                 segment=cfg.segment, iters=cfg.iters)
         for i, (k, v, lab) in enumerate(zip(keys, values, labels)):

@@ -188,7 +188,7 @@ class ClusteredKV:
             raise ValueError(f"append: chunk is [{H}, *, {D}] {keys.dtype}, store is "
                              f"[{self.num_kv_heads}, *, {self.head_dim}] {self.dtype}")
         if labels is None:
-            labels = segmented_kmeans(keys, seed=self.seed + len(self.parts) + len(self._pending), **self.params)
+            labels = segmented_kmeans(keys, seed=self.seed + self.num_parts, **self.params)
         labels, C = labels
         sizes = torch.zeros(H, C, dtype=torch.long, device=keys.device)
         sizes.scatter_add_(1, labels, torch.ones_like(labels))
@@ -203,6 +203,11 @@ class ClusteredKV:
         self._pending.append(part)
         if commit:
             self.commit_until(self.length + self.pending_tokens)
+
+    @property
+    def num_parts(self) -> int:
+        """Parts appended so far, committed or prepared."""
+        return len(self.parts) + len(self._pending)
 
     @property
     def pending_tokens(self) -> int:

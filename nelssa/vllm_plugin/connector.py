@@ -41,22 +41,23 @@ class NelssaWorkerMeta(KVConnectorWorkerMetadata):
         return NelssaWorkerMeta({**self.failed, **other.failed}, {**self.handoffs, **other.handoffs})
 
 
+def _ours(obj, cls, children: str):
+    """``obj`` if it is a ``cls``, else its child that is (a MultiConnector keeps its connectors in
+    ``_connectors`` and their metadata in ``metadata``), else None."""
+    if isinstance(obj, cls):
+        return obj
+    return next((x for x in getattr(obj, children, ()) or () if isinstance(x, cls)), None)
+
+
 def nelssa_worker_meta(meta) -> "NelssaWorkerMeta | None":
-    """Ours from a step's aggregated worker metadata (alone or inside a MultiConnector's)."""
-    if isinstance(meta, NelssaWorkerMeta):
-        return meta
-    return next((m for m in getattr(meta, "metadata", ()) or () if isinstance(m, NelssaWorkerMeta)), None)
+    """Ours from a step's aggregated worker metadata."""
+    return _ours(meta, NelssaWorkerMeta, "metadata")
 
 
 def step_host_ends(meta) -> dict[str, int]:
-    """This step's host ranges from the scheduler output's connector metadata (ours alone or inside
-    a MultiConnector's)."""
-    if isinstance(meta, NelssaConnectorMetadata):
-        return meta.host_ends
-    for m in getattr(meta, "metadata", ()) or ():
-        if isinstance(m, NelssaConnectorMetadata):
-            return m.host_ends
-    return {}
+    """This step's host ranges from the scheduler output's connector metadata."""
+    m = _ours(meta, NelssaConnectorMetadata, "metadata")
+    return m.host_ends if m is not None else {}
 
 
 @dataclass
@@ -197,15 +198,12 @@ class NelssaConnector(KVConnectorBase_V1):
         return NelssaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-def find_connector():
-    """This process's NelssaConnector (alone or inside a MultiConnector), or None."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-    if not has_kv_transfer_group():
-        return None
-    c = get_kv_transfer_group()
-    if isinstance(c, NelssaConnector):
-        return c
-    for child in getattr(c, "_connectors", []):
-        if isinstance(child, NelssaConnector):
-            return child
-    return None
+def find_connector(connector=None):
+    """Our NelssaConnector in ``connector`` (default: this worker process's KV transfer group), alone or
+    inside a MultiConnector, or None."""
+    if connector is None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+        if not has_kv_transfer_group():
+            return None
+        connector = get_kv_transfer_group()
+    return _ours(connector, NelssaConnector, "_connectors")

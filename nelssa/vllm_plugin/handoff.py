@@ -4,10 +4,10 @@ Used for a long prompt's completed k-means segments during its chunked prefill, 
 prompt once it is processed, and for each chunk of generated tokens (and, later, for migrating a
 request that grew long). Nothing proportional to a request's length runs on the step path.
 
-Contract (worker side; the ranges come from policy.Policy, so the scheduler needs no channel):
+Contract (worker side; the ranges come from policy.Policy, the switch from the scheduler):
   1. ``submit(rid, blocks, lo, hi)`` right after the forward that wrote tokens [lo, hi) of the request:
      one background thread reads them from the paged cache (on CUDA on a side stream that first waits
-     for the main stream's work so far), clusters each layer and packs it into host memory as a
+     for the main stream's work so far), clusters all layers and packs them into host memory as a
      *prepared* part (``commit=False``): attention does not see it yet. Ranges of a request are
      submitted in order and back to back; ``end(rid)`` is where the next one starts. When a move is
      complete, ``on_done(rid, hi, generation)`` reports it (to the scheduler, through the connector).
@@ -74,7 +74,7 @@ class Handoff:
             self._on_done(rid, hi, gen)
 
     def _copy(self, rid: str, blocks: list[int], lo: int, hi: int) -> None:
-        """Read [lo, hi) from the paged cache, cluster it per layer, prepare it on the host."""
+        """Read [lo, hi) of every layer from the paged cache, cluster, prepare it on the host."""
         t, bs = time.perf_counter(), self.block_size
         blocks_t, pos = torch.tensor(blocks, dtype=torch.long), torch.arange(lo, hi)
         dev = self.layers[0].kv_cache.device

@@ -35,7 +35,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
 from nelssa.config import mem_available, vllm_nelssa_config
-from nelssa.vllm_plugin.connector import nelssa_worker_meta
+from nelssa.vllm_plugin.connector import find_connector, nelssa_worker_meta
 from nelssa.vllm_plugin.policy import host_bytes
 from nelssa.vllm_plugin.spec import NelssaSpec
 
@@ -69,7 +69,7 @@ class NelssaScheduler(Scheduler):
         self.nelssa_policy = spec.policy()
         from nelssa.vllm_plugin.spec import NelssaManager
         managers = [m for m in self.kv_cache_manager.coordinator.single_type_managers if isinstance(m, NelssaManager)]
-        conn = self._nelssa_connector()
+        conn = find_connector(self.connector)
         if len(managers) != 1 or conn is None:
             raise ValueError("NELSSA needs its KV-cache manager and its KV connector (see nelssa.vllm_plugin.engine_args)")
         managers[0].host_ends = conn.host_ends = self._host_end
@@ -104,13 +104,6 @@ class NelssaScheduler(Scheduler):
 
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
-
-    def _nelssa_connector(self):
-        from nelssa.vllm_plugin.connector import NelssaConnector
-        c = self.connector
-        if isinstance(c, NelssaConnector):
-            return c
-        return next((x for x in getattr(c, "_connectors", []) if isinstance(x, NelssaConnector)), None)
 
     def _prefilling_longs(self) -> int:
         """Admitted long requests that still hold (or will hold) their whole prompt on the device."""
@@ -160,7 +153,7 @@ class NelssaScheduler(Scheduler):
 
     def _prefill_reserve(self) -> int:
         """Blocks that running long prefills still have to allocate."""
-        pol, n = self.nelssa_policy, 0
+        n = 0
         for rid in self._reserved:
             r = self.requests.get(rid)
             if r is not None and r.status == RequestStatus.RUNNING and r.num_computed_tokens < r.num_prompt_tokens:
