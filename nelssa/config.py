@@ -86,7 +86,11 @@ class NelssaConfig:
     recent: int = 64              # last tokens kept on the device
     chunk: int = 1024             # generated tokens clustered and appended to the host tier at once
     long_prefills: int = 1        # long prompts prefilling at once (admission; 0: no limit)
-    engine: str = "local"         # host tier: "local" (in-process pool)
+    engine: str = "local"         # host tier: "local" (in-process pool) | "node" (a nelssa-node service)
+    node_address: str = "127.0.0.1:50151"  # engine "node": the node's gRPC address
+    node_token: str = field(default="", repr=False)  # engine "node": shared secret (required off loopback)
+    node_transport: str = "auto"  # engine "node" data plane: shm | grpc | auto (shm when the node is on loopback)
+    node_lease_s: float = 30.0    # engine "node": lease; the node drops a client's KV this long after its last call
     cluster_size: int = 8         # mean tokens per cluster (8 measured better than 16 on needles, see README)
     segment: int = 8192           # k-means segment length (tokens)
     iters: int = 10               # k-means iterations
@@ -113,7 +117,12 @@ class NelssaConfig:
         req(self.chunk >= 1, f"chunk must be >= 1, got {self.chunk}")
         req(isinstance(self.long_prefills, int) and self.long_prefills >= 0,
             f"long_prefills must be an int >= 0, got {self.long_prefills!r}")
-        req(self.engine in ("local",), f"engine must be 'local', got {self.engine!r}")
+        req(self.engine in ("local", "node"), f"engine must be 'local' or 'node', got {self.engine!r}")
+        req(self.node_transport in ("auto", "shm", "grpc"),
+            f"node_transport must be auto, shm or grpc, got {self.node_transport!r}")
+        req(isinstance(self.node_address, str) and ":" in self.node_address,
+            f"node_address must be host:port, got {self.node_address!r}")
+        req(self.node_lease_s > 0, f"node_lease_s must be > 0, got {self.node_lease_s!r}")
         req(self.cluster_size >= 1 and self.segment >= self.cluster_size and self.iters >= 1,
             "cluster_size >= 1, segment >= cluster_size and iters >= 1 required")
         req(self.pool_threads >= 1, f"pool_threads must be >= 1, got {self.pool_threads}")
@@ -142,6 +151,10 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_CHUNK": ("chunk", int),
     "NELSSA_LONG_PREFILLS": ("long_prefills", int),
     "NELSSA_ENGINE": ("engine", str),
+    "NELSSA_NODE_ADDRESS": ("node_address", str),
+    "NELSSA_NODE_TOKEN": ("node_token", str),
+    "NELSSA_NODE_TRANSPORT": ("node_transport", str),
+    "NELSSA_NODE_LEASE_S": ("node_lease_s", float),
     "NELSSA_SEED": ("seed", int),
     "NELSSA_USE_CPP": ("use_cpp", _bool),
     "NELSSA_POOL_THREADS": ("pool_threads", int),

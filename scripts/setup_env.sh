@@ -85,6 +85,9 @@ pip install -q --no-deps "nixl==$NIXL_VERSION" "nixl-cu13==$NIXL_VERSION"
 log "installing matplotlib==$MATPLOTLIB_VERSION (benchmark plots)"
 pip install -q -c "$cons" "matplotlib==$MATPLOTLIB_VERSION"
 
+log "installing grpcio==$GRPCIO_VERSION protobuf==$PROTOBUF_VERSION grpcio-tools==$GRPCIO_TOOLS_VERSION (nelssa-node)"
+pip install -q -c "$cons" "grpcio==$GRPCIO_VERSION" "protobuf==$PROTOBUF_VERSION" "grpcio-tools==$GRPCIO_TOOLS_VERSION"
+
 log "installing nelssa (editable, test extras) and building nelssa._C"
 pip install -q -c "$cons" setuptools wheel ninja
 pip install -q -c "$cons" --no-build-isolation -e "$repo[test]"

@@ -1,0 +1,88 @@
+"""``nelssa-node`` / ``python -m nelssa.node``: run the host tier as a service (see nelssa.node.server)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from nelssa.config import get_config, parse_bytes, parse_cores
+
+
+def _device_cores(spec: str, devices: int, per_device: int) -> tuple[tuple[int, ...], ...]:
+    """'0-3;4-7' (one core list per device) or, with --cores-per-device, consecutive cores of this
+    process's affinity, device by device (wrapping around when there are fewer cores than asked)."""
+    if spec:
+        sets = tuple(parse_cores(s) for s in spec.split(";"))
+        if len(sets) != devices:
+            raise SystemExit(f"--device-cores names {len(sets)} core sets for {devices} devices")
+        return sets
+    if per_device <= 0:
+        return ()
+    avail = sorted(os.sched_getaffinity(0))
+    if devices * per_device > len(avail):
+        logging.getLogger("nelssa.node").warning(
+            "%d devices x %d cores > %d cores available: devices share cores (emulation only)",
+            devices, per_device, len(avail))
+    return tuple(tuple(avail[(d * per_device + i) % len(avail)] for i in range(per_device)) for d in range(devices))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from nelssa.node.server import NodeSettings, serve
+    from nelssa.node.wire import Limits
+
+    p = argparse.ArgumentParser(prog="nelssa-node", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (anything but loopback needs a token)")
+    p.add_argument("--port", type=int, default=50151, help="gRPC port (0: any free port)")
+    p.add_argument("--devices", type=int, default=1, help="emulated PNM devices")
+    p.add_argument("--cores-per-device", type=int, default=0,
+                   help="pin each device to this many cores of its own (0: not pinned)")
+    p.add_argument("--device-cores", default="", help="explicit core lists per device, e.g. '0-3;4-7'")
+    p.add_argument("--threads-per-device", type=int, default=0,
+                   help="kernel threads per device (default: --cores-per-device, else 1)")
+    p.add_argument("--device-memory", default="1GiB", help="capacity per device, e.g. 64GiB")
+    p.add_argument("--partition", choices=("head", "cluster"), default="head")
+    p.add_argument("--ingest-cores", default="", help="cores for store handling, e.g. '15' (default: not pinned)")
+    p.add_argument("--token-file", default="", help="file holding the shared secret (else NELSSA_NODE_TOKEN)")
+    p.add_argument("--lease-min-s", type=float, default=0.5)
+    p.add_argument("--lease-max-s", type=float, default=600.0)
+    p.add_argument("--max-message-bytes", default="8MiB", help="largest message / shared-memory slot")
+    p.add_argument("--poll-spin-us", type=int, default=2000)
+    p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (-1: off, 0: any)")
+    p.add_argument("--log-level", default="INFO")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    token = get_config().node_token
+    if a.token_file:
+        with open(a.token_file) as f:
+            token = f.read().strip()
+    cores = _device_cores(a.device_cores, a.devices, a.cores_per_device)
+    threads = a.threads_per_device or (len(cores[0]) if cores else 1)
+    import torch
+    torch.set_num_threads(1)  # the node's own torch ops are small; the kernels have their teams
+    try:
+        s = NodeSettings(host=a.host, port=a.port, devices=a.devices, device_cores=cores, threads_per_device=threads,
+                         device_memory=parse_bytes(a.device_memory), partition=a.partition,
+                         ingest_cores=parse_cores(a.ingest_cores), token=token, lease_min_s=a.lease_min_s,
+                         lease_max_s=a.lease_max_s, poll_spin_us=a.poll_spin_us, metrics_port=a.metrics_port,
+                         limits=Limits(max_message_bytes=parse_bytes(a.max_message_bytes)))
+    except ValueError as e:
+        raise SystemExit(f"nelssa-node: {e}") from None
+    running = serve(s)
+    # one parseable line for scripts and tests
+    print(f"nelssa-node listening on {a.host}:{running.port} metrics {running.metrics_port} pid {os.getpid()}",
+          flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    running.stop(grace=2.0)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,460 @@
+"""NodeHostTier (engine "node"): LocalHostTier's interface over a nelssa-node service.
+
+The client clusters where the keys are (as the local tier does, same seeds, so the same clusters),
+keeps each layer's centroids / sizes / value means on that device for the centroid search
+(``RemoteKV``), and streams the packed K/V to the node. Per layer and step one decode job carries
+the queries and selected cluster ids of every long request to the node over shared memory (same host)
+or a gRPC bidi stream and returns (output, LSE). Every failure raises HostError; a result is never
+partial. Failures: a node that stops answering fails the call within ``host_timeout_s`` (a shared-
+memory client sees a dead node's stale heartbeat within ``STALE_S``); a node that lost the client
+(restart, lease expiry) makes the client register again: its old requests fail, new ones are served.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import grpc
+import torch
+
+from nelssa.config import NelssaConfig
+from nelssa.node.local import HostError, HostStats
+from nelssa.node.proto import nelssa_node_pb2 as pb
+from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
+from nelssa.node.server import is_loopback
+from nelssa.node.wire import (DTYPE_IDS, TOKEN_HEADER, W_BEAT, W_CLOSED, W_REQ_SEQ, W_RESP_SEQ, Limits, ShmChannel,
+                              decode_result, encode_job, tensor_bytes)
+from nelssa.sparse import Selection, pack
+from nelssa.sparse.clustered import cluster_layers
+
+log = logging.getLogger("nelssa.node.client")
+
+STALE_S = 2.0          # shared memory: a node heartbeat older than this is a dead node
+STREAM_S = 3600.0      # deadline of one gRPC data-plane stream (reopened before it runs out)
+STORE_BYTES_PER_S = 50e6  # a store's deadline: host_timeout_s + its bytes at this rate
+
+
+def _status(e: grpc.RpcError) -> str:
+    code = e.code() if hasattr(e, "code") else None
+    return f"{code.name if code else 'ERROR'}: {e.details() if hasattr(e, 'details') else e}"
+
+
+class RemoteKV:
+    """One layer of a request whose K/V is on the node: what the centroid search reads of a ClusteredKV
+    (centroids [H, C, D], sizes [H, C] int32, vmeans on the keys' device; length), with prepared parts
+    made visible by ``commit_until`` exactly like ClusteredKV."""
+
+    def __init__(self, req_id: str, layer: int, H: int, D: int, dtype: torch.dtype, device: torch.device):
+        self.req_id, self.layer = req_id, layer
+        self.num_kv_heads, self.head_dim, self.dtype, self.device = H, D, dtype, device
+        self.centroids = torch.empty(H, 0, D, dtype=dtype, device=device)
+        self.sizes = torch.empty(H, 0, dtype=torch.int32, device=device)
+        self.vmeans = torch.empty(H, 0, D, dtype=dtype, device=device)
+        self.length = 0
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.freed = False
+
+    @property
+    def num_clusters(self) -> int:
+        return self.centroids.shape[1]
+
+    @property
+    def device_nbytes(self) -> int:
+        return self.centroids.nbytes + self.sizes.nbytes + self.vmeans.nbytes
+
+    def check_alive(self) -> None:
+        if self.freed:
+            raise HostError(f"request {self.req_id}: host KV was freed")
+
+    def commit_until(self, length: int) -> None:
+        while self.pending and self.length + self.pending[0][0] <= length:
+            n, cent, sizes, vmean = self.pending.pop(0)
+            self.centroids = torch.cat([self.centroids, cent], 1)
+            self.sizes = torch.cat([self.sizes, sizes], 1)
+            self.vmeans = torch.cat([self.vmeans, vmean], 1)
+            self.length += n
+        if self.length != length:
+            raise HostError(f"host KV of {self.req_id} holds {self.length} committed "
+                            f"(+{sum(p[0] for p in self.pending)} prepared) tokens, {length} expected")
+
+
+class _Req:
+    def __init__(self, req_id: str, num_layers: int):
+        self.req_id = req_id
+        self.layers: list[RemoteKV | None] = [None] * num_layers
+        self.parts = 0
+        self.bytes = 0          # on the node
+        self.lost = ""          # why the node no longer holds it
+
+
+def _part_stats(keys: torch.Tensor, values: torch.Tensor, labels: torch.Tensor, C: int):
+    """Cluster sizes [H, C], stable order of tokens by cluster [H, n], centroids and value means
+    [H, C, D] (keys' dtype) of one clustered chunk (as ClusteredKV.append computes them)."""
+    H, n, D = keys.shape
+    sizes = torch.zeros(H, C, dtype=torch.long, device=keys.device)
+    sizes.scatter_add_(1, labels, torch.ones_like(labels))
+    perm = torch.sort(labels, dim=1, stable=True).indices
+    idx = labels.unsqueeze(-1).expand(H, n, D)
+    count = sizes.clamp_min(1).unsqueeze(-1)
+    cent = (torch.zeros(H, C, D, device=keys.device).scatter_add_(1, idx, keys.float()) / count).to(keys.dtype)
+    vmean = (torch.zeros(H, C, D, device=keys.device).scatter_add_(1, idx, values.float()) / count).to(keys.dtype)
+    return sizes, perm, cent, vmean
+
+
+class _GrpcPlane:
+    """Decode jobs over one long-lived bidi stream; one job in flight (the submission thread's)."""
+
+    name = "grpc"
+
+    def __init__(self, tier: "NodeHostTier"):
+        self.tier = tier
+        self.call = None
+        self.q: queue.SimpleQueue | None = None
+        self.opened = 0.0
+
+    def _open(self) -> None:
+        self.close()
+        q = self.q = queue.SimpleQueue()
+
+        def jobs():
+            while True:
+                j = q.get()
+                if j is None:
+                    return
+                yield j
+
+        self.call = self.tier._stub.Attend(jobs(), timeout=STREAM_S, metadata=self.tier._md)
+        self.opened = time.monotonic()
+
+    def run(self, job: pb.AttendJob, timeout: float) -> pb.AttendResult:
+        if self.call is None or time.monotonic() - self.opened > STREAM_S - 4 * timeout:
+            self._open()
+        self.q.put(job)
+        try:
+            return next(self.call)
+        except grpc.RpcError as e:
+            self.call = None
+            raise HostError(f"node data plane (gRPC): {_status(e)}") from None
+        except StopIteration:
+            self.call = None
+            raise HostError("node data plane (gRPC): stream ended") from None
+
+    def abort(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
+        self.call = None
+
+    def close(self) -> None:
+        if self.q is not None:
+            self.q.put(None)
+        self.abort()
+
+
+class _ShmPlane:
+    """Decode jobs through the node's shared-memory channel of this client (same host only)."""
+
+    name = "shm"
+
+    def __init__(self, tier: "NodeHostTier"):
+        rep = tier._rpc("OpenShm", pb.ShmRequest(client_id=tier.client_id, slot_bytes=tier.limits.max_message_bytes))
+        self.ch = ShmChannel.attach(rep.path, rep.slot_bytes)
+        self.seq = max(int(self.ch.w[W_REQ_SEQ]), int(self.ch.w[W_RESP_SEQ]))
+        self.broken = ""
+
+    def run(self, job: pb.AttendJob, timeout: float) -> pb.AttendResult:
+        if self.broken:
+            raise HostError(f"node data plane (shared memory) unusable: {self.broken}")
+        ch = self.ch
+        self.seq += 1
+        seq = self.seq
+        ch.write("req", seq, job.SerializeToString())
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        while int(ch.w[W_RESP_SEQ]) != seq:
+            now = time.monotonic()
+            if int(ch.w[W_CLOSED]):
+                self.broken = "the node closed the channel (lease expired or node stopped)"
+            elif now > deadline:
+                self.broken = f"no answer within {timeout:.1f}s"
+            elif (time.monotonic_ns() - int(ch.w[W_BEAT])) * 1e-9 > STALE_S:
+                self.broken = f"the node's heartbeat is older than {STALE_S}s (node dead?)"
+            if self.broken:
+                raise HostError(f"node data plane (shared memory): {self.broken}")
+            time.sleep(0 if now - t0 < 2e-4 else 2e-5)
+        return pb.AttendResult.FromString(ch.read("resp"))
+
+    def abort(self) -> None:
+        self.broken = self.broken or "a job timed out"
+
+    def close(self) -> None:
+        self.ch.close()
+
+
+class NodeHostTier:
+    """Host tier on a nelssa-node (config ``engine: node``, ``node_address``, ``node_token``,
+    ``node_transport``); same interface as LocalHostTier."""
+
+    def __init__(self, cfg: NelssaConfig, num_layers: int):
+        self.cfg, self.num_layers = cfg, num_layers
+        self.reqs: dict[str, _Req] = {}
+        self.stats = HostStats()
+        self._lock = threading.Lock()
+        self._md = ((TOKEN_HEADER, cfg.node_token),) if cfg.node_token else ()
+        big = 64 << 20
+        self._channel = grpc.insecure_channel(cfg.node_address, options=[
+            ("grpc.max_receive_message_length", big), ("grpc.max_send_message_length", big)])
+        self._stub = pb_grpc.NelssaNodeStub(self._channel)
+        self._jobs = itertools.count(1)
+        self._to_free: list[str] = []
+        self._closed = threading.Event()
+        self._plane = None
+        self._plane_lock = threading.Lock()  # the data plane is swapped only between jobs
+        self._register()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="nelssa-node-client")
+        self._renewer = threading.Thread(target=self._renew_loop, name="nelssa-node-lease", daemon=True)
+        self._renewer.start()
+
+    # -------- control plane
+    def _rpc(self, method: str, request, timeout: float | None = None):
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout or self.cfg.host_timeout_s, metadata=self._md)
+        except grpc.RpcError as e:
+            raise HostError(f"nelssa-node {method} at {self.cfg.node_address}: {_status(e)}") from None
+
+    def _transport(self) -> str:
+        t = self.cfg.node_transport
+        if t == "auto":
+            return "shm" if is_loopback(self.cfg.node_address.rsplit(":", 1)[0]) else "grpc"
+        return t
+
+    def _register(self) -> None:
+        rep = self._rpc("Register", pb.RegisterRequest(name=f"nelssa-client-{id(self):x}", lease_s=self.cfg.node_lease_s))
+        self.client_id, self.lease_s = rep.client_id, rep.lease_s
+        self.limits = Limits.from_pb(rep.limits)
+        self.node_devices = len(rep.devices)
+        if self._plane is not None:
+            self._plane.close()
+        self._plane = _ShmPlane(self) if self._transport() == "shm" else _GrpcPlane(self)
+        log.info("nelssa-node %s: client %s, %d devices, data plane %s", self.cfg.node_address, self.client_id,
+                 self.node_devices, self._plane.name)
+
+    def _renew_loop(self) -> None:
+        while not self._closed.wait(max(0.05, self.lease_s / 3)):
+            try:
+                self._rpc("Renew", pb.RenewRequest(client_id=self.client_id), timeout=max(0.5, self.lease_s / 3))
+                with self._lock:
+                    retry, self._to_free = self._to_free, []
+                for rid in retry:
+                    self._free_remote(rid)
+            except HostError as e:
+                if "NOT_FOUND" not in str(e):
+                    log.warning("lease renewal: %s", e)
+                    continue
+                log.error("nelssa-node lost this client (%s); registering again, its requests fail", e)
+                with self._lock:
+                    for r in self.reqs.values():
+                        r.lost = "the node no longer holds it (node restarted or lease expired)"
+                    self._to_free = []
+                try:
+                    with self._plane_lock:
+                        self._register()
+                except HostError as e2:
+                    log.warning("re-registration: %s", e2)
+
+    # -------- KV placement
+    def _request(self, req_id: str) -> _Req:
+        with self._lock:
+            r = self.reqs.get(req_id)
+            if r is None:
+                r = self.reqs[req_id] = _Req(req_id, self.num_layers)
+                self.stats.add(long_requests=1)
+        return r
+
+    def put_layers(self, req_id: str, keys: list[torch.Tensor], values: list[torch.Tensor],
+                   commit: bool = True) -> None:
+        """As LocalHostTier.put_layers; the packed K/V is streamed to the node (one store per call, all
+        layers), the centroids stay here."""
+        cfg = self.cfg
+        if len(keys) != self.num_layers or len(values) != self.num_layers:
+            raise HostError(f"put_layers: {len(keys)} layers given, the host tier has {self.num_layers}")
+        r = self._request(req_id)
+        if r.lost:
+            raise HostError(f"request {req_id}: {r.lost}")
+        H, n, D = keys[0].shape
+        dtype = keys[0].dtype
+        if dtype not in DTYPE_IDS or any(k.shape != (H, n, D) or v.shape != k.shape for k, v in zip(keys, values)):
+            raise HostError(f"put_layers: every layer's keys/values must be [{H}, {n}, {D}] of bf16/fp16/fp32")
+        part = r.parts
+        labels = cluster_layers(keys, seed=cfg.seed + 1000 * part, cluster_size=cfg.cluster_size,
+                                segment=cfg.segment, iters=cfg.iters)
+        stats = [_part_stats(k, v, lab, C) for k, v, (lab, C) in zip(keys, values, labels)]
+        header = pb.StoreHeader(client_id=self.client_id, req_id=req_id, part=part, num_layers=self.num_layers,
+                                kv_heads=H, head_dim=D, dtype=DTYPE_IDS[dtype], tokens=n,
+                                clusters=[C for _, C in labels])
+        step = max(1 << 16, min(4 << 20, self.limits.max_message_bytes - (1 << 12)))
+
+        def chunks():
+            yield pb.StoreChunk(header=header)
+            for k, v, (sizes, perm, _, _) in zip(keys, values, stats):
+                yield pb.StoreChunk(data=tensor_bytes(sizes.to(device="cpu", dtype=torch.int32)))
+                flat = pack(k, v, perm).view(-1).view(torch.uint8).numpy()
+                for o in range(0, flat.size, step):
+                    yield pb.StoreChunk(data=flat[o:o + step].tobytes())
+
+        nbytes = 2 * H * n * D * keys[0].element_size() * self.num_layers
+        rep = self._rpc("Store", chunks(), timeout=cfg.host_timeout_s + nbytes / STORE_BYTES_PER_S)
+        with self._lock:
+            for i, (sizes, _, cent, vmean) in enumerate(stats):
+                if r.layers[i] is None:
+                    r.layers[i] = RemoteKV(req_id, i, H, D, dtype, keys[i].device)
+                r.layers[i].pending.append((n, cent, sizes.to(torch.int32), vmean))
+            r.parts += 1
+            r.bytes = rep.bytes
+        if commit:
+            self.commit(req_id, r.layers[0].length + sum(p[0] for p in r.layers[0].pending))
+
+    def commit(self, req_id: str, length: int) -> None:
+        """Make prepared parts visible until every layer holds exactly ``length`` tokens (the node
+        makes the same parts visible when a job attends that many tokens)."""
+        r = self.reqs.get(req_id)
+        if r is None:
+            raise HostError(f"request {req_id} has no host KV")
+        if r.lost:
+            raise HostError(f"request {req_id}: {r.lost}")
+        if any(c is None for c in r.layers):
+            raise HostError(f"request {req_id}: host KV incomplete (layers missing)")
+        for c in r.layers:
+            c.commit_until(length)
+
+    def committed(self, req_id: str) -> int:
+        r = self.reqs.get(req_id)
+        return r.layers[0].length if r is not None and r.layers[0] is not None else 0
+
+    def layer_kv(self, req_id: str, layer: int) -> RemoteKV:
+        r = self.reqs.get(req_id)
+        if r is None:
+            raise HostError(f"request {req_id} has no host KV")
+        if r.lost:
+            raise HostError(f"request {req_id}: {r.lost}")
+        c = r.layers[layer]
+        if c is None:
+            raise HostError(f"request {req_id}: layer {layer} has no host KV")
+        return c
+
+    def has(self, req_id: str) -> bool:
+        return req_id in self.reqs
+
+    def _free_remote(self, req_id: str) -> None:
+        try:
+            self._rpc("Free", pb.FreeRequest(client_id=self.client_id, req_id=req_id))
+        except HostError as e:
+            if "NOT_FOUND" in str(e):
+                return  # the node dropped this client: nothing of it is held
+            log.warning("free of %s on the node failed (%s); retried with the next lease renewal", req_id, e)
+            with self._lock:
+                self._to_free.append(req_id)
+
+    def free(self, req_id: str) -> bool:
+        with self._lock:
+            r = self.reqs.pop(req_id, None)
+        if r is None:
+            return False
+        for c in r.layers:
+            if c is not None:
+                c.freed = True
+        if not r.lost:
+            self._free_remote(req_id)
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this client's requests hold on the node."""
+        with self._lock:
+            return sum(r.bytes for r in self.reqs.values() if not r.lost)
+
+    # -------- attention
+    def submit_attend(self, q: torch.Tensor, ckvs: list[RemoteKV], sel: Selection, scale: float,
+                      layer: int) -> Future:
+        """One decode job for all requests of ``ckvs`` (queries [n, Hq, D]); a future of fp32
+        (out [n, Hq, D], lse [n, Hq]) on the host."""
+        ready, pinned = sel.ready, q.is_cuda
+        if q.is_cuda:
+            q_cpu = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
+            q_cpu.copy_(q.detach(), non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            q_cpu = q.detach()
+        req_ids = [c.req_id for c in ckvs]
+        lengths = [c.length for c in ckvs]
+        for c in ckvs:
+            c.check_alive()
+        fault = self.cfg.fault
+        timeout = self.cfg.host_timeout_s
+
+        def run():
+            if ready is not None:
+                ready.synchronize()
+            if fault == "attend":
+                raise HostError("injected host-tier fault (NELSSA_FAULT=attend)")
+            t = time.perf_counter()
+            B, Hq, D = q_cpu.shape
+            with self._plane_lock:
+                job = encode_job(next(self._jobs), self.client_id, layer, scale, q_cpu.contiguous(), req_ids,
+                                 lengths, list(sel.ids), list(sel.counts))
+                res = self._plane.run(job, timeout)
+            if res.code:
+                raise HostError(f"nelssa-node job (layer {layer}): {_CODES.get(res.code, str(res.code))}: {res.message}")
+            if res.job_id != job.job_id:
+                raise HostError(f"nelssa-node answered job {res.job_id} for job {job.job_id}")
+            try:
+                out, lse = decode_result(res, B, Hq, D)
+            except ValueError as e:
+                raise HostError(f"nelssa-node result (layer {layer}): {e}") from None
+            self.stats.add(attn_s=time.perf_counter() - t)
+            if pinned:
+                out, lse = out.pin_memory(), lse.pin_memory()
+            return out, lse
+
+        return self._pool.submit(run)
+
+    def wait(self, fut: Future, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            out, lse = fut.result(timeout=self.cfg.host_timeout_s)
+        except FutureTimeout:
+            self.stats.add(failures=1)
+            self._plane.abort()
+            raise HostError(f"host attention of layer {layer} on nelssa-node timed out after "
+                            f"{self.cfg.host_timeout_s}s") from None
+        except Exception:
+            self.stats.add(failures=1)
+            raise
+        if not (torch.isfinite(out).all() and not torch.isnan(lse).any()):
+            self.stats.add(failures=1)
+            raise HostError(f"host attention of layer {layer} returned non-finite values")
+        return out, lse
+
+    # -------- node reports
+    def node_stats(self) -> pb.StatsReply:
+        return self._rpc("Stats", pb.StatsRequest())
+
+    def close(self) -> None:
+        self._closed.set()
+        for rid in list(self.reqs):
+            try:
+                self.free(rid)
+            except HostError:
+                pass
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._plane is not None:
+            self._plane.close()
+        self._channel.close()
+
+
+_CODES = {c.value[0]: c.name for c in grpc.StatusCode}

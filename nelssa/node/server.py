@@ -1,0 +1,742 @@
+"""nelssa-node: clustered KV of many clients' long requests on N emulated PNM devices, sparse attention
+over it per decode job (the paper's NelssaHost: KV partitioner, job dispatcher, output aggregator).
+
+* Devices: a device is a worker thread pinned to its own cores (when given) whose kernel calls run
+  an OpenMP team of ``threads_per_device`` threads, inheriting the pinning, plus a byte capacity.
+* Partitioning (paper 5.3): ``head`` - a device holds every cluster of its share of KV heads; a job
+  goes to all devices at once and the aggregator concatenates the heads. ``cluster`` - a device holds
+  whole clusters (global cluster id mod devices) of every head; every device attends the job's
+  selection over its own clusters and the aggregator merges the partial results by LSE.
+* Ingestion (paper 5.1): stores are copied by the gRPC handler thread, optionally pinned to
+  ``ingest_cores``; decode jobs run on the device threads, never behind a store.
+* Control plane: gRPC (proto/nelssa_node.proto), a deadline required on every call, a shared-secret
+  token (metadata ``x-nelssa-token``) checked on every call when set and required off loopback.
+* Data plane: the same AttendJob/AttendResult over a gRPC bidi stream or a shared-memory channel
+  served by a polling responder thread per client.
+* Leases: every call renews the caller's lease; a client whose lease runs out is dropped with all
+  its KV (and its shared-memory channel).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import os
+import threading
+import time
+import uuid
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import torch
+from google.protobuf.message import DecodeError
+
+from nelssa.config import get_config, set_config
+from nelssa.node.proto import nelssa_node_pb2 as pb
+from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
+from nelssa.node.wire import (DTYPES, TOKEN_HEADER, W_REQ_SEQ, Limits, ShmChannel, WireError, decode_job,
+                              dtype_of, tensor_bytes)
+from nelssa.sparse import KVPart, Selection, attend, host_empty, merge_states
+
+log = logging.getLogger("nelssa.node")
+
+
+class NodeError(Exception):
+    def __init__(self, code: grpc.StatusCode, msg: str):
+        super().__init__(msg)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    host: str = "127.0.0.1"
+    port: int = 50151
+    devices: int = 1
+    device_cores: tuple[tuple[int, ...], ...] = ()   # per device; () = not pinned
+    threads_per_device: int = 1                      # OpenMP threads of a device's kernel calls
+    device_memory: int = 1 << 30                     # bytes per device
+    partition: str = "head"                          # head | cluster
+    ingest_cores: tuple[int, ...] = ()               # store handlers pinned here (() = not pinned)
+    token: str = ""
+    lease_min_s: float = 0.5
+    lease_max_s: float = 600.0
+    limits: Limits = field(default_factory=Limits)
+    poll_spin_us: int = 2000                         # shared-memory responder: busy-poll this long after a job
+    poll_sleep_us: int = 200                         # then sleep between polls
+    shm_dir: str = "/dev/shm"
+    grpc_workers: int = 16
+    metrics_port: int = -1                           # Prometheus /metrics (-1: off, 0: any port)
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ValueError(f"devices must be >= 1, got {self.devices}")
+        if self.device_cores and len(self.device_cores) != self.devices:
+            raise ValueError(f"{len(self.device_cores)} core sets for {self.devices} devices")
+        if self.partition not in ("head", "cluster"):
+            raise ValueError(f"partition must be 'head' or 'cluster', got {self.partition!r}")
+        if self.threads_per_device < 1 or self.device_memory < 0:
+            raise ValueError("threads_per_device >= 1 and device_memory >= 0 required")
+        if not is_loopback(self.host) and not self.token:
+            raise ValueError(f"binding {self.host} (not loopback) requires a token (NELSSA_NODE_TOKEN or --token-file)")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def split_heads(H: int, n: int) -> list[tuple[int, int]]:
+    """KV heads [0, H) over n devices as contiguous ranges, sizes differing by at most one."""
+    out, h = [], 0
+    for d in range(n):
+        k = H // n + (1 if d < H % n else 0)
+        out.append((h, h + k))
+        h += k
+    return out
+
+
+# ---------------------------------------------------------------- storage
+
+class Shard:
+    """One layer of one request on one device: duck-types what ``nelssa.sparse.attend`` reads of a
+    ClusteredKV (parts, cpart, cstart, csize, num_kv_heads, head_dim)."""
+
+    def __init__(self, heads: int, head_dim: int):
+        self.num_kv_heads, self.head_dim = heads, head_dim
+        self.parts: list[KVPart] = []
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # n, kv, starts, sizes
+        self.cpart = torch.empty(0, dtype=torch.int32)
+        self.cstart = torch.empty(heads, 0, dtype=torch.int64)
+        self.csize = torch.empty(heads, 0, dtype=torch.int32)
+        self.length = 0
+
+    def commit_until(self, length: int) -> None:
+        while self.pending and self.length + self.pending[0][0] <= length:
+            n, kv, starts, sizes = self.pending.pop(0)
+            p = len(self.parts)
+            self.parts.append(KVPart(kv))
+            self.cpart = torch.cat([self.cpart, torch.full((sizes.shape[1],), p, dtype=torch.int32)])
+            self.cstart = torch.cat([self.cstart, starts], 1).contiguous()
+            self.csize = torch.cat([self.csize, sizes], 1).contiguous()
+            self.length += n
+
+
+def table_bytes(heads: int, clusters: int) -> int:
+    return clusters * 4 + heads * clusters * 12  # cpart int32, cstart int64, csize int32
+
+
+def even_share(H: int, row: int, clusters: int, n: int) -> int:
+    """Cluster-wise: a device's first reservation for one layer (K/V split evenly, tables on every device)."""
+    return -(-H * row // n) + table_bytes(H, clusters)
+
+
+class NodeRequest:
+    def __init__(self, client_id: str, req_id: str, num_layers: int, H: int, D: int, dtype: torch.dtype,
+                 head_ranges: list[tuple[int, int]]):
+        self.client_id, self.req_id = client_id, req_id
+        self.num_layers, self.H, self.D, self.dtype = num_layers, H, D, dtype
+        self.head_ranges = head_ranges
+        self.shards = [[Shard(h1 - h0, D) for h0, h1 in head_ranges] for _ in range(num_layers)]
+        self.part_tokens: list[int] = []
+        self.part_clusters: list[list[int]] = []     # [part][layer]
+        self.bytes = [0] * len(head_ranges)          # held per device
+        self.lock = threading.Lock()
+
+    def visible(self, layer: int, length: int) -> int:
+        """Clusters of ``layer`` over exactly ``length`` tokens (committing prepared parts up to it)."""
+        if not 0 <= layer < self.num_layers:
+            raise WireError(f"layer {layer} outside [0, {self.num_layers})")
+        with self.lock:
+            row = self.shards[layer]
+            if row[0].length < length:
+                for s in row:
+                    s.commit_until(length)
+            if row[0].length != length:
+                raise NodeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"request {self.req_id}: the job attends {length} tokens, the node holds "
+                                f"{row[0].length} visible + {sum(p[0] for p in row[0].pending)} prepared")
+            return int(row[0].cpart.numel())
+
+
+class Client:
+    def __init__(self, client_id: str, name: str, lease_s: float):
+        self.id, self.name, self.lease_s = client_id, name, lease_s
+        self.last = time.monotonic()
+        self.reqs: dict[str, NodeRequest] = {}
+        self.shm: ShmChannel | None = None
+        self.shm_thread: threading.Thread | None = None
+        self.stop = threading.Event()
+
+
+class Device:
+    def __init__(self, index: int, cores: tuple[int, ...], capacity: int):
+        self.index, self.cores, self.capacity = index, cores, capacity
+        self.used = 0  # held + reserved (guarded by the node's accounting lock)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"nelssa-dev{index}", initializer=self._pin)
+
+    def _pin(self) -> None:
+        if self.cores:  # this thread, and the OpenMP team it starts, inherit the mask
+            os.sched_setaffinity(0, self.cores)
+
+    def info(self) -> pb.DeviceInfo:
+        return pb.DeviceInfo(index=self.index, cores=list(self.cores), capacity_bytes=self.capacity,
+                             used_bytes=self.used)
+
+
+# ---------------------------------------------------------------- metrics
+
+class Metrics:
+    def __init__(self, node: "NodeState"):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        self.registry = r = CollectorRegistry()
+        self.device_bytes = Gauge("nelssa_node_device_bytes", "bytes held or reserved per device", ["device"], registry=r)
+        self.device_capacity = Gauge("nelssa_node_device_capacity_bytes", "capacity per device", ["device"], registry=r)
+        for d in node.devices:
+            self.device_bytes.labels(device=str(d.index)).set_function(lambda d=d: d.used)
+            self.device_capacity.labels(device=str(d.index)).set(d.capacity)
+        self.clients = Gauge("nelssa_node_clients", "registered clients", registry=r)
+        self.clients.set_function(lambda: len(node.clients))
+        self.requests = Gauge("nelssa_node_requests", "requests holding KV", registry=r)
+        self.requests.set_function(lambda: sum(len(c.reqs) for c in list(node.clients.values())))
+        self.jobs = Counter("nelssa_node_jobs", "decode jobs", ["plane", "outcome"], registry=r)
+        self.job_s = Histogram("nelssa_node_job_seconds", "decode job time on the node (validation to aggregation)",
+                               ["plane"], registry=r,
+                               buckets=(5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.5, 2.0))
+        self.ingested = Counter("nelssa_node_ingested_bytes", "KV bytes stored", registry=r)
+        self.stores = Counter("nelssa_node_stores", "store calls", ["outcome"], registry=r)
+        self.expired = Counter("nelssa_node_expired_clients", "clients dropped at lease expiry", registry=r)
+
+
+# ---------------------------------------------------------------- the node
+
+class NodeState:
+    def __init__(self, s: NodeSettings):
+        self.s = s
+        cores = s.device_cores or ((),) * s.devices
+        self.devices = [Device(i, tuple(cores[i]), s.device_memory) for i in range(s.devices)]
+        self.clients: dict[str, Client] = {}
+        self.lock = threading.Lock()   # clients map and byte accounting
+        self.t0 = time.monotonic()
+        self.jobs = self.job_errors = self.ingested = self.expired_clients = 0
+        self.metrics = Metrics(self)
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="nelssa-lease", daemon=True)
+        self._reaper.start()
+
+    # -------- clients and leases
+    def register(self, name: str, lease_s: float) -> Client:
+        lease = min(max(lease_s or 30.0, self.s.lease_min_s), self.s.lease_max_s)
+        c = Client(uuid.uuid4().hex, name[:128], lease)
+        with self.lock:
+            self.clients[c.id] = c
+        log.info("client %s (%s) registered, lease %.1fs", c.id, c.name, lease)
+        return c
+
+    def client(self, client_id: str) -> Client:
+        with self.lock:
+            c = self.clients.get(client_id)
+            if c is None:
+                raise NodeError(grpc.StatusCode.NOT_FOUND, f"unknown client {client_id!r} (lease expired or node restarted)")
+            c.last = time.monotonic()
+        return c
+
+    def _reap(self) -> None:
+        while not self._stop.wait(min(0.25, self.s.lease_min_s / 2)):
+            now = time.monotonic()
+            with self.lock:
+                dead = [c for c in self.clients.values() if now - c.last > c.lease_s]
+            for c in dead:
+                log.warning("client %s (%s): lease of %.1fs expired, dropping %d requests", c.id, c.name, c.lease_s,
+                            len(c.reqs))
+                self.drop_client(c.id)
+                self.expired_clients += 1
+                self.metrics.expired.inc()
+
+    def drop_client(self, client_id: str) -> None:
+        with self.lock:
+            c = self.clients.pop(client_id, None)
+        if c is None:
+            return
+        c.stop.set()
+        for rid in list(c.reqs):
+            self.free(c, rid)
+        if c.shm_thread is not None and c.shm_thread is not threading.current_thread():
+            c.shm_thread.join(timeout=5)
+        if c.shm is not None:
+            c.shm.close(unlink=True)
+
+    # -------- accounting
+    def reserve(self, need: list[int]) -> None:
+        with self.lock:
+            for d, n in zip(self.devices, need):
+                if d.used + n > d.capacity:
+                    raise NodeError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"device {d.index} has {d.capacity - d.used} of {d.capacity} B free, "
+                                    f"the store needs {n} B there ({need} B per device)")
+            for d, n in zip(self.devices, need):
+                d.used += n
+
+    def release(self, held: list[int]) -> None:
+        with self.lock:
+            for d, n in zip(self.devices, held):
+                d.used -= n
+
+    def free(self, c: Client, req_id: str) -> tuple[bool, int]:
+        with self.lock:
+            r = c.reqs.pop(req_id, None)
+        if r is None:
+            return False, 0
+        with r.lock:
+            held, r.bytes = r.bytes, [0] * len(r.bytes)
+            r.shards = []  # a job in flight keeps its own references until it returns
+        self.release(held)
+        return True, sum(held)
+
+    # -------- ingestion
+    def store(self, chunks, context) -> pb.StoreReply:
+        first = next(chunks, None)
+        if first is None or first.WhichOneof("msg") != "header":
+            raise WireError("a store starts with its header")
+        h = first.header
+        lim = self.s.limits
+        c = self.client(h.client_id)
+        if not h.req_id or len(h.req_id) > lim.max_req_id_len:
+            raise WireError("request id empty or too long")
+        L, H, D, n = h.num_layers, h.kv_heads, h.head_dim, h.tokens
+        if not (1 <= L <= lim.max_layers and 1 <= H <= lim.max_heads and 1 <= D <= lim.max_head_dim
+                and 1 <= n <= lim.max_part_tokens):
+            raise WireError(f"store shape out of limits: layers {L}, kv heads {H}, head dim {D}, tokens {n}")
+        if len(h.clusters) != L or any(not 1 <= k <= n for k in h.clusters):
+            raise WireError(f"store needs 1..tokens clusters for each of its {L} layers")
+        dtype = dtype_of(h.dtype)
+        es = torch.empty((), dtype=dtype).element_size()
+        N = len(self.devices)
+        head = self.s.partition == "head"
+        ranges = split_heads(H, N) if head else [(0, H)] * N
+        with self.lock:
+            r = c.reqs.get(h.req_id)
+        if h.part == 0:
+            if r is not None:
+                raise NodeError(grpc.StatusCode.ALREADY_EXISTS, f"request {h.req_id} already stored; append with part > 0")
+            r = NodeRequest(c.id, h.req_id, L, H, D, dtype, ranges)
+        elif r is None or len(r.part_tokens) != h.part or (r.num_layers, r.H, r.D, r.dtype) != (L, H, D, dtype):
+            raise NodeError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"request {h.req_id}: append of part {h.part} does not follow the stored parts or shape")
+        row = n * 2 * D * es  # bytes of one head's K/V rows in a layer
+        if head:
+            need = [sum((h1 - h0) * row + table_bytes(h1 - h0, k) for k in h.clusters) for h0, h1 in ranges]
+        else:  # the exact split is known once a layer's sizes arrive: each layer reserves evenly first
+            need = [sum(even_share(H, row, k, N) for k in h.clusters)] * N
+        self.reserve(need)
+        reserved = list(need)
+        base = [sum(pc[li] for pc in r.part_clusters) for li in range(L)]  # global id of this part's cluster 0
+        try:
+            built = self._receive(chunks, context, h, dtype, es, ranges, reserved, base)
+            with r.lock, self.lock:
+                if (h.part == 0 and h.req_id in c.reqs) or c.id not in self.clients or \
+                        (h.part > 0 and (c.reqs.get(h.req_id) is not r or len(r.part_tokens) != h.part)):
+                    raise NodeError(grpc.StatusCode.ABORTED, f"request {h.req_id} changed while its store ran")
+                for li, row_parts in enumerate(built):
+                    for d, item in enumerate(row_parts):
+                        r.shards[li][d].pending.append(item)
+                r.part_tokens.append(n)
+                r.part_clusters.append(list(h.clusters))
+                for d in range(N):
+                    r.bytes[d] += reserved[d]
+                c.reqs[h.req_id] = r
+                stored, reserved = sum(reserved), None
+        finally:
+            if reserved is not None:
+                self.release(reserved)
+        self.ingested += stored
+        self.metrics.ingested.inc(stored)
+        return pb.StoreReply(bytes=sum(r.bytes), parts=len(r.part_tokens))
+
+    def _receive(self, chunks, context, h, dtype, es, ranges, reserved, base) -> list[list[tuple]]:
+        """Read each layer's sizes and K/V from the stream into per-device tensors -> [layer][device]
+        (tokens, kv, starts, sizes) ready to be appended as prepared parts."""
+        L, H, D, n = h.num_layers, h.kv_heads, h.head_dim, h.tokens
+        N = len(self.devices)
+        head = self.s.partition == "head"
+        row = n * 2 * D * es
+        it = _ByteReader(chunks, context)
+        built = []
+        for li in range(L):
+            C = h.clusters[li]
+            sizes = torch.frombuffer(bytearray(it.take(H * C * 4)), dtype=torch.int32).view(H, C)
+            if (sizes < 0).any() or (sizes.sum(1, dtype=torch.int64) != n).any():
+                raise WireError(f"layer {li}: cluster sizes must be >= 0 and sum to {n} per head")
+            starts = torch.cumsum(sizes, 1, dtype=torch.int64) - sizes
+            if head:
+                row_parts = []
+                for h0, h1 in ranges:
+                    kv = host_empty((h1 - h0, n, 2, D), dtype)
+                    if h1 > h0:
+                        it.into(kv.view(-1).view(torch.uint8).numpy())
+                    row_parts.append((n, kv, starts[h0:h1].contiguous(), sizes[h0:h1].contiguous()))
+            else:
+                full = torch.empty(H, n, 2, D, dtype=dtype)
+                it.into(full.view(-1).view(torch.uint8).numpy())
+                row_parts = self._split_clusters(full, sizes, starts, base[li], reserved)
+            built.append(row_parts)
+        it.end()
+        return built
+
+    def _split_clusters(self, full: torch.Tensor, sizes: torch.Tensor, starts: torch.Tensor, base: int,
+                        reserved: list[int]) -> list[tuple]:
+        """Cluster-wise: cluster c (ids of this part, offset by ``base``) lives on device (base + c) % N."""
+        H, n, _, D = full.shape
+        N = len(self.devices)
+        C = sizes.shape[1]
+        owner = (torch.arange(C) + base) % N
+        out = []
+        for d in range(N):
+            mine = (owner == d).unsqueeze(0).expand(H, C)
+            sz = torch.where(mine, sizes, torch.zeros_like(sizes))
+            rows_h = sz.sum(1, dtype=torch.int64)
+            width = max(1, int(rows_h.max()))
+            kv = host_empty((H, width, 2, D), full.dtype)
+            new_start = torch.cumsum(sz, 1, dtype=torch.int64) - sz
+            for hh in range(H):
+                idx = torch.nonzero(mine[hh] & (sizes[hh] > 0)).flatten()
+                if idx.numel():
+                    runs = [full[hh, int(starts[hh, c]):int(starts[hh, c] + sizes[hh, c])] for c in idx.tolist()]
+                    kv[hh, :int(rows_h[hh])] = torch.cat(runs)
+            out.append((n, kv, torch.where(mine, new_start, torch.zeros_like(new_start)).contiguous(), sz.contiguous()))
+        # settle the reservation to the exact bytes of this layer (it was estimated evenly)
+        exact = [int(o[1].nbytes) + table_bytes(H, C) for o in out]
+        est = even_share(H, n * 2 * D * full.element_size(), C, N)
+        delta = [e - est for e in exact]
+        grow = [max(0, x) for x in delta]
+        if any(grow):
+            self.reserve(grow)
+        self.release([max(0, -x) for x in delta])
+        for d in range(N):
+            reserved[d] += delta[d]
+        return out
+
+    # -------- decode jobs
+    def run_job(self, job: pb.AttendJob, plane: str, client: Client | None = None) -> pb.AttendResult:
+        t = time.perf_counter()
+        try:
+            c = self.client(job.client_id)
+            if client is not None and c is not client:
+                raise NodeError(grpc.StatusCode.PERMISSION_DENIED, "job for another client on this channel")
+            with self.lock:
+                reqs_map = dict(c.reqs)
+            reqs: list[NodeRequest] = []
+
+            def heads_of(rid: str, length: int):
+                r = reqs_map.get(rid)
+                if r is None:
+                    raise NodeError(grpc.StatusCode.NOT_FOUND, f"request {rid!r} holds no KV on this node")
+                k = r.visible(job.layer, length)
+                reqs.append(r)
+                return r.H, r.D, k
+
+            dj = decode_job(job, self.s.limits, heads_of)
+            if len({(r.H, r.dtype) for r in reqs}) != 1:
+                raise WireError("all requests of a job must share KV heads and dtype")
+            out, lse = self._dispatch(dj, reqs, job.layer, float(job.scale))
+            res = pb.AttendResult(job_id=job.job_id, code=0, out=tensor_bytes(out), lse=tensor_bytes(lse))
+            outcome = "ok"
+        except NodeError as e:
+            res, outcome = pb.AttendResult(job_id=job.job_id, code=e.code.value[0], message=str(e)), "error"
+        except (WireError, ValueError) as e:
+            res, outcome = pb.AttendResult(job_id=job.job_id, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                           message=str(e)), "error"
+        except Exception as e:  # noqa: BLE001 - reported to the client, which fails its requests
+            log.exception("job %d failed", job.job_id)
+            res, outcome = pb.AttendResult(job_id=job.job_id, code=grpc.StatusCode.INTERNAL.value[0],
+                                           message=f"{type(e).__name__}: {e}"), "error"
+        dt = time.perf_counter() - t
+        res.node_s = dt
+        self.jobs += 1
+        if outcome != "ok":
+            self.job_errors += 1
+        self.metrics.jobs.labels(plane=plane, outcome=outcome).inc()
+        self.metrics.job_s.labels(plane=plane).observe(dt)
+        return res
+
+    def _dispatch(self, dj, reqs: list[NodeRequest], layer: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        q = dj.q
+        B, Hq, D = q.shape
+        H = reqs[0].H
+        G = Hq // H
+        shards = [r.shards[layer] for r in reqs]
+        if any(not s for s in shards):
+            raise NodeError(grpc.StatusCode.NOT_FOUND, "a request of the job was freed")
+        if self.s.partition == "head":
+            out = torch.empty(B, Hq, D)
+            lse = torch.empty(B, Hq)
+            jobs = []
+            for d, dev in enumerate(self.devices):
+                h0, h1 = reqs[0].head_ranges[d]
+                if h1 == h0:
+                    continue
+                qd = q[:, h0 * G:h1 * G].contiguous()
+                sel = Selection([i[h0:h1].contiguous() for i in dj.ids], [c[h0:h1].contiguous() for c in dj.counts])
+                jobs.append((h0, h1, dev.pool.submit(attend, qd, [s[d] for s in shards], sel, scale)))
+            for h0, h1, f in jobs:
+                o, l_ = f.result()
+                out[:, h0 * G:h1 * G] = o
+                lse[:, h0 * G:h1 * G] = l_
+            return out, lse
+        sel = Selection(dj.ids, dj.counts)
+        q = q.contiguous()
+        futs = [dev.pool.submit(attend, q, [s[d] for s in shards], sel, scale) for d, dev in enumerate(self.devices)]
+        out, lse = futs[0].result()
+        for f in futs[1:]:
+            out, lse = merge_states(out, lse, *f.result())
+        return out, lse
+
+    # -------- shared memory
+    def open_shm(self, c: Client, slot: int) -> ShmChannel:
+        slot = min(max(slot, 1 << 16), self.s.limits.max_message_bytes)
+        with self.lock:
+            if c.shm is not None:
+                raise NodeError(grpc.StatusCode.ALREADY_EXISTS, "this client already has a shared-memory channel")
+            c.shm = ShmChannel.create(slot, self.s.shm_dir)
+        c.shm_thread = threading.Thread(target=self._respond, args=(c,), name=f"nelssa-shm-{c.id[:8]}", daemon=True)
+        c.shm_thread.start()
+        return c.shm
+
+    def _respond(self, c: Client) -> None:
+        """Polling responder: busy-polls for poll_spin_us after each job (yielding the GIL), then sleeps
+        poll_sleep_us between polls; heartbeats into the header so the client sees a dead node."""
+        ch = c.shm
+        last = int(ch.w[W_REQ_SEQ])
+        idle = time.perf_counter()
+        spin, nap = self.s.poll_spin_us * 1e-6, self.s.poll_sleep_us * 1e-6
+        while not c.stop.is_set():
+            ch.beat()
+            seq = int(ch.w[W_REQ_SEQ])
+            if seq == last:
+                time.sleep(0 if time.perf_counter() - idle < spin else nap)
+                continue
+            last = seq
+            try:
+                job = pb.AttendJob.FromString(ch.read("req"))
+                res = self.run_job(job, "shm", client=c)
+            except (DecodeError, WireError) as e:
+                res = pb.AttendResult(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=f"bad message: {e}")
+                self.metrics.jobs.labels(plane="shm", outcome="error").inc()
+            payload = res.SerializeToString()
+            if len(payload) > ch.slot:
+                payload = pb.AttendResult(job_id=res.job_id, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                                          message=f"result of {len(payload)} B exceeds the slot").SerializeToString()
+            ch.write("resp", seq, payload)
+            idle = time.perf_counter()
+
+    # -------- reports
+    def stats(self) -> pb.StatsReply:
+        with self.lock:
+            clients = list(self.clients.values())
+            devs = [d.info() for d in self.devices]
+        return pb.StatsReply(devices=devs, clients=len(clients), requests=sum(len(c.reqs) for c in clients),
+                             jobs=self.jobs, job_errors=self.job_errors, ingested_bytes=self.ingested,
+                             expired_clients=self.expired_clients)
+
+    def close(self) -> None:
+        self._stop.set()
+        for cid in list(self.clients):
+            self.drop_client(cid)
+        for d in self.devices:
+            d.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _ByteReader:
+    """Consumes the data chunks of a store stream in order, never buffering more than one chunk."""
+
+    def __init__(self, chunks, context):
+        self.chunks, self.context = chunks, context
+        self.buf, self.off = b"", 0
+
+    def _more(self) -> None:
+        m = next(self.chunks, None)
+        if m is None:
+            raise WireError("store stream ended before all its data")
+        if m.WhichOneof("msg") != "data":
+            raise WireError("a second header in one store")
+        self.buf, self.off = m.data, 0
+
+    def into(self, dst: np.ndarray) -> None:
+        """Fill the uint8 array ``dst`` from the stream."""
+        pos, want = 0, dst.size
+        while pos < want:
+            if self.off == len(self.buf):
+                self._more()
+            k = min(want - pos, len(self.buf) - self.off)
+            dst[pos:pos + k] = np.frombuffer(self.buf, dtype=np.uint8, count=k, offset=self.off)
+            pos += k
+            self.off += k
+
+    def take(self, n: int) -> bytes:
+        out = np.empty(n, dtype=np.uint8)
+        self.into(out)
+        return out.tobytes()
+
+    def end(self) -> None:
+        if self.off != len(self.buf) or next(self.chunks, None) is not None:
+            raise WireError("store stream carries more data than its header declares")
+
+
+# ---------------------------------------------------------------- gRPC service
+
+def _abort(context, e: Exception):
+    code = e.code if isinstance(e, NodeError) else grpc.StatusCode.INVALID_ARGUMENT
+    context.abort(code, str(e))
+
+
+def _need_deadline(context) -> None:
+    if context.time_remaining() is None:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "every call to nelssa-node needs a deadline")
+
+
+class Servicer(pb_grpc.NelssaNodeServicer):
+    def __init__(self, node: NodeState):
+        self.node = node
+
+    def _call(self, context, fn):
+        _need_deadline(context)
+        try:
+            return fn()
+        except (NodeError, WireError) as e:
+            _abort(context, e)
+
+    def Register(self, request, context):
+        def f():
+            c = self.node.register(request.name, request.lease_s)
+            s = self.node.s
+            return pb.RegisterReply(client_id=c.id, lease_s=c.lease_s, devices=[d.info() for d in self.node.devices],
+                                    partition=pb.HEAD if s.partition == "head" else pb.CLUSTER,
+                                    limits=s.limits.to_pb())
+        return self._call(context, f)
+
+    def Renew(self, request, context):
+        return self._call(context, lambda: pb.RenewReply(lease_s=self.node.client(request.client_id).lease_s))
+
+    def Store(self, request_iterator, context):
+        def f():
+            cores = self.node.s.ingest_cores
+            before = os.sched_getaffinity(0) if cores else None
+            if cores:
+                os.sched_setaffinity(0, cores)
+            try:
+                reply = self.node.store(request_iterator, context)
+                self.node.metrics.stores.labels(outcome="ok").inc()
+                return reply
+            except Exception:
+                self.node.metrics.stores.labels(outcome="error").inc()
+                raise
+            finally:
+                if before is not None:
+                    os.sched_setaffinity(0, before)
+        return self._call(context, f)
+
+    def Free(self, request, context):
+        def f():
+            ok, n = self.node.free(self.node.client(request.client_id), request.req_id)
+            return pb.FreeReply(existed=ok, bytes=n)
+        return self._call(context, f)
+
+    def Stats(self, request, context):
+        return self._call(context, self.node.stats)
+
+    def Health(self, request, context):
+        s = self.node.s
+        return self._call(context, lambda: pb.HealthReply(
+            serving=True, uptime_s=time.monotonic() - self.node.t0, devices=len(self.node.devices),
+            partition=pb.HEAD if s.partition == "head" else pb.CLUSTER))
+
+    def Capacity(self, request, context):
+        def f():
+            st = self.node.stats()
+            return pb.CapacityReply(capacity_bytes=sum(d.capacity_bytes for d in st.devices),
+                                    used_bytes=sum(d.used_bytes for d in st.devices), devices=st.devices)
+        return self._call(context, f)
+
+    def OpenShm(self, request, context):
+        def f():
+            ch = self.node.open_shm(self.node.client(request.client_id), request.slot_bytes)
+            return pb.ShmReply(path=ch.path, slot_bytes=ch.slot, node_pid=os.getpid())
+        return self._call(context, f)
+
+    def Attend(self, request_iterator, context):
+        _need_deadline(context)
+        for job in request_iterator:
+            yield self.node.run_job(job, "grpc")
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses every call whose ``x-nelssa-token`` metadata is not the node's token."""
+
+    def __init__(self, token: str):
+        self.token = token.encode()
+
+    def intercept_service(self, continuation, details):
+        got = dict(details.invocation_metadata or ()).get(TOKEN_HEADER, "")
+        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self.token):
+            return continuation(details)
+        real = continuation(details)
+        if real is None:
+            return None
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong nelssa-node token")
+
+        if real.request_streaming and real.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny)
+        if real.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        if real.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+@dataclass
+class RunningNode:
+    server: grpc.Server
+    node: NodeState
+    port: int
+    metrics_port: int | None
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self.server.stop(grace).wait()
+        self.node.close()
+
+
+def serve(s: NodeSettings) -> RunningNode:
+    """Start the node (returns once it listens)."""
+    cfg = get_config()
+    # the kernels' OpenMP teams: threads_per_device each; pinning comes from the device threads' masks
+    set_config(cfg.replace(pool_threads=s.threads_per_device, affinity_cores=()))
+    node = NodeState(s)
+    opts = [("grpc.max_receive_message_length", s.limits.max_message_bytes + (1 << 16)),
+            ("grpc.max_send_message_length", s.limits.max_message_bytes + (1 << 16))]
+    server = grpc.server(futures.ThreadPoolExecutor(s.grpc_workers, thread_name_prefix="nelssa-rpc"),
+                         interceptors=[TokenInterceptor(s.token)] if s.token else [], options=opts,
+                         maximum_concurrent_rpcs=4 * s.grpc_workers)
+    pb_grpc.add_NelssaNodeServicer_to_server(Servicer(node), server)
+    host = f"[{s.host}]" if ":" in s.host and not s.host.startswith("[") else s.host
+    port = server.add_insecure_port(f"{host}:{s.port}")
+    if port == 0:
+        node.close()
+        raise OSError(f"nelssa-node could not bind {s.host}:{s.port}")
+    server.start()
+    mport = None
+    if s.metrics_port >= 0:
+        from prometheus_client import start_http_server
+        httpd, _ = start_http_server(s.metrics_port, addr=s.host, registry=node.metrics.registry)
+        mport = httpd.server_port
+    log.info("nelssa-node on %s:%d: %d devices (%s partitioning), %d B each", s.host, port, s.devices,
+             s.partition, s.device_memory)
+    return RunningNode(server, node, port, mport)

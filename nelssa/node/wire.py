@@ -1,0 +1,232 @@
+"""What travels between a client and nelssa-node: dtypes, limits, decode-job encoding and validation,
+and the shared-memory channel. No pickle: protobuf messages (nelssa/node/proto) carrying raw
+little-endian arrays whose every length, shape and id is checked against limits before anything is
+allocated from them.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nelssa.node.proto import nelssa_node_pb2 as pb
+
+# torch.frombuffer over an immutable protobuf bytes field: we only read from those tensors
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+DTYPES = {pb.FLOAT32: torch.float32, pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16}
+DTYPE_IDS = {v: k for k, v in DTYPES.items()}
+
+TOKEN_HEADER = "x-nelssa-token"
+
+
+class WireError(ValueError):
+    """A message that does not follow the protocol (maps to INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_message_bytes: int = 8 << 20   # one gRPC message / one shared-memory slot payload
+    max_batch: int = 256               # requests in one decode job
+    max_heads: int = 256               # query heads
+    max_head_dim: int = 512
+    max_layers: int = 512
+    max_part_tokens: int = 1 << 22     # tokens in one stored part
+    max_req_id_len: int = 256
+
+    def to_pb(self) -> pb.Limits:
+        return pb.Limits(max_message_bytes=self.max_message_bytes, max_batch=self.max_batch,
+                         max_heads=self.max_heads, max_head_dim=self.max_head_dim, max_layers=self.max_layers,
+                         max_part_tokens=self.max_part_tokens, max_req_id_len=self.max_req_id_len)
+
+    @staticmethod
+    def from_pb(m: pb.Limits) -> "Limits":
+        return Limits(m.max_message_bytes, m.max_batch, m.max_heads, m.max_head_dim, m.max_layers,
+                      m.max_part_tokens, m.max_req_id_len)
+
+
+def dtype_of(code: int) -> torch.dtype:
+    if code not in DTYPES:
+        raise WireError(f"unknown dtype code {code}")
+    return DTYPES[code]
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """Raw bytes of a CPU tensor (any dtype, bf16 included)."""
+    t = t.detach().contiguous()
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def from_bytes(b: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A read-only tensor view of ``b`` (its length is checked against ``shape`` first)."""
+    n = 1
+    for s in shape:
+        n *= s
+    want = n * torch.empty((), dtype=dtype).element_size()
+    if len(b) != want:
+        raise WireError(f"{len(b)} bytes for {dtype} {list(shape)} ({want} expected)")
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(b, dtype=dtype).view(shape)
+
+
+# ---------------------------------------------------------------- decode jobs
+
+def encode_job(job_id: int, client_id: str, layer: int, scale: float, q: torch.Tensor, req_ids: list[str],
+               lengths: list[int], ids: list[torch.Tensor], counts: list[torch.Tensor]) -> pb.AttendJob:
+    """q [B, Hq, D] (CPU), per request ids [H, S] int64 / counts [H] int64 (CPU)."""
+    B, Hq, D = q.shape
+    if q.dtype not in DTYPE_IDS:
+        raise WireError(f"queries dtype {q.dtype} not supported")
+    reqs = []
+    for r, n, i, c in zip(req_ids, lengths, ids, counts, strict=True):
+        i = i.to(torch.int64)
+        reqs.append(pb.JobRequest(req_id=r, length=n, selected=i.shape[1], ids=tensor_bytes(i),
+                                  counts=tensor_bytes(c.to(torch.int64))))
+    return pb.AttendJob(job_id=job_id, client_id=client_id, layer=layer, scale=scale, num_heads=Hq, head_dim=D,
+                        q_dtype=DTYPE_IDS[q.dtype], q=tensor_bytes(q), reqs=reqs)
+
+
+@dataclass
+class DecodedJob:
+    q: torch.Tensor                 # [B, Hq, D]
+    req_ids: list[str]
+    lengths: list[int]
+    ids: list[torch.Tensor]         # [H, S] int64 each (H from the node's copy of the request)
+    counts: list[torch.Tensor]      # [H] int64
+
+
+def decode_job(job: pb.AttendJob, limits: Limits, heads_of) -> DecodedJob:
+    """Validate a job against limits and the stored requests before making tensors of it.
+
+    ``heads_of(req_id) -> (kv_heads, head_dim, clusters_visible_at(length))``: raises KeyError for an
+    unknown request. Every id must be a valid cluster of the tokens the job attends."""
+    B, Hq, D = len(job.reqs), job.num_heads, job.head_dim
+    if not 1 <= B <= limits.max_batch:
+        raise WireError(f"job has {B} requests (1..{limits.max_batch} allowed)")
+    if not 1 <= Hq <= limits.max_heads or not 1 <= D <= limits.max_head_dim:
+        raise WireError(f"job has {Hq} heads of dim {D} (limits {limits.max_heads}, {limits.max_head_dim})")
+    if not np.isfinite(job.scale) or job.scale <= 0:
+        raise WireError(f"bad scale {job.scale}")
+    q = from_bytes(job.q, dtype_of(job.q_dtype), (B, Hq, D))
+    req_ids, lengths, ids, counts = [], [], [], []
+    for r in job.reqs:
+        if not r.req_id or len(r.req_id) > limits.max_req_id_len:
+            raise WireError("request id empty or too long")
+        H, Dk, clusters = heads_of(r.req_id, r.length)
+        if Dk != D or Hq % H:
+            raise WireError(f"request {r.req_id}: {Hq} query heads of dim {D} for {H} KV heads of dim {Dk}")
+        # S may exceed the request's clusters (a batch pads to its widest selection); the ids' byte
+        # length is checked against H * S, and the message size bounds both
+        S = r.selected
+        i = from_bytes(r.ids, torch.int64, (H, S))
+        c = from_bytes(r.counts, torch.int64, (H,))
+        cn = c.numpy()
+        if (cn < 0).any() or (cn > S).any():
+            raise WireError(f"request {r.req_id}: counts outside [0, {S}]")
+        if S:
+            valid = np.arange(S)[None, :] < cn[:, None]
+            sel = i.numpy()[valid]
+            if sel.size and (sel.min() < 0 or sel.max() >= clusters):
+                raise WireError(f"request {r.req_id}: cluster id outside [0, {clusters})")
+        req_ids.append(r.req_id), lengths.append(r.length), ids.append(i), counts.append(c)
+    if len(set(req_ids)) != B:
+        raise WireError("a request appears twice in one job")
+    return DecodedJob(q, req_ids, lengths, ids, counts)
+
+
+def decode_result(res: pb.AttendResult, B: int, Hq: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out = from_bytes(res.out, torch.float32, (B, Hq, D))
+    lse = from_bytes(res.lse, torch.float32, (B, Hq))
+    return out, lse
+
+
+# ---------------------------------------------------------------- shared-memory channel
+#
+# One file in /dev/shm (mode 0600, created by the node) per client: a header of 64-byte lines, then
+# a request slot and a response slot of slot_bytes each. Each side writes its payload, then its
+# length, then its sequence number (aligned 8-byte stores through numpy; x86-64 keeps stores in
+# order, so a reader that sees the new sequence number sees the payload). Payload: one serialized
+# AttendJob (client -> node) or AttendResult (node -> client).
+
+SHM_MAGIC = 0x4E454C5353414E31  # "NELSSAN1"
+SHM_VERSION = 1
+_HDR = 256
+# header words (uint64 index): 0 magic, 1 version, 2 slot_bytes, 8 req_seq, 9 req_len, 16 resp_seq,
+# 17 resp_len, 24 node heartbeat (time.monotonic_ns of the responder's last poll), 25 closed flag
+W_MAGIC, W_VERSION, W_SLOT, W_REQ_SEQ, W_REQ_LEN, W_RESP_SEQ, W_RESP_LEN, W_BEAT, W_CLOSED = 0, 1, 2, 8, 9, 16, 17, 24, 25
+
+
+class ShmChannel:
+    """The mapped file; ``create`` on the node, ``attach`` on the client."""
+
+    def __init__(self, path: str, fd: int, slot: int, create: bool):
+        self.path, self.slot = path, slot
+        size = _HDR + 2 * slot
+        if create:
+            os.ftruncate(fd, size)
+        elif os.fstat(fd).st_size != size:
+            raise WireError(f"{path}: {os.fstat(fd).st_size} bytes, {size} expected")
+        self.mm = mmap.mmap(fd, size)
+        os.close(fd)
+        self.w = np.frombuffer(self.mm, dtype=np.uint64, count=_HDR // 8)
+        if create:
+            self.w[W_MAGIC], self.w[W_VERSION], self.w[W_SLOT] = SHM_MAGIC, SHM_VERSION, slot
+        elif int(self.w[W_MAGIC]) != SHM_MAGIC or int(self.w[W_VERSION]) != SHM_VERSION or int(self.w[W_SLOT]) != slot:
+            raise WireError(f"{path}: not a nelssa-node channel of slot {slot}")
+        self.req = memoryview(self.mm)[_HDR:_HDR + slot]
+        self.resp = memoryview(self.mm)[_HDR + slot:_HDR + 2 * slot]
+
+    @classmethod
+    def create(cls, slot: int, directory: str = "/dev/shm") -> "ShmChannel":
+        import tempfile
+        fd, path = tempfile.mkstemp(prefix="nelssa-node-", dir=directory)  # mode 0600
+        return cls(path, fd, slot, create=True)
+
+    @classmethod
+    def attach(cls, path: str, slot: int) -> "ShmChannel":
+        return cls(path, os.open(path, os.O_RDWR), slot, create=False)
+
+    def write(self, which: str, seq: int, payload: bytes) -> None:
+        n = len(payload)
+        if n > self.slot:
+            raise WireError(f"message of {n} bytes exceeds the shared-memory slot ({self.slot})")
+        (self.req if which == "req" else self.resp)[:n] = payload
+        if which == "req":
+            self.w[W_REQ_LEN] = n
+            self.w[W_REQ_SEQ] = seq
+        else:
+            self.w[W_RESP_LEN] = n
+            self.w[W_RESP_SEQ] = seq
+
+    def read(self, which: str) -> bytes:
+        n = int(self.w[W_REQ_LEN] if which == "req" else self.w[W_RESP_LEN])
+        if n > self.slot:
+            raise WireError(f"declared length {n} exceeds the slot ({self.slot})")
+        return bytes((self.req if which == "req" else self.resp)[:n])
+
+    def beat(self) -> None:
+        self.w[W_BEAT] = time.monotonic_ns()
+
+    def close(self, unlink: bool = False) -> None:
+        try:
+            self.w[W_CLOSED] = 1
+        except (ValueError, TypeError):
+            pass
+        self.req.release(), self.resp.release()
+        del self.w
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
