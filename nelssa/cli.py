@@ -1,4 +1,4 @@
-"""`nelssa` command line: prepare-model, make-dummy-model, bench-sparse."""
+"""`nelssa` command line: prepare-model, make-dummy-model, bench-sparse, bench, calibrate, serve."""
 
 from __future__ import annotations
 
@@ -16,9 +16,14 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--out", default=None)
     b = sub.add_parser("bench-sparse", help="host sparse-attention benchmark (see nelssa.bench.sparse_attention)")
     b.add_argument("args", nargs=argparse.REMAINDER)
-    bh = sub.add_parser("bench", help="benchmarks: hol (head-of-line scenario, NELSSA vs NELSSA_OFF)")
-    bh.add_argument("name", choices=["hol"])
+    bh = sub.add_parser("bench", help="benchmarks: hol (head-of-line scenario, NELSSA vs NELSSA_OFF); serving "
+                                      "workloads single-long, multi-long, mixed, growth (nelssa.bench.workloads); "
+                                      "report DIR (Markdown summary of a results folder)")
+    bh.add_argument("name", choices=["hol", "single-long", "multi-long", "mixed", "growth", "report"])
     bh.add_argument("args", nargs=argparse.REMAINDER)
+    ca = sub.add_parser("calibrate", add_help=False,
+                        help="measure the paper's latency model here, fit it, solve T_input (nelssa.bench.calibrate)")
+    ca.add_argument("args", nargs=argparse.REMAINDER)
     sv = sub.add_parser("serve", help="vLLM's OpenAI server with NELSSA (NELSSA_OFF=1: the stock baseline)",
                         description="Extra arguments go to vLLM's api_server (e.g. --port 8000 --max-model-len 8192).")
     sv.add_argument("--model", default=None, help="model path (default: the prepared SmolLM2)")
@@ -27,8 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "serve":
         return serve(a.model, a.nelssa, rest)
     if a.cmd == "bench":
+        if a.name == "report":
+            from nelssa.bench.report import main as report
+            return report(a.args + rest)
+        if a.name != "hol":
+            from nelssa.bench.workloads import main as workload
+            return workload([a.name] + a.args + rest)
         from nelssa.bench.hol import main as hol
         return hol(a.args + rest)
+    if a.cmd == "calibrate":
+        from nelssa.bench.calibrate import main as calibrate
+        return calibrate(a.args + rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if a.cmd == "prepare-model":

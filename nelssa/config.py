@@ -104,6 +104,7 @@ class NelssaConfig:
     prefetch: str = "l1"          # kernel's software prefetch: l1 | l2 | nta | none (benchmark --sweep-prefetch
     prefetch_rows: int = 16       # picks per CPU; l1/16 was best or level on both measured machines, README)
     fault: str = ""               # fault injection for tests: "attend" makes every host attention fail
+    calibration: str = ""         # `nelssa calibrate` JSON: T_input comes from it unless T_input is given
 
     def __post_init__(self) -> None:
         def req(ok: bool, msg: str) -> None:
@@ -131,6 +132,7 @@ class NelssaConfig:
         req(self.prefetch_rows >= 0, f"prefetch_rows must be >= 0, got {self.prefetch_rows}")
         req(self.prefetch in PREFETCH_HINTS, f"prefetch must be one of {sorted(PREFETCH_HINTS)}, got {self.prefetch!r}")
         req(self.fault in ("", "attend"), f"fault must be '' or 'attend', got {self.fault!r}")
+        req(isinstance(self.calibration, str), f"calibration must be a path, got {self.calibration!r}")
 
     @property
     def enabled(self) -> bool:
@@ -164,6 +166,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_PREFETCH_ROWS": ("prefetch_rows", int),
     "NELSSA_PREFETCH": ("prefetch", str),
     "NELSSA_FAULT": ("fault", str),
+    "NELSSA_CALIBRATION": ("calibration", str),
 }
 
 _FIELDS = {f.name for f in dataclasses.fields(NelssaConfig)}
@@ -190,7 +193,26 @@ def load_config(additional_config: Mapping[str, Any] | None = None,
                 kw[name] = parse(env[var])
             except ValueError as e:
                 raise ValueError(f"{var}={env[var]!r}: {e}") from None
+    if kw.get("calibration") and "T_input" not in kw:
+        kw["T_input"] = calibrated_t_input(kw["calibration"])
     return NelssaConfig(**kw)
+
+
+def calibrated_t_input(path: str) -> int:
+    """T_input of a `nelssa calibrate` JSON (its crossover L*(N) at the N and batch it names)."""
+    import json
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"nelssa config: cannot read calibration {path!r}: {e}") from None
+    if not isinstance(doc, dict) or doc.get("kind") != "nelssa-calibration":
+        raise ValueError(f"nelssa config: {path!r} is not a `nelssa calibrate` JSON")
+    t = doc.get("T_input")
+    if not isinstance(t, int) or t < 1:
+        raise ValueError(f"nelssa config: calibration {path!r} has no crossover (T_input {t!r}: the host path "
+                         "never beats dense attention there); set T_input explicitly")
+    return t
 
 
 def vllm_nelssa_config(additional_config: Mapping[str, Any] | None) -> NelssaConfig | None:

@@ -33,6 +33,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nelssa.bench.common import pct as _pct
+from nelssa.bench.common import prompt_ids
+from nelssa.bench.common import ratio as _ratio
+
 PRESETS: dict[str, dict[str, Any]] = {
     "h200": {},
     # SmolLM2 on 2 CPU cores: a few short requests around one long prompt that does not fit beside
@@ -85,17 +89,7 @@ def _arrivals(sc: Scenario) -> list[dict]:
 
 
 def _prompt_ids(sc: Scenario, tok, r: dict, k: int) -> list[int]:
-    if sc.prompts == "text":
-        from nelssa.bench.corpus import real_text
-        text = real_text()
-        off = (k * 7919 * 13) % max(1, len(text) - 8 * r["n_in"])
-        ids = tok.encode(text[off:off + 8 * r["n_in"]], add_special_tokens=False)[:r["n_in"]]
-        if len(ids) < r["n_in"]:
-            raise ValueError(f"corpus too short for a {r['n_in']}-token prompt")
-        return ids
-    rng = random.Random(sc.seed * 1_000_003 + k)
-    hi = max(200, min(tok.vocab_size, 40_000) - 100)
-    return [rng.randrange(100, hi) for _ in range(r["n_in"])]
+    return prompt_ids(tok, r["n_in"], k, sc.prompts, sc.seed)
 
 
 def _scrape() -> dict[str, float]:
@@ -192,13 +186,6 @@ def _worker(spec: dict) -> None:
 
 # ------------------------------------------------------------------ analysis
 
-def _pct(v: list[float], p: float) -> float | None:
-    if not v:
-        return None
-    import numpy as np
-    return float(np.percentile(np.asarray(v), p))
-
-
 def analyse(run: dict) -> dict:
     recs = run["requests"]
     shorts = [r for r in recs if r["kind"] == "short" and r["stamps"]]
@@ -237,10 +224,6 @@ def analyse(run: dict) -> dict:
     out["kv_usage_max"] = max((s["kv_usage"] for s in run["samples"]), default=None)
     out["nelssa"] = {k: v for k, v in m.items() if k.startswith("nelssa:")}
     return out
-
-
-def _ratio(a, b):
-    return a / b if a is not None and b not in (None, 0) else None
 
 
 def targets(on: dict, off: dict) -> dict:

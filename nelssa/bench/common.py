@@ -1,0 +1,61 @@
+"""Helpers the serving benchmarks share (hol, the workloads, the report): percentiles, ratios,
+exact-length prompts, the progress line."""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from typing import Any
+
+
+def pct(v: list[float], p: float) -> float | None:
+    """The p-th percentile (numpy's linear interpolation), None for no values."""
+    if not v:
+        return None
+    import numpy as np
+    return float(np.percentile(np.asarray(v), p))
+
+
+def ratio(a, b):
+    """a / b, None where either is missing or b is 0."""
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def prompt_ids(tok: Any, n_in: int, k: int, kind: str = "random", seed: int = 0) -> list[int]:
+    """Exactly ``n_in`` prompt token ids for request number ``k``: a slice of real text
+    (``kind="text"``, nelssa.bench.corpus) or seeded random ids away from the special tokens."""
+    if kind == "text":
+        from nelssa.bench.corpus import real_text
+        text = real_text()
+        off = (k * 7919 * 13) % max(1, len(text) - 8 * n_in)
+        ids = tok.encode(text[off:off + 8 * n_in], add_special_tokens=False)[:n_in]
+        if len(ids) < n_in:
+            raise ValueError(f"corpus too short for a {n_in}-token prompt")
+        return ids
+    if kind != "random":
+        raise ValueError(f"prompt kind must be 'random' or 'text', got {kind!r}")
+    rng = random.Random(seed * 1_000_003 + k)
+    hi = max(200, min(tok.vocab_size, 40_000) - 100)
+    return [rng.randrange(100, hi) for _ in range(n_in)]
+
+
+class Progress:
+    """A one-line progress bar on stderr (done/total, elapsed, ETA), printed at most every ``every`` s."""
+
+    def __init__(self, total: int, label: str, every: float = 2.0, stream=None) -> None:
+        self.total, self.done, self.label, self.every = max(1, total), 0, label, every
+        self.t0 = self.last = time.time()
+        self.stream = stream or sys.stderr
+
+    def update(self, n: int = 1, extra: str = "", force: bool = False) -> None:
+        self.done += n
+        now = time.time()
+        if not force and now - self.last < self.every and self.done < self.total:
+            return
+        self.last = now
+        el = now - self.t0
+        eta = el / self.done * (self.total - self.done) if self.done else float("nan")
+        bar = "#" * int(24 * min(1.0, self.done / self.total))
+        print(f"[{self.label}] [{bar:<24}] {self.done}/{self.total} {el:5.0f}s elapsed, ~{eta:.0f}s left {extra}",
+              file=self.stream, flush=True)

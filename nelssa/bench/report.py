@@ -1,0 +1,124 @@
+"""`nelssa bench report DIR`: a Markdown summary (``DIR/report.md``) of a results folder with its plots:
+a workload run (``summary.json`` of ``nelssa bench <workload>``), a calibration (``calibration.json``),
+a head-of-line run (``hol.json``), whichever are there (also in sub-folders, one level down)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _f(v, d: int = 1) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, (int, float)):
+        return f"{v:,.{d}f}"
+    return str(v)
+
+
+def _img(rel: str, alt: str) -> str:
+    return f"![{alt}]({rel})"
+
+
+def workload_md(s: dict, rel: str) -> list[str]:
+    out = [f"## Workload `{s['workload']}` ({s['time']})", ""]
+    out.append(f"Command: `{s.get('command', '')}`  ")
+    out.append(f"Model: `{s.get('model')}`; T_input {s.get('T_input')}; NELSSA config "
+               f"`{json.dumps(s.get('preset', {}).get('nelssa', {}))}`; server args "
+               f"`{' '.join(s.get('preset', {}).get('server', []))}`")
+    if s.get("failed_modes"):
+        out.append(f"\n**Failed modes:** {s['failed_modes']}")
+    notes = s.get("notes") or {}
+    if "scaling" in notes:
+        sc = notes["scaling"]
+        out.append(f"\nTrace `{notes['trace']}` ({notes['trace_rows']} rows): input x {sc['in_factor']:.4g} "
+                   f"(trace max {sc['trace_max_input']:,} -> {sc['max_input']:,}), output x {sc['out_factor']:.4g} "
+                   f"(max {sc['trace_max_output']:,} -> {sc['max_output']:,}); scaled long share "
+                   f"{100 * notes['scaled_long_share']:.2f}%. {notes['rule']}.")
+    out += ["", "| mode | point | class | n ok | TTFT p50 / p99 ms | TPOT p50 / p95 / p99 ms |", "|---|---|---|---|---|---|"]
+    for mode, pts in s["modes"].items():
+        for name, st in pts.items():
+            for k, c in st["classes"].items():
+                out.append(f"| {mode} | {name} | {k} | {c['ok']}/{c['n']} | {_f(c['ttft_ms_p50'])} / {_f(c['ttft_ms_p99'])}"
+                           f" | {_f(c['tpot_ms_p50'])} / {_f(c['tpot_ms_p95'])} / {_f(c['tpot_ms_p99'])} |")
+    out += ["", "| mode | point | decode tok/s | running mean / max | waiting max | KV max % | preemptions |",
+            "|---|---|---|---|---|---|---|"]
+    for mode, pts in s["modes"].items():
+        for name, st in pts.items():
+            kv = st.get("kv_usage_max")
+            out.append(f"| {mode} | {name} | {_f(st.get('decode_tok_s'))} | {_f(st.get('running_mean'))} / "
+                       f"{_f(st.get('running_max'), 0)} | {_f(st.get('waiting_max'), 0)} | "
+                       f"{_f(None if kv is None else 100 * kv, 0)} | {_f(st.get('preemptions'), 0)} |")
+    if s.get("ratios_on_over_off"):
+        keys = [k for r in s["ratios_on_over_off"].values() for k in r]
+        keys = list(dict.fromkeys(keys))
+        out += ["", "NELSSA / stock ratios:", "", "| point | " + " | ".join(keys) + " |",
+                "|---|" + "---|" * len(keys)]
+        for name, r in s["ratios_on_over_off"].items():
+            out.append(f"| {name} | " + " | ".join(_f(r.get(k), 2) for k in keys) + " |")
+    for p in s.get("plots", []):
+        out += ["", _img(os.path.join(rel, p), p)]
+    return out + [""]
+
+
+def calibration_md(d: dict, rel: str) -> list[str]:
+    from nelssa.bench.calibrate import describe
+    m = d.get("machine", {})
+    out = [f"## Calibration ({d.get('time', '')})", "",
+           f"Command: `{d.get('command', '')}`; device {m.get('device')}, host {m.get('cpu')} ({m.get('cores')} cores)",
+           "", "```", describe(d), "```"]
+    out += ["", _img(os.path.join(rel, "calibration.png"), "calibration")]
+    return out + [""]
+
+
+def hol_md(h: dict, rel: str) -> list[str]:
+    out = [f"## Head-of-line run ({h.get('time', '')})", "", "| mode | phase | short TTFT p99 ms | short ITL p99 ms |",
+           "|---|---|---|---|"]
+    for mode in ("off", "on"):
+        if mode in h:
+            for ph in ("before", "long_prefill", "long_decode"):
+                x = h[mode][ph]
+                out.append(f"| {mode} | {ph} | {_f(x['short_ttft_p99_ms'])} | {_f(x['short_itl_p99_ms'])} |")
+    if "ratios_on_over_off" in h:
+        out.append(f"\nOutput tok/s ratio NELSSA/stock: {_f(h['ratios_on_over_off'].get('output_tok_s'), 2)}")
+    return out + ["", _img(os.path.join(rel, "hol.png"), "hol"), ""]
+
+
+def render(folder: str) -> str:
+    parts = [f"# NELSSA benchmark report: `{os.path.basename(os.path.abspath(folder))}`", ""]
+    dirs = [folder] + sorted(os.path.join(folder, x) for x in os.listdir(folder)
+                             if os.path.isdir(os.path.join(folder, x)))
+    found = 0
+    for d in dirs:
+        rel = os.path.relpath(d, folder)
+        rel = "" if rel == "." else rel
+        for name, fn in (("summary.json", workload_md), ("calibration.json", calibration_md), ("hol.json", hol_md)):
+            p = os.path.join(d, name)
+            if os.path.exists(p):
+                with open(p) as f:
+                    parts += fn(json.load(f), rel)
+                found += 1
+    if not found:
+        raise FileNotFoundError(f"{folder}: no summary.json, calibration.json or hol.json (here or one level down)")
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nelssa bench report", description=__doc__)
+    ap.add_argument("folder")
+    ap.add_argument("--out", default=None, help="Markdown file (default FOLDER/report.md)")
+    a = ap.parse_args(argv)
+    md = render(a.folder)
+    out = a.out or os.path.join(a.folder, "report.md")
+    with open(out, "w") as f:
+        f.write(md)
+    print(f"[report] wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Driving an OpenAI-compatible endpoint (``nelssa serve`` now, the P/D proxy later): starting and
+stopping ``nelssa serve`` for a mode, scraping vLLM's Prometheus ``/metrics`` over time, and replaying a
+request plan with streaming clients.
+
+Each request goes through vLLM's own benchmark client (``vllm.benchmarks.lib.endpoint_request_func.
+async_request_openai_completions``, the one ``vllm bench serve`` uses: streaming, TTFT, inter-token
+latencies, ``ignore_eos``), with the prompt given as exact token ids and greedy sampling. What
+``vllm bench serve`` itself does not do and this module does: arrivals from a plan with request
+classes (short / long / growing), several sweep points per server, and ``/metrics`` sampled over time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+# vLLM gauges/counters sampled over time (summed over label sets); every nelssa:* sample is kept too
+METRICS = {
+    "running": "vllm:num_requests_running",
+    "waiting": "vllm:num_requests_waiting",
+    "kv_usage": "vllm:kv_cache_usage_perc",
+    "preemptions": "vllm:num_preemptions_total",
+    "generation_tokens": "vllm:generation_tokens_total",
+    "prompt_tokens": "vllm:prompt_tokens_total",
+}
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {sample name: value summed over label sets} for vllm:* and nelssa:*."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith(("vllm:", "nelssa:")) and not s.name.endswith(("_bucket", "_created")):
+                out[s.name] = out.get(s.name, 0.0) + float(s.value)
+    return out
+
+
+def sample_of(m: dict[str, float]) -> dict[str, float]:
+    d = {k: m.get(v, 0.0) for k, v in METRICS.items()}
+    d.update({k: v for k, v in m.items() if k.startswith("nelssa:")})
+    return d
+
+
+def http_get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - local benchmark endpoints
+        return r.read().decode()
+
+
+# ------------------------------------------------------------------ servers
+
+class ServerError(RuntimeError):
+    pass
+
+
+class Server:
+    """``nelssa serve`` for one mode (``on``: NELSSA with ``nelssa`` config, ``off``: NELSSA_OFF=1) on a
+    port, its log in ``log_path``; a context manager that stops the whole process group."""
+
+    def __init__(self, mode: str, model: str, nelssa: dict, args: list[str], port: int, log_path: str,
+                 start_timeout: float = 600.0) -> None:
+        self.mode, self.port, self.log_path, self.start_timeout = mode, port, log_path, start_timeout
+        self.cmd = [sys.executable, "-m", "nelssa.cli", "serve", "--model", model, "--nelssa",
+                    json.dumps(nelssa if mode == "on" else {}), "--port", str(port), *args]
+        self.env = {k: v for k, v in os.environ.items() if k != "NELSSA_OFF"}
+        if mode == "off":
+            self.env["NELSSA_OFF"] = "1"
+        self.proc: subprocess.Popen | None = None
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self) -> "Server":
+        self.log = open(self.log_path, "w")
+        self.log.write(("NELSSA_OFF=1 " if self.mode == "off" else "") + " ".join(self.cmd) + "\n")
+        self.log.flush()
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        t0 = time.time()
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerError(f"server ({self.mode}) exited with {self.proc.returncode} while starting; "
+                                  f"log {self.log_path}:\n{self.tail()}")
+            try:
+                if http_get(self.url + "/health", 2.0) is not None:
+                    break
+            except OSError:
+                pass
+            if time.time() - t0 > self.start_timeout:
+                self.stop()
+                raise ServerError(f"server ({self.mode}) not healthy after {self.start_timeout:.0f} s; "
+                                  f"log {self.log_path}:\n{self.tail()}")
+            time.sleep(1.0)
+        print(f"[bench] server {self.mode} up on :{self.port} after {time.time() - t0:.0f} s", file=sys.stderr,
+              flush=True)
+        return self
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path) as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                p.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self.log.close()
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def endpoint_model(base_url: str) -> tuple[str, str | None]:
+    """(model id to send, its path/root if the server names one) from GET /v1/models."""
+    d = json.loads(http_get(base_url.rstrip("/") + "/v1/models"))["data"][0]
+    return d["id"], d.get("root")
+
+
+# ------------------------------------------------------------------ replay
+
+async def _sampler(urls: list[str], t0: float, samples: list, stop: asyncio.Event, interval: float,
+                   point: list[str]) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        m: dict[str, float] = {}
+        for u in urls:
+            try:
+                txt = await loop.run_in_executor(None, http_get, u, 5.0)
+            except OSError:
+                continue
+            for k, v in parse_metrics(txt).items():
+                m[k] = m.get(k, 0.0) + v
+        if m:
+            samples.append({"t": time.perf_counter() - t0, "point": point[0], **sample_of(m)})
+        if stop.is_set():
+            return
+        try:
+            await asyncio.wait_for(stop.wait(), interval)
+        except asyncio.TimeoutError:
+            pass
+
+
+def _record(r: dict, out: Any, t0: float, point: str) -> dict:
+    start = out.start_time - t0
+    stamps: list[float] = []
+    if out.success:
+        t = start + out.ttft
+        stamps.append(t)
+        for d in out.itl:
+            t += d
+            stamps.append(t)
+    return {**r, "point": point, "start": start, "success": bool(out.success), "error": out.error[-2000:],
+            "ttft_s": out.ttft if out.success else None, "output_tokens": out.output_tokens or 0,
+            "prompt_len": out.prompt_len, "stamps": stamps}
+
+
+async def replay(base_url: str, model_id: str, points: list[tuple[str, list[dict]]], prompts: dict[str, list[int]],
+                 metrics_urls: list[str] | None = None, interval: float = 0.5, label: str = "bench",
+                 gap_s: float = 2.0) -> dict:
+    """Send every point's plan (arrival times relative to the point's start) to the endpoint, points
+    one after the other; sample /metrics meanwhile. Returns {requests, samples, points: {name: [t0, t1]}}."""
+    import aiohttp
+    from vllm.benchmarks.lib.endpoint_request_func import RequestFuncInput, async_request_openai_completions
+
+    from nelssa.bench.common import Progress
+    api = base_url.rstrip("/") + "/v1/completions"
+    urls = metrics_urls or [base_url.rstrip("/") + "/metrics"]
+    total = sum(len(p) for _, p in points)
+    prog = Progress(total, label)
+    recs: list[dict] = []
+    samples: list[dict] = []
+    spans: dict[str, list[float]] = {}
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as sess:
+        def inp(r: dict, rid: str) -> Any:
+            return RequestFuncInput(prompt=prompts[r["id"]], api_url=api, prompt_len=r["n_in"], output_len=r["n_out"],
+                                    model=model_id, ignore_eos=True, extra_body={"temperature": 0.0},
+                                    request_id=rid)
+        # warm-up (not recorded): the first request's prompt, 2 tokens
+        first = points[0][1][0]
+        warm = await async_request_openai_completions(
+            RequestFuncInput(prompt=prompts[first["id"]][:64], api_url=api, prompt_len=64, output_len=2, model=model_id,
+                             ignore_eos=True, extra_body={"temperature": 0.0}, request_id=f"warmup-{time.time_ns()}"),
+            sess)
+        if not warm.success:
+            raise RuntimeError(f"warm-up request to {api} failed: {warm.error[-1000:]}")
+        t0 = time.perf_counter()
+        stop = asyncio.Event()
+        cur = [points[0][0]]
+        smp = asyncio.create_task(_sampler(urls, t0, samples, stop, interval, cur))
+        for name, plan in points:
+            cur[0] = name
+            p0 = time.perf_counter() - t0
+            spans[name] = [p0, p0]
+
+            async def one(r: dict) -> None:
+                out = await async_request_openai_completions(inp(r, f"{r['id']}-{time.time_ns()}"), sess)
+                recs.append(_record(r, out, t0, name))
+                last = samples[-1] if samples else {}
+                prog.update(extra=f"[{name}] running {last.get('running', 0):.0f} waiting "
+                                  f"{last.get('waiting', 0):.0f} kv {100 * last.get('kv_usage', 0):.0f}%")
+            tasks = []
+            for r in sorted(plan, key=lambda x: x["at"]):
+                await asyncio.sleep(max(0.0, p0 + r["at"] - (time.perf_counter() - t0)))
+                tasks.append(asyncio.create_task(one(r)))
+            await asyncio.gather(*tasks)
+            spans[name][1] = time.perf_counter() - t0
+            await asyncio.sleep(gap_s)  # let the gauges settle between points
+        stop.set()
+        await smp
+    prog.update(0, force=True)
+    return {"requests": recs, "samples": samples, "points": spans}

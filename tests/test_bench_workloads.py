@@ -1,0 +1,184 @@
+"""Serving workloads (nelssa.bench.trace / workloads / serving / report) without an engine: trace
+scaling keeps shares, Poisson arrivals, long-fraction draws, growth plans, /metrics parsing, the
+per-class summary and NELSSA/OFF ratios, plots and the Markdown report. Seconds."""
+
+import json
+import math
+import os
+import statistics
+
+import pytest
+
+from nelssa.bench import trace as tr
+from nelssa.bench import workloads as wl
+from nelssa.bench.common import pct, ratio
+
+TRACE = [{"input": 1000, "output": 100}, {"input": 50_000, "output": 400}, {"input": 100_000, "output": 2000},
+         {"input": 5, "output": 1}, {"input": 20_000, "output": 1000}]
+
+
+def test_scale_trace_keeps_each_requests_share():
+    scaled, sc = tr.scale_trace(TRACE, max_model_len=3200, max_output=32, min_input=16)
+    assert sc.max_input == 3168 and sc.trace_max_input == 100_000 and sc.trace_max_output == 2000
+    assert scaled[2] == {"input": 3168, "output": 32}            # the longest maps to the model's maximum
+    for r, s in zip(TRACE, scaled):
+        if r["input"] * sc.in_factor >= 16:                      # share of the maximum kept (to rounding)
+            assert s["input"] / sc.max_input == pytest.approx(r["input"] / 100_000, abs=1 / sc.max_input)
+        assert 1 <= s["output"] <= 32
+    assert scaled[3]["input"] == 16                              # the floor
+    with pytest.raises(ValueError):
+        tr.scale_trace(TRACE, max_model_len=32, max_output=32)
+
+
+def test_poisson_arrivals_rate_and_seed():
+    t = tr.poisson_times(4.0, n=4000, seed=1)
+    assert t[0] == 0.0 and t == sorted(t) and t == tr.poisson_times(4.0, n=4000, seed=1)
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.06)
+    assert statistics.stdev(gaps) == pytest.approx(0.25, rel=0.1)  # exponential: sd = mean
+    d = tr.poisson_times(2.0, duration=10.0, seed=0, start=5.0)
+    assert d[0] == 5.0 and all(x < 15.0 for x in d)
+    with pytest.raises(ValueError):
+        tr.poisson_times(0, n=3)
+
+
+def test_mixed_plan_long_fraction_and_classes():
+    scaled, _ = tr.scale_trace(TRACE * 20, 3200, 32)
+    plan = tr.mixed_plan(scaled, t_input=1500, rate=2.0, n=2000, long_fraction=0.3, seed=3)
+    longs = [r for r in plan if r["kind"] == "long"]
+    assert len(longs) / len(plan) == pytest.approx(0.3, abs=0.04)
+    assert all(r["n_in"] >= 1500 for r in longs) and all(r["n_in"] < 1500 for r in plan if r["kind"] == "short")
+    assert len({r["id"] for r in plan}) == len(plan)
+    nat = tr.mixed_plan(scaled, 1500, 2.0, 2000, None, seed=3)      # the trace's own share (2 of 5)
+    assert sum(r["kind"] == "long" for r in nat) / 2000 == pytest.approx(0.4, abs=0.04)
+    with pytest.raises(ValueError, match="no long"):
+        tr.mixed_plan(scaled, 10**6, 1.0, 5, 0.5)
+    sh = tr.shares(plan)
+    assert sh["long"]["n"] + sh["short"]["n"] == 2000
+
+
+def test_growth_plan_passes_t_input():
+    p = tr.growth_plan(3, 400, None, 1024)
+    assert [r["n_out"] for r in p] == [800] * 3 and all(r["at"] == 0 for r in p)
+    assert all(r["n_in"] < 1024 < r["n_in"] + r["n_out"] for r in p)
+    with pytest.raises(ValueError, match="grow past"):
+        tr.growth_plan(3, 400, None, 2000)
+
+
+def test_load_real_trace_head():
+    path = tr.default_trace()
+    if not os.path.exists(path):
+        pytest.skip("shared Mooncake trace not present")
+    rows = tr.load_trace(path, limit=50)
+    assert len(rows) == 50 and all(r["input"] > 0 and r["output"] > 0 for r in rows)
+
+
+def test_parse_metrics_sums_label_sets():
+    from nelssa.bench.serving import parse_metrics, sample_of
+    text = """# HELP vllm:num_requests_running x
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# HELP vllm:num_preemptions_total x
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 7.0
+# HELP vllm:kv_cache_usage_perc x
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+# HELP nelssa:moved_tokens_total x
+# TYPE nelssa:moved_tokens_total counter
+nelssa:moved_tokens_total 1234.0
+# HELP other_metric x
+# TYPE other_metric gauge
+other_metric 9.0
+"""
+    m = parse_metrics(text)
+    assert m["vllm:num_requests_running"] == 5.0 and "other_metric" not in m
+    s = sample_of(m)
+    assert s["running"] == 5.0 and s["preemptions"] == 7.0 and s["kv_usage"] == 0.5 and s["waiting"] == 0.0
+    assert s["nelssa:moved_tokens_total"] == 1234.0
+
+
+def _rec(i, kind, point, start, ttft, itl, ok=True):
+    stamps = []
+    if ok:
+        t = start + ttft
+        stamps = [t]
+        for d in itl:
+            t += d
+            stamps.append(t)
+    return {"id": f"{kind}{i}", "kind": kind, "point": point, "at": start, "n_in": 10, "n_out": len(itl) + 1,
+            "start": start, "success": ok, "error": "" if ok else "boom", "ttft_s": ttft if ok else None,
+            "output_tokens": len(itl) + 1 if ok else 0, "prompt_len": 10, "stamps": stamps}
+
+
+def _runs():
+    runs = {}
+    for mode, tp in (("on", 0.02), ("off", 0.05)):
+        recs = [_rec(i, "short", "p", i * 0.5, 0.1, [tp] * 9) for i in range(10)]
+        recs += [_rec(0, "long", "p", 1.0, 2.0, [0.1] * 19), _rec(1, "long", "p", 1.0, 2.0, [], ok=mode == "on")]
+        samples = [{"t": t * 0.5, "point": "p", "running": 2.0 + (t % 3), "waiting": float(mode == "off"),
+                    "kv_usage": 0.1 * (t % 10), "preemptions": float(t // 4 if mode == "off" else 0),
+                    "generation_tokens": 10.0 * t} for t in range(14)]
+        runs[mode] = {"requests": recs, "samples": samples, "points": {"p": [0.0, 7.0]}}
+    return runs
+
+
+def test_summary_percentiles_ratios_and_errors():
+    assert pct([], 50) is None and pct([1, 2, 3, 4], 50) == 2.5 and ratio(1, 0) is None and ratio(1, 2) == 0.5
+    runs = _runs()
+    s = wl.summarise(runs, {"workload": "mixed"})
+    on, off = s["modes"]["on"]["p"], s["modes"]["off"]["p"]
+    assert on["classes"]["short"]["tpot_ms_p99"] == pytest.approx(20.0)
+    assert off["classes"]["short"]["tpot_ms_p50"] == pytest.approx(50.0)
+    assert on["classes"]["short"]["ttft_ms_p50"] == pytest.approx(100.0)
+    assert off["classes"]["long"]["errors"] == ["long1"] and off["classes"]["long"]["ok"] == 1
+    assert off["preemptions"] == 3.0 and on["running_max"] == 4.0 and off["waiting_max"] == 1.0
+    r = s["ratios_on_over_off"]["p"]
+    assert r["classes.short.tpot_ms_p99"] == pytest.approx(0.4)
+    assert r["decode_tok_s"] == pytest.approx(on["decode_tok_s"] / off["decode_tok_s"])
+    toks = sum(x["output_tokens"] for x in runs["on"]["requests"] if x["success"])
+    a = min(x["start"] for x in runs["on"]["requests"])
+    b = max(x["stamps"][-1] for x in runs["on"]["requests"] if x["stamps"])
+    assert on["decode_tok_s"] == pytest.approx(toks / (b - a))
+
+
+def test_plots_and_report(tmp_path):
+    from nelssa.bench.report import main as report
+    runs = _runs()
+    s = wl.summarise(runs, {"workload": "mixed", "time": "t", "preset": {"nelssa": {"T_input": 2048}, "server": []},
+                            "T_input": 2048, "command": "nelssa bench mixed", "model": "m", "failed_modes": {}})
+    s["plots"] = wl.plot_all(runs, s, str(tmp_path))
+    assert s["plots"] == ["throughput.png", "running.png", "short_tpot_cdf.png"]
+    for p in s["plots"]:
+        assert os.path.getsize(tmp_path / p) > 5_000
+    (tmp_path / "summary.json").write_text(json.dumps(s))
+    # a calibration next to it, one level down
+    from nelssa.bench import calibrate as cal
+    m = cal.LatencyModel(M_kv=4096.0, bw_dev=40e9, t_dense0=2e-5, C=14, t_search0=3e-5, S=0.04, bw_host=6e9,
+                         t_base=6e-5)
+    (tmp_path / "cal").mkdir()
+    (tmp_path / "cal" / "calibration.json").write_text(json.dumps(cal.calibration_doc(m, [1, 2], [1], 2, 1)))
+    assert report([str(tmp_path)]) == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "## Workload `mixed`" in md and "| on | p | short | 10/10 |" in md
+    assert "![throughput.png](throughput.png)" in md and "classes.short.tpot_ms_p99" in md
+    assert "## Calibration" in md and "![calibration](cal/calibration.png)" in md and "T_input =" in md
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError):
+        report([str(tmp_path / "empty")])
+
+
+def test_presets_plan_every_workload():
+    for name, p in wl.PRESETS.items():
+        for w in wl.WORKLOADS:
+            if w == "mixed" and not os.path.exists(tr.default_trace()):
+                continue
+            pts, _ = wl.plans(w, p, p["nelssa"]["T_input"])
+            assert pts and all(plan for _, plan in pts), (name, w)
+            for _, plan in pts:
+                assert all(r["n_in"] + r["n_out"] <= p["max_model_len"] for r in plan), (name, w)
+    assert wl._override(wl.PRESETS["cpu"], ["mixed.rates=[0.5,1]", "nelssa={\"budget\": 0.1}"])["mixed"]["rates"] == [0.5, 1]
+    with pytest.raises(SystemExit):
+        wl._override(wl.PRESETS["cpu"], ["mixed.nope=1"])
+    assert math.isfinite(wl.PRESETS["cpu"]["max_model_len"])
