@@ -268,14 +268,6 @@ class NodeHostTier:
                     log.warning("re-registration: %s", e2)
 
     # -------- KV placement
-    def _request(self, req_id: str) -> _Req:
-        with self._lock:
-            r = self.reqs.get(req_id)
-            if r is None:
-                r = self.reqs[req_id] = _Req(req_id, self.num_layers)
-                self.stats.add(long_requests=1)
-        return r
-
     def put_layers(self, req_id: str, keys: list[torch.Tensor], values: list[torch.Tensor],
                    commit: bool = True) -> None:
         """As LocalHostTier.put_layers; the packed K/V is streamed to the node (one store per call, all
@@ -283,7 +275,7 @@ class NodeHostTier:
         cfg = self.cfg
         if len(keys) != self.num_layers or len(values) != self.num_layers:
             raise HostError(f"put_layers: {len(keys)} layers given, the host tier has {self.num_layers}")
-        r = self._request(req_id)
+        r = self.reqs.get(req_id) or _Req(req_id, self.num_layers)  # a new one is kept once the node holds it
         if r.lost:
             raise HostError(f"request {req_id}: {r.lost}")
         H, n, D = keys[0].shape
@@ -316,6 +308,9 @@ class NodeHostTier:
                 r.layers[i].pending.append((n, cent, sizes.to(torch.int32), vmean))
             r.parts += 1
             r.bytes = rep.bytes
+            if req_id not in self.reqs:
+                self.reqs[req_id] = r
+                self.stats.add(long_requests=1)
         if commit:
             self.commit(req_id, r.layers[0].length + sum(p[0] for p in r.layers[0].pending))
 

@@ -41,19 +41,25 @@ class HostStats:
         self.handoff_wait_s: list[float] = []  # main-thread waits for a hand-off not done by its switch
         self.offload_step_s: list[float] = []  # wall time of each forward with offloaded rows (launch + waits)
         self.host_wait_s: list[float] = []     # per such step: time the forward's thread waited for host results
+        self.offload_split_s: dict[str, float] = {}  # such steps' forward-thread seconds per part (summed)
 
     def take(self) -> dict:
         with self._lock:
             d = {"long_requests": self.long_requests, "attn_s": self.attn_s, "cluster_s": self.cluster_s,
                  "moved_tokens": self.moved_tokens, "failures": self.failures,
                  "handoff_wait_s": self.handoff_wait_s, "offload_step_s": self.offload_step_s,
-                 "host_wait_s": self.host_wait_s}
+                 "host_wait_s": self.host_wait_s, "offload_split_s": self.offload_split_s}
             self.reset()
         return d
 
     def add(self, **kw) -> None:
         with self._lock:
             for k, v in kw.items():
+                if isinstance(v, dict):  # per-part sums
+                    cur = getattr(self, k)
+                    for part, x in v.items():
+                        cur[part] = cur.get(part, 0.0) + x
+                    continue
                 if isinstance(getattr(self, k), list):
                     getattr(self, k).append(v)
                     self.totals[k + "_n"] = self.totals.get(k + "_n", 0) + 1

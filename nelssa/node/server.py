@@ -213,6 +213,15 @@ class Metrics:
         self.ingested = Counter("nelssa_node_ingested_bytes", "KV bytes stored", registry=r)
         self.stores = Counter("nelssa_node_stores", "store calls", ["outcome"], registry=r)
         self.expired = Counter("nelssa_node_expired_clients", "clients dropped at lease expiry", registry=r)
+        self._children: dict = {}
+
+    def job(self, plane: str, outcome: str, seconds: float) -> None:
+        ch = self._children.get((plane, outcome))
+        if ch is None:
+            ch = self._children[(plane, outcome)] = (self.jobs.labels(plane=plane, outcome=outcome),
+                                                     self.job_s.labels(plane=plane))
+        ch[0].inc()
+        ch[1].observe(seconds)
 
 
 # ---------------------------------------------------------------- the node
@@ -462,8 +471,7 @@ class NodeState:
         self.jobs += 1
         if outcome != "ok":
             self.job_errors += 1
-        self.metrics.jobs.labels(plane=plane, outcome=outcome).inc()
-        self.metrics.job_s.labels(plane=plane).observe(dt)
+        self.metrics.job(plane, outcome, dt)
         return res
 
     def _dispatch(self, dj, reqs: list[NodeRequest], layer: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -474,6 +482,9 @@ class NodeState:
         shards = [r.shards[layer] for r in reqs]
         if any(not s for s in shards):
             raise NodeError(grpc.StatusCode.NOT_FOUND, "a request of the job was freed")
+        if len(self.devices) == 1:
+            return self.devices[0].pool.submit(attend, q, [s[0] for s in shards], Selection(dj.ids, dj.counts),
+                                               scale).result()
         if self.s.partition == "head":
             out = torch.empty(B, Hq, D)
             lse = torch.empty(B, Hq)
@@ -528,7 +539,7 @@ class NodeState:
                 res = self.run_job(job, "shm", client=c)
             except (DecodeError, WireError) as e:
                 res = pb.AttendResult(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=f"bad message: {e}")
-                self.metrics.jobs.labels(plane="shm", outcome="error").inc()
+                self.metrics.job("shm", "error", 0.0)
             payload = res.SerializeToString()
             if len(payload) > ch.slot:
                 payload = pb.AttendResult(job_id=res.job_id, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
@@ -596,8 +607,12 @@ def _abort(context, e: Exception):
     context.abort(code, str(e))
 
 
+MAX_DEADLINE_S = 30 * 86400.0  # a call without a deadline shows gRPC's infinite future here
+
+
 def _need_deadline(context) -> None:
-    if context.time_remaining() is None:
+    left = context.time_remaining()
+    if left is None or left > MAX_DEADLINE_S:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, "every call to nelssa-node needs a deadline")
 
 

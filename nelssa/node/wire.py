@@ -22,6 +22,7 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 DTYPES = {pb.FLOAT32: torch.float32, pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16}
 DTYPE_IDS = {v: k for k, v in DTYPES.items()}
+_ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int64: 8, torch.int32: 4, torch.uint8: 1}
 
 TOKEN_HEADER = "x-nelssa-token"
 
@@ -68,7 +69,7 @@ def from_bytes(b: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Te
     n = 1
     for s in shape:
         n *= s
-    want = n * torch.empty((), dtype=dtype).element_size()
+    want = n * _ITEMSIZE[dtype]
     if len(b) != want:
         raise WireError(f"{len(b)} bytes for {dtype} {list(shape)} ({want} expected)")
     if n == 0:
@@ -127,13 +128,14 @@ def decode_job(job: pb.AttendJob, limits: Limits, heads_of) -> DecodedJob:
         S = r.selected
         i = from_bytes(r.ids, torch.int64, (H, S))
         c = from_bytes(r.counts, torch.int64, (H,))
-        cn = c.numpy()
-        if (cn < 0).any() or (cn > S).any():
+        cn = np.frombuffer(r.counts, dtype=np.int64)
+        lo, hi = int(cn.min()), int(cn.max())
+        if lo < 0 or hi > S:
             raise WireError(f"request {r.req_id}: counts outside [0, {S}]")
-        if S:
-            valid = np.arange(S)[None, :] < cn[:, None]
-            sel = i.numpy()[valid]
-            if sel.size and (sel.min() < 0 or sel.max() >= clusters):
+        if hi:
+            ids_np = np.frombuffer(r.ids, dtype=np.int64).reshape(H, S)
+            sel = ids_np[:, :hi] if lo == hi else ids_np[np.arange(S)[None, :] < cn[:, None]]
+            if sel.min() < 0 or sel.max() >= clusters:
                 raise WireError(f"request {r.req_id}: cluster id outside [0, {clusters})")
         req_ids.append(r.req_id), lengths.append(r.length), ids.append(i), counts.append(c)
     if len(set(req_ids)) != B:

@@ -1,0 +1,335 @@
+"""nelssa-node as a real subprocess: results equal the in-process tier, capacity, leases, tokens,
+deadlines, malformed messages, a killed node, metrics, reproducible generated code."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from nelssa.config import NelssaConfig, set_config
+from nelssa.node import HostError, LocalHostTier
+from nelssa.node.client import NodeHostTier
+from nelssa.node.proto import nelssa_node_pb2 as pb
+from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
+from nelssa.node.wire import TOKEN_HEADER, ShmChannel, encode_job
+from nelssa.sparse import dense_attention, select_clusters
+
+REPO = Path(__file__).resolve().parents[1]
+L, H, HQ, D = 2, 4, 8, 32
+SCALE = D ** -0.5
+
+
+class Node:
+    """``python -m nelssa.node`` on a free loopback port; stopped (or killed) by the test."""
+
+    def __init__(self, *args: str, env: dict | None = None):
+        e = dict(os.environ, **(env or {}))
+        self.proc = subprocess.Popen([sys.executable, "-m", "nelssa.node", "--port", "0", "--log-level", "WARNING",
+                                      *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
+                                     start_new_session=True)
+        line = self.proc.stdout.readline()
+        m = re.search(r"listening on (\S+):(\d+) metrics (\S+)", line)
+        if not m:
+            self.proc.kill()
+            raise RuntimeError(f"node did not start: {line!r} {self.proc.stderr.read()}")
+        self.port = int(m.group(2))
+        self.metrics_port = None if m.group(3) == "None" else int(m.group(3))
+        self.address = f"127.0.0.1:{self.port}"
+
+    def stub(self):
+        ch = grpc.insecure_channel(self.address)
+        return ch, pb_grpc.NelssaNodeStub(ch)
+
+    def stats(self, token: str = "") -> pb.StatsReply:
+        ch, stub = self.stub()
+        try:
+            return stub.Stats(pb.StatsRequest(), timeout=5, metadata=((TOKEN_HEADER, token),) if token else ())
+        finally:
+            ch.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    started: dict[str, Node] = {}
+
+    def get(name: str) -> Node:
+        if name not in started:
+            args = {"head1": ["--devices", "1"], "head3": ["--devices", "3"],
+                    "cluster2": ["--devices", "2", "--partition", "cluster"]}[name]
+            started[name] = Node(*args, "--device-memory", "64MiB")
+        return started[name]
+
+    yield get
+    for n in started.values():
+        n.stop()
+
+
+def _cfg(node: Node, transport: str, **kw) -> NelssaConfig:
+    cfg = NelssaConfig(engine="node", node_address=node.address, node_transport=transport, cluster_size=8,
+                       segment=128, iters=5, pool_threads=1, host_timeout_s=kw.pop("host_timeout_s", 20.0), **kw)
+    set_config(cfg)
+    return cfg
+
+
+def _kv(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return ([torch.randn(H, n, D, generator=g) for _ in range(L)], [torch.randn(H, n, D, generator=g) for _ in range(L)])
+
+
+def _attend(tier, rids, layer, q, budget):
+    ckvs = [tier.layer_kv(r, layer) for r in rids]
+    sel = select_clusters(q, ckvs, budget, SCALE)
+    return tier.wait(tier.submit_attend(q, ckvs, sel, SCALE, layer), layer)
+
+
+@pytest.mark.parametrize("name,transport", [("head1", "shm"), ("head1", "grpc"), ("head3", "shm"),
+                                            ("head3", "grpc"), ("cluster2", "shm")])
+def test_node_equals_local_and_dense(nodes, name, transport):
+    node = nodes(name)
+    cfg = _cfg(node, transport)
+    local, remote = LocalHostTier(cfg, L), NodeHostTier(cfg, L)
+    try:
+        a1, a2, b = _kv(300, 1), _kv(70, 2), _kv(200, 3)
+        for t in (local, remote):
+            t.put_layers("a", *a1, commit=False)   # prepared, then made visible (the hand-off's path)
+            t.commit("a", 300)
+            t.put_layers("a", *a2, commit=False)   # appended, not yet visible
+            t.put_layers("b", *b)
+        assert remote.committed("a") == 300 and remote.has("b") and not remote.has("c")
+        g = torch.Generator().manual_seed(7)
+        for length, budgets in ((300, (1.0,)), (370, (1.0, 0.04))):
+            if length == 370:
+                for t in (local, remote):
+                    t.commit("a", 370)
+            for layer in range(L):
+                q = torch.randn(2, HQ, D, generator=g)
+                for budget in budgets:
+                    lo, ll = _attend(local, ["a", "b"], layer, q, budget)
+                    ro, rl = _attend(remote, ["a", "b"], layer, q, budget)
+                    torch.testing.assert_close(ro, lo, atol=2e-6, rtol=1e-5)
+                    torch.testing.assert_close(rl, ll, atol=2e-6, rtol=1e-5)
+                    if budget == 1.0:  # every token: exact attention
+                        ka = torch.cat([a1[0][layer], a2[0][layer]], 1)[:, :length]
+                        va = torch.cat([a1[1][layer], a2[1][layer]], 1)[:, :length]
+                        do, dl = dense_attention(q[0], ka, va, SCALE)
+                        torch.testing.assert_close(ro[0].double(), do, atol=1e-5, rtol=1e-5)
+                        torch.testing.assert_close(rl[0].double(), dl, atol=1e-5, rtol=1e-5)
+        held = node.stats().devices
+        assert sum(d.used_bytes for d in held) == remote.nbytes > 0
+        assert remote.free("a") and remote.free("b") and not remote.free("a")
+        assert sum(d.used_bytes for d in node.stats().devices) == 0
+        with pytest.raises(HostError):
+            remote.layer_kv("a", 0)
+    finally:
+        local.close()
+        remote.close()
+
+
+def test_capacity_refusal_leaves_nothing():
+    node = Node("--devices", "2", "--device-memory", "200KiB")
+    try:
+        cfg = _cfg(node, "grpc")
+        t = NodeHostTier(cfg, L)
+        with pytest.raises(HostError, match="RESOURCE_EXHAUSTED"):
+            t.put_layers("big", *_kv(600, 1))        # ~77 KiB per layer and device: 2 layers x 2 parts too many
+        assert not t.has("big") and t.nbytes == 0
+        s = node.stats()
+        assert s.requests == 0 and all(d.used_bytes == 0 for d in s.devices)
+        t.put_layers("small", *_kv(100, 2))          # what fits is still stored
+        used = sum(d.used_bytes for d in node.stats().devices)
+        assert used == t.nbytes > 0
+        with pytest.raises(HostError, match="RESOURCE_EXHAUSTED"):
+            t.put_layers("small", *_kv(900, 3))      # a refused append leaves the request as it was
+        assert sum(d.used_bytes for d in node.stats().devices) == used
+        assert t.committed("small") == 100
+        o, _ = _attend(t, ["small"], 1, torch.randn(1, HQ, D), 1.0)
+        assert torch.isfinite(o).all()
+        t.close()
+    finally:
+        node.stop()
+
+
+def test_lease_expiry_frees_the_clients_kv():
+    node = Node("--devices", "2", "--device-memory", "64MiB", "--lease-min-s", "0.3")
+    try:
+        cfg = _cfg(node, "shm", node_lease_s=0.6)
+        t = NodeHostTier(cfg, L)
+        t.put_layers("a", *_kv(200, 1))
+        time.sleep(1.0)                              # the client renews: still held
+        assert node.stats().requests == 1
+        t._closed.set()                              # a crashed client: no more renewals
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and node.stats().requests:
+            time.sleep(0.1)
+        s = node.stats()
+        assert s.requests == 0 and s.clients == 0 and s.expired_clients == 1
+        assert all(d.used_bytes == 0 for d in s.devices)
+        with pytest.raises(HostError):               # its channel is closed: fails, does not hang
+            _attend(t, ["a"], 0, torch.randn(1, HQ, D), 1.0)
+    finally:
+        node.stop()
+
+
+def test_token_required_off_loopback_and_checked_on_every_call():
+    r = subprocess.run([sys.executable, "-m", "nelssa.node", "--host", "0.0.0.0", "--port", "0"],
+                       capture_output=True, text=True, timeout=120, env={k: v for k, v in os.environ.items()
+                                                                         if k != "NELSSA_NODE_TOKEN"})
+    assert r.returncode != 0 and "requires a token" in r.stderr
+    node = Node("--host", "0.0.0.0", env={"NELSSA_NODE_TOKEN": "s3cret"})
+    try:
+        ch, stub = node.stub()
+        for md in ((), ((TOKEN_HEADER, "wrong"),)):
+            for call in (lambda: stub.Health(pb.HealthRequest(), timeout=5, metadata=md),
+                         lambda: stub.Register(pb.RegisterRequest(lease_s=5), timeout=5, metadata=md),
+                         lambda: next(stub.Attend(iter([pb.AttendJob()]), timeout=5, metadata=md))):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert stub.Health(pb.HealthRequest(), timeout=5, metadata=((TOKEN_HEADER, "s3cret"),)).serving
+        ch.close()
+        with pytest.raises(HostError, match="UNAUTHENTICATED"):
+            NodeHostTier(_cfg(node, "grpc"), L)
+        t = NodeHostTier(_cfg(node, "grpc", node_token="s3cret"), L)
+        t.put_layers("a", *_kv(100, 1))
+        assert torch.isfinite(_attend(t, ["a"], 0, torch.randn(1, HQ, D), 0.5)[0]).all()
+        t.close()
+    finally:
+        node.stop()
+
+
+def test_every_call_needs_a_deadline(nodes):
+    ch, stub = nodes("head1").stub()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Health(pb.HealthRequest())
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "deadline" in e.value.details()
+    ch.close()
+
+
+def _bad_jobs(client_id: str, good: pb.AttendJob, n: int, seed: int):
+    """Malformed decode jobs: mutated fields, truncated or random bytes, oversized shapes."""
+    rnd = random.Random(seed)
+    for i in range(n):
+        j = pb.AttendJob()
+        j.CopyFrom(good)
+        k = i % 10
+        r = j.reqs[0]
+        if k == 0:
+            j.q = j.q[:rnd.randrange(len(j.q))]
+        elif k == 1:
+            r.ids = bytes(rnd.getrandbits(8) for _ in range(len(r.ids)))
+        elif k == 2:
+            r.counts = (rnd.choice([-1, 1 << 40, 10 ** 6])).to_bytes(8, "little", signed=True) * H
+        elif k == 3:
+            j.num_heads = rnd.choice([0, 7, 1 << 20])
+        elif k == 4:
+            j.layer = rnd.choice([L, 1 << 31])
+        elif k == 5:
+            r.req_id = rnd.choice(["", "nope", "x" * 10_000])
+        elif k == 6:
+            r.length = rnd.choice([0, 1, 10 ** 12])
+        elif k == 7:
+            r.selected = rnd.choice([1 << 30, r.selected + 1])
+        elif k == 8:
+            j.client_id = rnd.choice(["", "someone-else"])
+        else:
+            j.q_dtype = 99
+        yield j
+
+
+def test_malformed_jobs_get_errors_and_the_node_keeps_serving(nodes):
+    node = nodes("head3")
+    for transport in ("grpc", "shm"):
+        t = NodeHostTier(_cfg(node, transport), L)
+        t.put_layers("a", *_kv(150, 1))
+        q = torch.randn(1, HQ, D)
+        ckvs = [t.layer_kv("a", 0)]
+        sel = select_clusters(q, ckvs, 0.5, SCALE)
+        good = encode_job(1, t.client_id, 0, SCALE, q, ["a"], [150], list(sel.ids), list(sel.counts))
+        want = _attend(t, ["a"], 0, q, 0.5)
+        for j in _bad_jobs(t.client_id, good, 200, seed=len(transport)):
+            res = t._plane.run(j, 10)
+            assert res.code != 0, j
+        if transport == "shm":  # garbage that is not a protobuf at all, and an over-long declared length
+            ch: ShmChannel = t._plane.ch
+            for payload in (b"\xff" * 100, os.urandom(3000)):
+                t._plane.seq += 1
+                ch.write("req", t._plane.seq, payload)
+                while int(ch.w[16]) != t._plane.seq:
+                    time.sleep(1e-4)
+                assert pb.AttendResult.FromString(ch.read("resp")).code != 0
+            ch.w[9] = ch.slot + 1  # declared length beyond the slot
+            t._plane.seq += 1
+            ch.w[8] = t._plane.seq
+            while int(ch.w[16]) != t._plane.seq:
+                time.sleep(1e-4)
+            assert pb.AttendResult.FromString(ch.read("resp")).code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        got = _attend(t, ["a"], 0, q, 0.5)
+        torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+        t.close()
+    s = node.stats()
+    assert s.job_errors >= 400 and s.requests == 0
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_killed_node_fails_the_call_within_the_deadline(transport):
+    node = Node("--devices", "2")
+    try:
+        t = NodeHostTier(_cfg(node, transport, host_timeout_s=8.0), L)
+        t.put_layers("a", *_kv(200, 1))
+        q = torch.randn(1, HQ, D)
+        assert torch.isfinite(_attend(t, ["a"], 0, q, 1.0)[0]).all()
+        node.kill()
+        t0 = time.monotonic()
+        with pytest.raises(HostError):
+            _attend(t, ["a"], 1, q, 1.0)
+        assert time.monotonic() - t0 < 8.0 + 1.0
+        with pytest.raises(HostError):
+            t.put_layers("b", *_kv(50, 2))
+        t.close()
+    finally:
+        node.kill()
+
+
+def test_metrics_and_generated_code(nodes, tmp_path):
+    node = Node("--devices", "2", "--metrics-port", "0")
+    try:
+        t = NodeHostTier(_cfg(node, "shm"), L)
+        t.put_layers("a", *_kv(100, 1))
+        _attend(t, ["a"], 0, torch.randn(1, HQ, D), 1.0)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5).read().decode()
+        for name in ('nelssa_node_device_bytes{device="1"}', 'nelssa_node_jobs_total{outcome="ok",plane="shm"}',
+                     "nelssa_node_job_seconds_bucket", "nelssa_node_ingested_bytes_total", "nelssa_node_clients 1.0"):
+            assert name in text, name
+        t.close()
+    finally:
+        node.stop()
+    # the committed generated code is what scripts/gen_proto.sh makes of the .proto
+    r = subprocess.run(["bash", str(REPO / "scripts/gen_proto.sh")], env=dict(os.environ, OUT=str(tmp_path),
+                       PYTHON=sys.executable), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for f in ("nelssa_node_pb2.py", "nelssa_node_pb2_grpc.py"):
+        assert (tmp_path / "nelssa/node/proto" / f).read_bytes() == (REPO / "nelssa/node/proto" / f).read_bytes(), f
