@@ -20,7 +20,7 @@ import time
 import torch
 
 from nelssa.config import set_config, vllm_nelssa_config
-from nelssa.node import LocalHostTier
+from nelssa.node import LocalHostTier, host_tier
 from nelssa.vllm_plugin import runtime
 from nelssa.vllm_plugin.attention import StepPlan, read_kv, set_plan
 from nelssa.vllm_plugin.connector import step_host_ends
@@ -57,7 +57,7 @@ class NelssaRunnerMixin:
         bs = self.cache_config.block_size
         self._nelssa_policy = Policy(cfg.T_input, cfg.sink, cfg.recent, cfg.chunk, bs)
         set_config(cfg)
-        self.nelssa_host = LocalHostTier(cfg, num_layers=len(layers))
+        self.nelssa_host = host_tier(cfg, num_layers=len(layers))  # engine local | node
         self.nelssa_handoff = Handoff(self.nelssa_host, self._nelssa_layers, bs, cfg.sink, read_kv,
                                       on_done=runtime.handoff_done)
         runtime.set_host(self.nelssa_host)
