@@ -33,9 +33,9 @@ SCALE = D ** -0.5
 class Node:
     """``python -m nelssa.node`` on a free loopback port; stopped (or killed) by the test."""
 
-    def __init__(self, *args: str, env: dict | None = None):
+    def __init__(self, *args: str, env: dict | None = None, port: int = 0):
         e = dict(os.environ, **(env or {}))
-        self.proc = subprocess.Popen([sys.executable, "-m", "nelssa.node", "--port", "0", "--log-level", "WARNING",
+        self.proc = subprocess.Popen([sys.executable, "-m", "nelssa.node", "--port", str(port), "--log-level", "WARNING",
                                       *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
                                      start_new_session=True)
         line = self.proc.stdout.readline()
@@ -294,22 +294,38 @@ def test_malformed_jobs_get_errors_and_the_node_keeps_serving(nodes):
     assert s.job_errors >= 400 and s.requests == 0
 
 
-@pytest.mark.parametrize("transport", ["shm", "grpc"])
-def test_killed_node_fails_the_call_within_the_deadline(transport):
+def test_killed_node_fails_calls_within_the_deadline_and_a_restarted_node_serves():
     node = Node("--devices", "2")
+    tiers = {tr: NodeHostTier(_cfg(node, tr, host_timeout_s=8.0, node_lease_s=1.5), L) for tr in ("shm", "grpc")}
+    q = torch.randn(1, HQ, D)
     try:
-        t = NodeHostTier(_cfg(node, transport, host_timeout_s=8.0), L)
-        t.put_layers("a", *_kv(200, 1))
-        q = torch.randn(1, HQ, D)
-        assert torch.isfinite(_attend(t, ["a"], 0, q, 1.0)[0]).all()
+        for t in tiers.values():
+            t.put_layers("a", *_kv(200, 1))
+            assert torch.isfinite(_attend(t, ["a"], 0, q, 1.0)[0]).all()
         node.kill()
-        t0 = time.monotonic()
-        with pytest.raises(HostError):
-            _attend(t, ["a"], 1, q, 1.0)
-        assert time.monotonic() - t0 < 8.0 + 1.0
-        with pytest.raises(HostError):
-            t.put_layers("b", *_kv(50, 2))
-        t.close()
+        for t in tiers.values():
+            t0 = time.monotonic()
+            with pytest.raises(HostError):
+                _attend(t, ["a"], 1, q, 1.0)
+            assert time.monotonic() - t0 < 8.0 + 1.0
+            with pytest.raises(HostError):
+                t.put_layers("b", *_kv(50, 2))
+        node = Node("--devices", "2", port=node.port)  # restarted: the clients register again
+        for name, t in tiers.items():
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    t.put_layers("c", *_kv(120, 3))
+                    break
+                except HostError:
+                    assert time.monotonic() < deadline, f"{name} client never got the restarted node back"
+                    time.sleep(0.2)
+            assert torch.isfinite(_attend(t, ["c"], 1, q, 1.0)[0]).all()
+            with pytest.raises(HostError, match="no longer holds"):  # what the old node held is gone
+                t.layer_kv("a", 0)
+        assert node.stats().requests == 2
+        for t in tiers.values():
+            t.close()
     finally:
         node.kill()
 
