@@ -1,0 +1,180 @@
+"""nelssa-node data-plane benchmark: per-layer decode-job round trip over shared memory vs gRPC, for
+1..N devices, with an empty selection (pure overhead) and a real one; and decode-job latency with
+and without a concurrent large store (ingestion isolation, paper 5.1).
+
+    python benchmarks/bench_node.py                        # defaults sized for a small CPU box
+    python benchmarks/bench_node.py --devices 1,2,4 --tokens 32768 --heads 8 --qheads 32 --dim 128 \\
+        --batch 4 --store-tokens 100000 --store-layers 32 --out results/bench_node.json
+
+Each device count gets its own node subprocess (--cores-per-device = cores // devices, at least 1).
+Reported per case: p50/p99 of the client's round trip (submit to result), the node's own time per
+job (validation, dispatch to the devices, aggregation) and their difference (transport + client).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import torch
+
+from nelssa.config import NelssaConfig, set_config
+from nelssa.node.client import NodeHostTier
+from nelssa.node.proto import nelssa_node_pb2 as pb
+from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
+from nelssa.node.wire import encode_job
+from nelssa.sparse import Selection, select_clusters
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+
+def _start(devices: int, cores: int, memory: str) -> tuple[subprocess.Popen, int]:
+    per = max(1, cores // devices)
+    p = subprocess.Popen([sys.executable, "-m", "nelssa.node", "--port", "0", "--devices", str(devices),
+                          "--cores-per-device", str(per), "--device-memory", memory, "--log-level", "WARNING"],
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    m = re.search(r":(\d+) ", p.stdout.readline())
+    if not m:
+        p.kill()
+        raise RuntimeError("node did not start")
+    return p, int(m.group(1))
+
+
+def _jobs(tier: NodeHostTier, rids: list[str], q: torch.Tensor, budget: float | None, scale: float, iters: int,
+          warmup: int = 20) -> dict:
+    """Round trips of one layer's job for all ``rids`` (budget None: empty selection)."""
+    ckvs = [tier.layer_kv(r, 0) for r in rids]
+    if budget is None:
+        H = ckvs[0].num_kv_heads
+        sel = Selection([torch.zeros(H, 0, dtype=torch.int64)] * len(rids), [torch.zeros(H, dtype=torch.int64)] * len(rids))
+    else:
+        sel = select_clusters(q, ckvs, budget, scale)
+    job = encode_job(1, tier.client_id, 0, scale, q, rids, [c.length for c in ckvs], list(sel.ids), list(sel.counts))
+    rt, node = [], []
+    for i in range(warmup + iters):
+        t = time.perf_counter()
+        res = tier._plane.run(job, 30.0)
+        dt = time.perf_counter() - t
+        if res.code:
+            raise RuntimeError(res.message)
+        if i >= warmup:
+            rt.append(dt)
+            node.append(res.node_s)
+    over = [a - b for a, b in zip(rt, node)]
+    return {"rt_p50_us": _pct(rt, 0.5) * 1e6, "rt_p99_us": _pct(rt, 0.99) * 1e6, "node_p50_us": _pct(node, 0.5) * 1e6,
+            "overhead_p50_us": _pct(over, 0.5) * 1e6, "overhead_mean_us": statistics.mean(over) * 1e6, "n": iters}
+
+
+def _store_loop(port: int, stop: threading.Event, tokens: int, layers: int, H: int, D: int, out: dict) -> None:
+    """Another client storing ``tokens`` x ``layers`` (fp32, pre-clustered random data) again and again."""
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)])
+    stub = pb_grpc.NelssaNodeStub(ch)
+    cid = stub.Register(pb.RegisterRequest(name="bench-store", lease_s=60), timeout=10).client_id
+    C = max(1, tokens // 8)
+    sizes = torch.full((H, C), tokens // C, dtype=torch.int32)
+    sizes[:, 0] += tokens - sizes.sum(1)
+    sizes_b = sizes.numpy().tobytes()
+    kv = torch.randn(H * tokens * 2 * D).numpy().tobytes()
+    step = 4 << 20
+    n, nbytes, t0 = 0, 0, time.perf_counter()
+    while not stop.is_set():
+        rid = f"s{n}"
+
+        def chunks():
+            yield pb.StoreChunk(header=pb.StoreHeader(client_id=cid, req_id=rid, part=0, num_layers=layers, kv_heads=H,
+                                                      head_dim=D, dtype=pb.FLOAT32, tokens=tokens, clusters=[C] * layers))
+            for _ in range(layers):
+                yield pb.StoreChunk(data=sizes_b)
+                for o in range(0, len(kv), step):
+                    yield pb.StoreChunk(data=kv[o:o + step])
+
+        stub.Store(chunks(), timeout=600)
+        stub.Free(pb.FreeRequest(client_id=cid, req_id=rid), timeout=10)
+        n += 1
+        nbytes += len(kv) * layers
+    out.update(stores=n, store_gbps=nbytes / (time.perf_counter() - t0) / 1e9)
+    ch.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--devices", default="1,2")
+    ap.add_argument("--planes", default="shm,grpc")
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens per long request")
+    ap.add_argument("--batch", type=int, default=2, help="long requests per job")
+    ap.add_argument("--heads", type=int, default=4, help="KV heads")
+    ap.add_argument("--qheads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--budget", type=float, default=0.04)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--store-tokens", type=int, default=100_000, help="concurrent store (0: skip isolation)")
+    ap.add_argument("--store-layers", type=int, default=2)
+    ap.add_argument("--device-memory", default="4GiB")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    cores = len(os.sched_getaffinity(0))
+    H, Hq, D, n = a.heads, a.qheads, a.dim, a.tokens
+    scale = D ** -0.5
+    report = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": cores},
+              "shape": dict(tokens=n, batch=a.batch, heads=H, qheads=Hq, dim=D, budget=a.budget), "cases": []}
+    try:
+        from nelssa.cpu import cpu_model
+        report["machine"]["cpu"] = cpu_model()
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    g = torch.Generator().manual_seed(0)
+    keys = [torch.randn(H, n, D, generator=g) for _ in range(a.batch)]
+    vals = [torch.randn(H, n, D, generator=g) for _ in range(a.batch)]
+    q = torch.randn(a.batch, Hq, D, generator=g)
+    for nd in [int(x) for x in a.devices.split(",")]:
+        proc, port = _start(nd, cores, a.device_memory)
+        try:
+            for plane in a.planes.split(","):
+                cfg = NelssaConfig(engine="node", node_address=f"127.0.0.1:{port}", node_transport=plane,
+                                   segment=4096)
+                set_config(cfg)
+                tier = NodeHostTier(cfg, 1)
+                rids = [f"r{i}" for i in range(a.batch)]
+                for r, k, v in zip(rids, keys, vals):
+                    tier.put_layers(r, [k], [v])
+                for label, budget in (("empty", None), ("real", a.budget)):
+                    res = _jobs(tier, rids, q, budget, scale, a.iters)
+                    case = {"devices": nd, "plane": plane, "job": label, **res}
+                    report["cases"].append(case)
+                    print(json.dumps(case), flush=True)
+                if a.store_tokens and plane == a.planes.split(",")[0]:
+                    stop, info = threading.Event(), {}
+                    th = threading.Thread(target=_store_loop, args=(port, stop, a.store_tokens, a.store_layers, H, D, info))
+                    th.start()
+                    time.sleep(0.5)
+                    res = _jobs(tier, rids, q, a.budget, scale, a.iters, warmup=5)
+                    stop.set()
+                    th.join()
+                    case = {"devices": nd, "plane": plane, "job": "real+store", **res, **info,
+                            "store_tokens": a.store_tokens, "store_layers": a.store_layers}
+                    report["cases"].append(case)
+                    print(json.dumps(case), flush=True)
+                tier.close()
+        finally:
+            proc.terminate()
+            proc.wait()
+    if a.out:
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
