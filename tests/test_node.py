@@ -168,17 +168,24 @@ def test_capacity_refusal_leaves_nothing():
         assert t.committed("small") == 100
         o, _ = _attend(t, ["small"], 1, torch.randn(1, HQ, D), 1.0)
         assert torch.isfinite(o).all()
-        t.close()
+        t.close()                                    # unregisters: the node drops the client and its KV now
+        s = node.stats()
+        assert s.clients == 0 and s.requests == 0 and all(d.used_bytes == 0 for d in s.devices)
     finally:
         node.stop()
 
 
-def test_lease_expiry_frees_the_clients_kv():
-    node = Node("--devices", "2", "--device-memory", "64MiB", "--lease-min-s", "0.3")
+def test_metrics_and_lease_expiry_frees_the_clients_kv():
+    node = Node("--devices", "2", "--device-memory", "64MiB", "--lease-min-s", "0.3", "--metrics-port", "0")
     try:
         cfg = _cfg(node, "shm", node_lease_s=0.6)
         t = NodeHostTier(cfg, L)
         t.put_layers("a", *_kv(200, 1))
+        _attend(t, ["a"], 0, torch.randn(1, HQ, D), 1.0)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5).read().decode()
+        for name in ('nelssa_node_device_bytes{device="1"}', 'nelssa_node_jobs_total{outcome="ok",plane="shm"}',
+                     "nelssa_node_job_seconds_bucket", "nelssa_node_ingested_bytes_total", "nelssa_node_clients 1.0"):
+            assert name in text, name
         time.sleep(1.0)                              # the client renews: still held
         assert node.stats().requests == 1
         t._closed.set()                              # a crashed client: no more renewals
@@ -330,20 +337,8 @@ def test_killed_node_fails_calls_within_the_deadline_and_a_restarted_node_serves
         node.kill()
 
 
-def test_metrics_and_generated_code(nodes, tmp_path):
-    node = Node("--devices", "2", "--metrics-port", "0")
-    try:
-        t = NodeHostTier(_cfg(node, "shm"), L)
-        t.put_layers("a", *_kv(100, 1))
-        _attend(t, ["a"], 0, torch.randn(1, HQ, D), 1.0)
-        text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5).read().decode()
-        for name in ('nelssa_node_device_bytes{device="1"}', 'nelssa_node_jobs_total{outcome="ok",plane="shm"}',
-                     "nelssa_node_job_seconds_bucket", "nelssa_node_ingested_bytes_total", "nelssa_node_clients 1.0"):
-            assert name in text, name
-        t.close()
-    finally:
-        node.stop()
-    # the committed generated code is what scripts/gen_proto.sh makes of the .proto
+def test_generated_code_is_reproducible(tmp_path):
+    """The committed generated code is what scripts/gen_proto.sh makes of the .proto."""
     r = subprocess.run(["bash", str(REPO / "scripts/gen_proto.sh")], env=dict(os.environ, OUT=str(tmp_path),
                        PYTHON=sys.executable), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -440,13 +440,20 @@ class NodeHostTier:
         return self._rpc("Stats", pb.StatsRequest())
 
     def close(self) -> None:
+        """Drop this client and all its KV on the node (best effort: a node that is gone has nothing
+        to drop, and a node that missed this drops it at lease expiry)."""
         self._closed.set()
-        for rid in list(self.reqs):
-            try:
-                self.free(rid)
-            except HostError:
-                pass
         self._pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            self._rpc("Unregister", pb.RenewRequest(client_id=self.client_id), timeout=5.0)
+        except HostError as e:
+            log.warning("unregistering from the node: %s", e)
+        with self._lock:
+            for r in self.reqs.values():
+                for c in r.layers:
+                    if c is not None:
+                        c.freed = True
+            self.reqs.clear()
         if self._plane is not None:
             self._plane.close()
         self._channel.close()

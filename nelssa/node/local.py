@@ -40,6 +40,7 @@ class HostStats:
         self.failures = 0
         self.handoff_wait_s: list[float] = []  # main-thread waits for a hand-off not done by its switch
         self.offload_step_s: list[float] = []  # wall time of each forward with offloaded rows (launch + waits)
+        self.offload_decode_step_s: list[float] = []  # the same, of such forwards without prefill chunks
         self.host_wait_s: list[float] = []     # per such step: time the forward's thread waited for host results
         self.offload_split_s: dict[str, float] = {}  # such steps' forward-thread seconds per part (summed)
 
@@ -48,6 +49,7 @@ class HostStats:
             d = {"long_requests": self.long_requests, "attn_s": self.attn_s, "cluster_s": self.cluster_s,
                  "moved_tokens": self.moved_tokens, "failures": self.failures,
                  "handoff_wait_s": self.handoff_wait_s, "offload_step_s": self.offload_step_s,
+                 "offload_decode_step_s": self.offload_decode_step_s,
                  "host_wait_s": self.host_wait_s, "offload_split_s": self.offload_split_s}
             self.reset()
         return d

@@ -639,6 +639,16 @@ class Servicer(pb_grpc.NelssaNodeServicer):
     def Renew(self, request, context):
         return self._call(context, lambda: pb.RenewReply(lease_s=self.node.client(request.client_id).lease_s))
 
+    def Unregister(self, request, context):
+        def f():
+            c = self.node.client(request.client_id)
+            held = sum(r.bytes[d] for r in list(c.reqs.values()) for d in range(len(r.bytes)))
+            n = len(c.reqs)
+            self.node.drop_client(c.id)
+            log.info("client %s (%s) unregistered, %d requests freed", c.id, c.name, n)
+            return pb.FreeReply(existed=True, bytes=held)
+        return self._call(context, f)
+
     def Store(self, request_iterator, context):
         def f():
             cores = self.node.s.ingest_cores

@@ -44,6 +44,11 @@ class NelssaNodeStub:
                 request_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.RenewRequest.SerializeToString,
                 response_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.RenewReply.FromString,
                 _registered_method=True)
+        self.Unregister = channel.unary_unary(
+                '/nelssa.node.v1.NelssaNode/Unregister',
+                request_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.RenewRequest.SerializeToString,
+                response_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.FreeReply.FromString,
+                _registered_method=True)
         self.Store = channel.stream_unary(
                 '/nelssa.node.v1.NelssaNode/Store',
                 request_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.StoreChunk.SerializeToString,
@@ -92,6 +97,13 @@ class NelssaNodeServicer:
 
     def Renew(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unregister(self, request, context):
+        """drop the client and all its KV now
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -150,6 +162,11 @@ def add_NelssaNodeServicer_to_server(servicer, server):
                     servicer.Renew,
                     request_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.RenewRequest.FromString,
                     response_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.RenewReply.SerializeToString,
+            ),
+            'Unregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unregister,
+                    request_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.RenewRequest.FromString,
+                    response_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.FreeReply.SerializeToString,
             ),
             'Store': grpc.stream_unary_rpc_method_handler(
                     servicer.Store,
@@ -241,6 +258,33 @@ class NelssaNode:
             '/nelssa.node.v1.NelssaNode/Renew',
             nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.RenewRequest.SerializeToString,
             nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.RenewReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nelssa.node.v1.NelssaNode/Unregister',
+            nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.RenewRequest.SerializeToString,
+            nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.FreeReply.FromString,
             options,
             channel_credentials,
             insecure,
