@@ -344,3 +344,57 @@ def test_generated_code_is_reproducible(tmp_path):
     assert r.returncode == 0, r.stderr
     for f in ("nelssa_node_pb2.py", "nelssa_node_pb2_grpc.py"):
         assert (tmp_path / "nelssa/node/proto" / f).read_bytes() == (REPO / "nelssa/node/proto" / f).read_bytes(), f
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+
+
+def _store(stub, cid: str, rid: str, *, tokens=64, clusters=8, layers=L, heads=H, dim=D, sizes=None, data=None,
+           extra=b"", part=0):
+    t_, h_, c_ = min(max(tokens, 8), 64), min(heads, H), max(clusters, 1)  # real data stays small for bad headers
+    sz = torch.full((h_, c_), t_ // c_, dtype=torch.int32) if sizes is None else sizes
+    kv = torch.randn(h_ * t_ * 2 * dim).numpy().tobytes() if data is None else data
+
+    def chunks():
+        yield pb.StoreChunk(header=pb.StoreHeader(client_id=cid, req_id=rid, part=part, num_layers=layers,
+                                                  kv_heads=heads, head_dim=dim, dtype=pb.FLOAT32, tokens=tokens,
+                                                  clusters=[clusters] * layers))
+        for _ in range(layers):
+            yield pb.StoreChunk(data=sz.numpy().tobytes())
+            yield pb.StoreChunk(data=kv)
+        if extra:
+            yield pb.StoreChunk(data=extra)
+    return stub.Store(chunks(), timeout=10)
+
+
+def test_malformed_stores_leave_nothing_and_store_free_cycles_keep_rss_flat(nodes):
+    node = nodes("head3")
+    ch, stub = node.stub()
+    cid = stub.Register(pb.RegisterRequest(name="raw", lease_s=30), timeout=5).client_id
+    base = sum(d.used_bytes for d in node.stats().devices)
+    bad = [dict(sizes=torch.full((H, 8), 9, dtype=torch.int32)),           # sizes do not sum to the tokens
+           dict(sizes=torch.tensor([[-8] + [16] * 4 + [8] * 3] * H, dtype=torch.int32)),  # negative size
+           dict(data=b"\0" * 100),                                          # K/V shorter than declared
+           dict(extra=b"x"),                                                # more data than declared
+           dict(tokens=0), dict(tokens=1 << 40), dict(clusters=0), dict(layers=0), dict(heads=1 << 20),
+           dict(part=3)]                                                    # an append that follows nothing
+    for kw in bad:
+        with pytest.raises(grpc.RpcError) as e:
+            _store(stub, cid, "bad", **kw)
+        assert e.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION), kw
+    s = node.stats()
+    assert sum(d.used_bytes for d in s.devices) == base
+    for i in range(50):                                                     # warm-up
+        _store(stub, cid, "c")
+        stub.Free(pb.FreeRequest(client_id=cid, req_id="c"), timeout=5)
+    before = _rss(node.proc.pid)
+    for i in range(300):
+        _store(stub, cid, "c")
+        assert stub.Free(pb.FreeRequest(client_id=cid, req_id="c"), timeout=5).existed
+    after = _rss(node.proc.pid)
+    assert abs(after - before) <= 0.05 * before, (before, after)
+    assert sum(d.used_bytes for d in node.stats().devices) == base
+    stub.Unregister(pb.RenewRequest(client_id=cid), timeout=5)
+    ch.close()
