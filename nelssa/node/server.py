@@ -31,7 +31,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
-import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
@@ -389,11 +388,11 @@ class NodeState:
                 for h0, h1 in ranges:
                     kv = host_empty((h1 - h0, n, 2, D), dtype)
                     if h1 > h0:
-                        it.into(kv.view(-1).view(torch.uint8).numpy())
+                        it.into(kv.view(-1).view(torch.uint8))
                     row_parts.append((n, kv, starts[h0:h1].contiguous(), sizes[h0:h1].contiguous()))
             else:
                 full = torch.empty(H, n, 2, D, dtype=dtype)
-                it.into(full.view(-1).view(torch.uint8).numpy())
+                it.into(full.view(-1).view(torch.uint8))
                 row_parts = self._split_clusters(full, sizes, starts, base[li], reserved)
             built.append(row_parts)
         it.end()
@@ -579,21 +578,22 @@ class _ByteReader:
             raise WireError("a second header in one store")
         self.buf, self.off = m.data, 0
 
-    def into(self, dst: np.ndarray) -> None:
-        """Fill the uint8 array ``dst`` from the stream."""
-        pos, want = 0, dst.size
+    def into(self, dst: torch.Tensor) -> None:
+        """Fill the flat uint8 tensor ``dst`` from the stream (torch's copy releases the GIL, so decode
+        jobs are not held up by a large store's copies)."""
+        pos, want = 0, dst.numel()
         while pos < want:
             if self.off == len(self.buf):
                 self._more()
             k = min(want - pos, len(self.buf) - self.off)
-            dst[pos:pos + k] = np.frombuffer(self.buf, dtype=np.uint8, count=k, offset=self.off)
+            dst[pos:pos + k].copy_(torch.frombuffer(self.buf, dtype=torch.uint8, count=k, offset=self.off))
             pos += k
             self.off += k
 
     def take(self, n: int) -> bytes:
-        out = np.empty(n, dtype=np.uint8)
+        out = torch.empty(n, dtype=torch.uint8)
         self.into(out)
-        return out.tobytes()
+        return out.numpy().tobytes()
 
     def end(self) -> None:
         if self.off != len(self.buf) or next(self.chunks, None) is not None:
