@@ -7,6 +7,10 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["calibrate"]:  # all its options are its own (argparse would split them around REMAINDER)
+        from nelssa.bench.calibrate import main as calibrate
+        return calibrate(argv[1:])
     ap = argparse.ArgumentParser(prog="nelssa")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare-model", help="SmolLM2-135M-Instruct as an HF bf16 folder (cached); prints its path")
@@ -18,8 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("args", nargs=argparse.REMAINDER)
     bh = sub.add_parser("bench", help="benchmarks: hol (head-of-line scenario, NELSSA vs NELSSA_OFF); serving "
                                       "workloads single-long, multi-long, mixed, growth (nelssa.bench.workloads); "
-                                      "report DIR (Markdown summary of a results folder)")
-    bh.add_argument("name", choices=["hol", "single-long", "multi-long", "mixed", "growth", "report"])
+                                      "accuracy (needles at several budgets, dense vs NELSSA); report DIR "
+                                      "(Markdown summary of a results folder)")
+    bh.add_argument("name", choices=["hol", "single-long", "multi-long", "mixed", "growth", "accuracy", "report"])
     bh.add_argument("args", nargs=argparse.REMAINDER)
     ca = sub.add_parser("calibrate", add_help=False,
                         help="measure the paper's latency model here, fit it, solve T_input (nelssa.bench.calibrate)")
@@ -35,14 +40,14 @@ def main(argv: list[str] | None = None) -> int:
         if a.name == "report":
             from nelssa.bench.report import main as report
             return report(a.args + rest)
+        if a.name == "accuracy":
+            from nelssa.bench.accuracy_sweep import main as accuracy
+            return accuracy(a.args + rest)
         if a.name != "hol":
             from nelssa.bench.workloads import main as workload
             return workload([a.name] + a.args + rest)
         from nelssa.bench.hol import main as hol
         return hol(a.args + rest)
-    if a.cmd == "calibrate":
-        from nelssa.bench.calibrate import main as calibrate
-        return calibrate(a.args + rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if a.cmd == "prepare-model":

@@ -182,3 +182,22 @@ def test_presets_plan_every_workload():
     with pytest.raises(SystemExit):
         wl._override(wl.PRESETS["cpu"], ["mixed.nope=1"])
     assert math.isfinite(wl.PRESETS["cpu"]["max_model_len"])
+
+
+def test_accuracy_sweep_plot_and_report(tmp_path):
+    from nelssa.bench import accuracy_sweep as acc
+    from nelssa.bench.accuracy import paired_verdict
+    from nelssa.bench.report import render
+    dense = [True, True, False, True]
+    res = {"dtype": "float32", "prompts": 4, "tokens": 9000, "lengths": [2200, 2400], "depths": [0.1, 0.9],
+           "dense": {"accuracy": 0.75, "by_length": {"2200": 1.0, "2400": 0.5}, "wall_s": 10.0, "tok_s": 900.0},
+           "budgets": {}, "command": "nelssa bench accuracy", "time": "t"}
+    for b, ok in ((0.02, [True, False, False, True]), (0.1, dense)):
+        res["budgets"][f"{b:g}"] = {"budget": b, "accuracy": sum(ok) / 4, "by_length": {"2200": 0.5, "2400": 0.5},
+                                    "verdict": paired_verdict(ok, dense), "wall_s": 12.0, "tok_s": 750.0, "rows": []}
+    acc.plot(res, str(tmp_path / "accuracy_vs_budget.png"))
+    assert os.path.getsize(tmp_path / "accuracy_vs_budget.png") > 5_000
+    (tmp_path / "accuracy.json").write_text(json.dumps(res))
+    md = render(str(tmp_path))
+    assert "| NELSSA 2% | 50.0 | 1 / 0 | not worse | 750 |" in md and "| dense (NELSSA_OFF) | 75.0 |" in md
+    assert "budget 10%: accuracy 75.0%" in acc.table(res)

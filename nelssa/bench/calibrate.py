@@ -242,10 +242,20 @@ def _dense_fn(dev):
         except Exception:  # noqa: BLE001 - fall back to torch's kernel
             pass
 
-    def sdpa(q, k, v):
-        return torch.nn.functional.scaled_dot_product_attention(
-            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
-    return "torch.sdpa", sdpa
+        def sdpa(q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+        return "torch.sdpa", sdpa
+
+    def gqa(q, k, v):
+        """One pass over K and one over V per KV head (GQA group as the GEMM's rows): torch's CPU SDPA
+        with enable_gqa expands K/V per query head (4x the bytes) and ran at < 1 GB/s here."""
+        B, L, H, D = k.shape
+        kk, vv = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+        qq = q.view(B, H, -1, D)
+        s = torch.matmul(qq, kk.transpose(-1, -2)) * D ** -0.5
+        return torch.matmul(torch.softmax(s.float(), -1).to(v.dtype), vv)
+    return "torch GQA matmul (CPU)", gqa
 
 
 class _Progress:
@@ -299,8 +309,12 @@ def measure(contexts: list[int], batches: list[int], devices: list[int], *, shap
             continue
         layers = max(1, min(8, int(target_bytes // req) + 1, int(allow // (2 * req))))
         # dense: KV [B, L, H, D] per rotated layer
-        ks = [torch.randn(B, L, H, D, generator=gen).to(dtype).to(dev) for _ in range(layers)]
-        vs = [torch.randn(B, L, H, D, generator=gen).to(dtype).to(dev) for _ in range(layers)]
+        def kv():  # [B, L, H, D]; on CPU a view of head-major storage (contiguous rows per KV head)
+            if dev.type == "cuda":
+                return torch.randn(B, L, H, D, generator=gen).to(dtype).to(dev)
+            return torch.randn(B, H, L, D, generator=gen).to(dtype).permute(0, 2, 1, 3)
+        ks = [kv() for _ in range(layers)]
+        vs = [kv() for _ in range(layers)]
         qd = torch.randn(B, Hq, D, generator=gen).to(dtype).to(dev)
         if dev.type == "cpu":
             torch.set_num_threads(host_threads)

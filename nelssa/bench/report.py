@@ -1,6 +1,6 @@
 """`nelssa bench report DIR`: a Markdown summary (``DIR/report.md``) of a results folder with its plots:
 a workload run (``summary.json`` of ``nelssa bench <workload>``), a calibration (``calibration.json``),
-a head-of-line run (``hol.json``), whichever are there (also in sub-folders, one level down)."""
+a head-of-line run (``hol.json``), a needle sweep (``accuracy.json``), whichever are there (also in sub-folders, one level down)."""
 
 from __future__ import annotations
 
@@ -88,6 +88,18 @@ def hol_md(h: dict, rel: str) -> list[str]:
     return out + ["", _img(os.path.join(rel, "hol.png"), "hol"), ""]
 
 
+def accuracy_md(r: dict, rel: str) -> list[str]:
+    out = [f"## Needle accuracy vs budget ({r.get('time', '')})", "", f"Command: `{r.get('command', '')}`; "
+           f"{r['prompts']} prompts, lengths {r['lengths']}, {r['dtype']}", "",
+           "| run | accuracy % | lost / gained vs dense | verdict | tokens/s |", "|---|---|---|---|---|",
+           f"| dense (NELSSA_OFF) | {_f(100 * r['dense']['accuracy'])} | | | {_f(r['dense']['tok_s'], 0)} |"]
+    for _, b in sorted(r["budgets"].items(), key=lambda x: x[1]["budget"]):
+        v = b["verdict"]
+        out.append(f"| NELSSA {100 * b['budget']:g}% | {_f(100 * b['accuracy'])} | {v['lost']} / {v['gained']} | "
+                   f"{'not worse' if v['ok'] else 'worse'} | {_f(b['tok_s'], 0)} |")
+    return out + ["", _img(os.path.join(rel, "accuracy_vs_budget.png"), "accuracy vs budget"), ""]
+
+
 def render(folder: str) -> str:
     parts = [f"# NELSSA benchmark report: `{os.path.basename(os.path.abspath(folder))}`", ""]
     dirs = [folder] + sorted(os.path.join(folder, x) for x in os.listdir(folder)
@@ -96,7 +108,8 @@ def render(folder: str) -> str:
     for d in dirs:
         rel = os.path.relpath(d, folder)
         rel = "" if rel == "." else rel
-        for name, fn in (("summary.json", workload_md), ("calibration.json", calibration_md), ("hol.json", hol_md)):
+        for name, fn in (("summary.json", workload_md), ("calibration.json", calibration_md), ("hol.json", hol_md),
+                         ("accuracy.json", accuracy_md)):
             p = os.path.join(d, name)
             if os.path.exists(p):
                 with open(p) as f:

@@ -8,7 +8,8 @@ has per-request ``input_length`` / ``output_length`` and coarse 3-second timesta
   ``max_input / trace_max_input`` (``max_input`` = the model's context minus the largest scaled
   output), so a request that was 20% of the trace's longest prompt is 20% of the longest prompt the
   model takes; outputs likewise by ``max_output / trace_max_output``. Lengths are rounded and
-  clamped to >= 1 (a ``min_input`` floor keeps prompts non-trivial). The relative shape of the
+  clamped to a floor (``min_input``, ``min_output``: prompts stay non-trivial and every request has a
+  few decode steps to time, whatever the compression of a small model's context). The relative shape of the
   distribution — and which requests are long relative to the others — is kept; absolute lengths are
   not (on a 3K-context CPU model the trace's 126K-token maximum becomes ~3K).
 * **Long / short.** A scaled request is *long* when its input is >= ``T_input`` (the routing
@@ -62,9 +63,11 @@ class Scaling:
     max_input: int
     max_output: int
     min_input: int
+    min_output: int
 
 
-def scale_trace(rows: list[dict], max_model_len: int, max_output: int, min_input: int = 16) -> tuple[list[dict], Scaling]:
+def scale_trace(rows: list[dict], max_model_len: int, max_output: int, min_input: int = 16,
+                min_output: int = 1) -> tuple[list[dict], Scaling]:
     """Scale lengths keeping each request's share of the trace's maximum (module docstring)."""
     if max_output < 1 or max_model_len <= max_output:
         raise ValueError(f"need 1 <= max_output < max_model_len, got {max_output}, {max_model_len}")
@@ -73,8 +76,8 @@ def scale_trace(rows: list[dict], max_model_len: int, max_output: int, min_input
     max_input = max_model_len - max_output
     fi, fo = max_input / tmi, max_output / tmo
     out = [{"input": min(max_input, max(min_input, round(r["input"] * fi))),
-            "output": min(max_output, max(1, round(r["output"] * fo)))} for r in rows]
-    return out, Scaling(fi, fo, tmi, tmo, max_input, max_output, min_input)
+            "output": min(max_output, max(min_output, round(r["output"] * fo)))} for r in rows]
+    return out, Scaling(fi, fo, tmi, tmo, max_input, max_output, min_input, min_output)
 
 
 def poisson_times(rate: float, n: int | None = None, duration: float | None = None, seed: int = 0,

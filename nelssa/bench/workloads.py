@@ -50,7 +50,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_model_len": 3200,
         "single-long": {"n_in": 2600, "n_out": 32},
         "multi-long": {"n": 2, "n_in": 2600, "n_out": 32},
-        "mixed": {"rates": [1.0], "long_fractions": [0.2], "n": 10, "max_output": 32},
+        "mixed": {"rates": [1.0], "long_fractions": [0.2], "n": 10, "max_output": 32, "min_output": 8},
         "growth": {"n": 3, "n_in": 400, "rate": 0.0, "T_input": 1024},
     },
     # H200, Llama-3.1-8B-shaped dummy weights, KV ~187K tokens (as nelssa bench hol)
@@ -63,7 +63,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_model_len": 131072,
         "single-long": {"n_in": 100_000, "n_out": 256},
         "multi-long": {"n": 4, "n_in": 100_000, "n_out": 256},
-        "mixed": {"rates": [2.0, 4.0, 8.0], "long_fractions": [None, 0.1], "n": 200, "max_output": 2000},
+        "mixed": {"rates": [2.0, 4.0, 8.0], "long_fractions": [None, 0.1], "n": 200, "max_output": 2000,
+                  "min_output": 1},
         "growth": {"n": 16, "n_in": 4096, "rate": 1.0, "T_input": 8192},
     },
 }
@@ -83,7 +84,7 @@ def plans(workload: str, p: dict, t_input: int, trace_path: str | None = None, s
         return [("growth", tr.growth_plan(w["n"], w["n_in"], w.get("rate") or None, w["T_input"], seed))], \
             {"growth_T_input": w["T_input"]}
     rows = tr.load_trace(trace_path)
-    scaled, sc = tr.scale_trace(rows, p["max_model_len"], w["max_output"])
+    scaled, sc = tr.scale_trace(rows, p["max_model_len"], w["max_output"], min_output=w.get("min_output", 1))
     pts = []
     for f in w["long_fractions"]:
         for rate in w["rates"]:
