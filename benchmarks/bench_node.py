@@ -108,6 +108,28 @@ def _store_loop(port: int, stop: threading.Event, tokens: int, layers: int, H: i
     ch.close()
 
 
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+
+
+def _fuzz(tier: NodeHostTier, pid: int, rids: list[str], q: torch.Tensor, budget: float, scale: float, n: int,
+          nd: int, plane: str) -> dict:
+    """``n`` malformed jobs: every one must get an error status; then a valid job must still match."""
+    from nelssa.node.fuzz import bad_jobs
+    ckvs = [tier.layer_kv(r, 0) for r in rids]
+    sel = select_clusters(q, ckvs, budget, scale)
+    good = encode_job(1, tier.client_id, 0, scale, q, rids, [c.length for c in ckvs], list(sel.ids), list(sel.counts))
+    want = tier._plane.run(good, 30.0)
+    before, t0, accepted = _rss(pid), time.perf_counter(), 0
+    for j in bad_jobs(good, n, seed=nd, num_layers=1):
+        accepted += tier._plane.run(j, 30.0).code == 0
+    after = tier._plane.run(good, 30.0)
+    return {"devices": nd, "plane": plane, "job": "fuzz", "n": n, "accepted": accepted,
+            "still_serving_same_result": after.code == 0 and after.out == want.out,
+            "rss_before_mb": before / 2**20, "rss_after_mb": _rss(pid) / 2**20, "s": time.perf_counter() - t0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", default="1,2")
@@ -122,6 +144,8 @@ def main() -> None:
     ap.add_argument("--store-tokens", type=int, default=100_000, help="concurrent store (0: skip isolation)")
     ap.add_argument("--store-layers", type=int, default=2)
     ap.add_argument("--device-memory", default="4GiB")
+    ap.add_argument("--fuzz", type=int, default=0,
+                    help="also send this many malformed jobs per plane (nelssa.node.fuzz) and check the node's RSS")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
@@ -166,6 +190,9 @@ def main() -> None:
                             "store_tokens": a.store_tokens, "store_layers": a.store_layers}
                     report["cases"].append(case)
                     print(json.dumps(case), flush=True)
+                if a.fuzz:
+                    report["cases"].append(_fuzz(tier, proc.pid, rids, q, a.budget, scale, a.fuzz, nd, plane))
+                    print(json.dumps(report["cases"][-1]), flush=True)
                 tier.close()
         finally:
             proc.terminate()
