@@ -59,6 +59,11 @@ def engine_command(role: str, port: int, *, model: str, nelssa: dict | None, cud
                 "--worker-cls", WORKER_GPU if cuda else WORKER_CPU, "--scheduler-cls", SCHEDULER]
         if cuda:
             env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the plugin's runner hooks are on the V1 runner
+    elif nelssa is not None:
+        # D's NELSSA connector does not support the hybrid KV-cache manager, so vLLM turns it off there;
+        # NixlConnector's handshake hashes that setting (nixl/metadata.py compute_nixl_compatibility_hash,
+        # "is_hma_enabled") and refuses a P that differs. One attention group: no behaviour change on P.
+        cmd += ["--disable-hybrid-kv-cache-manager"]
     cmd += ["--kv-transfer-config", json.dumps(kv)]
     return cmd + extra, env
 
