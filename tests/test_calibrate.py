@@ -91,3 +91,9 @@ def test_tiny_real_calibration_run(tmp_path, capsys):
     assert {r["L"] for r in doc["measurements"]["dense"]} == {512, 1024, 2048, 4096}
     assert len(doc["measurements"]["host"]) == 4
     assert "T_input" in capsys.readouterr().out
+    # --refit: the same measurements fit again give the same model, at another (N, batch) if asked
+    out2 = tmp_path / "refit"
+    assert cal.main(["--refit", str(out / "calibration.json"), "--out", str(out2)]) == 0
+    again = json.loads((out2 / "calibration.json").read_text())
+    assert again["model"] == pytest.approx(doc["model"]) and again["T_input"] == doc["T_input"]
+    assert os.path.getsize(out2 / "calibration.png") > 10_000

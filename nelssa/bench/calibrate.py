@@ -190,7 +190,12 @@ def calibration_doc(model: LatencyModel, Ns: list[int], batches: list[int], N: i
            "derived": {"bw_dev_GBps": model.bw_dev / 1e9, "bw_host_per_device_GBps": model.bw_host / 1e9,
                        "t_comm_us": {str(n): 1e6 * model.t_comm(n) for n in Ns},
                        "paper_condition_holds": {str(n): model.S / (n * model.bw_host) <
-                                                 (model.C - 1) / (model.C * model.bw_dev) for n in Ns}}}
+                                                 (model.C - 1) / (model.C * model.bw_dev) for n in Ns},
+                       # what the condition asks of the host tier: N * BW_host > S * BW_dev * C / (C - 1)
+                       # (none: C <= 1, the centroid search alone costs more per token than dense attention)
+                       "host_bw_needed_total_GBps": (model.S * model.bw_dev * model.C / (model.C - 1) / 1e9
+                                                     if model.C > 1 else None),
+                       "host_bw_total_GBps": {str(n): n * model.bw_host / 1e9 for n in Ns}}}
     if measurements is not None:
         doc["measurements"] = measurements
     doc.update(extra)
@@ -230,7 +235,9 @@ def _timer(dev, fn, reps: int, warm: int = 2) -> list[float]:
 
 
 def _dense_fn(dev):
-    """(name, fn(q [B, Hq, D], k [B, L, H, D], v) -> out) of the device's dense decode attention."""
+    """(name, fn(q [B, Hq, D], k, v) -> out, layout) of the device's dense decode attention; ``layout``
+    "BLHD": k/v contiguous [B, L, H, D] (vLLM's FlashAttention decode kernel, where it imports);
+    "BHLD": k/v contiguous [B, H, L, D] (torch)."""
     import torch
     if dev.type == "cuda":
         try:
@@ -238,24 +245,21 @@ def _dense_fn(dev):
 
             def fa(q, k, v):
                 return flash_attn_with_kvcache(q.unsqueeze(1), k, v, causal=True)
-            return "vllm_flash_attn.flash_attn_with_kvcache", fa
+            return "vllm_flash_attn.flash_attn_with_kvcache", fa, "BLHD"
         except Exception:  # noqa: BLE001 - fall back to torch's kernel
             pass
 
         def sdpa(q, k, v):
-            return torch.nn.functional.scaled_dot_product_attention(
-                q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
-        return "torch.sdpa", sdpa
+            return torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True)
+        return "torch.sdpa (enable_gqa)", sdpa, "BHLD"
 
     def gqa(q, k, v):
-        """One pass over K and one over V per KV head (GQA group as the GEMM's rows): torch's CPU SDPA
+        """One pass over K and one over V per KV head (the GQA group as the GEMM's rows): torch's CPU SDPA
         with enable_gqa expands K/V per query head (4x the bytes) and ran at < 1 GB/s here."""
-        B, L, H, D = k.shape
-        kk, vv = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
-        qq = q.view(B, H, -1, D)
-        s = torch.matmul(qq, kk.transpose(-1, -2)) * D ** -0.5
-        return torch.matmul(torch.softmax(s.float(), -1).to(v.dtype), vv)
-    return "torch GQA matmul (CPU)", gqa
+        B, H, L, D = k.shape
+        s = torch.matmul(q.view(B, H, -1, D), k.transpose(-1, -2)) * D ** -0.5
+        return torch.matmul(torch.softmax(s.float(), -1).to(v.dtype), v)
+    return "torch GQA matmul (CPU)", gqa, "BHLD"
 
 
 class _Progress:
@@ -294,7 +298,7 @@ def measure(contexts: list[int], batches: list[int], devices: list[int], *, shap
     m_kv = 2 * H * D * esz
     gen = torch.Generator().manual_seed(0)
     allow = mem_frac * mem_available()
-    dense_name, dense = _dense_fn(dev)
+    dense_name, dense, layout = _dense_fn(dev)
     cases = [(L, B) for L in contexts for B in batches]
     prog = _Progress(len(cases) * (2 + len(devices)))
     rows: dict[str, list] = {"dense": [], "search": [], "host": [], "xfer": []}
@@ -309,10 +313,9 @@ def measure(contexts: list[int], batches: list[int], devices: list[int], *, shap
             continue
         layers = max(1, min(8, int(target_bytes // req) + 1, int(allow // (2 * req))))
         # dense: KV [B, L, H, D] per rotated layer
-        def kv():  # [B, L, H, D]; on CPU a view of head-major storage (contiguous rows per KV head)
-            if dev.type == "cuda":
-                return torch.randn(B, L, H, D, generator=gen).to(dtype).to(dev)
-            return torch.randn(B, H, L, D, generator=gen).to(dtype).permute(0, 2, 1, 3)
+        def kv():
+            shape = (B, L, H, D) if layout == "BLHD" else (B, H, L, D)
+            return torch.randn(shape, generator=gen).to(dtype).to(dev)
         ks = [kv() for _ in range(layers)]
         vs = [kv() for _ in range(layers)]
         qd = torch.randn(B, Hq, D, generator=gen).to(dtype).to(dev)
@@ -432,9 +435,40 @@ def describe(doc: dict) -> str:
     for n, per_b in doc["crossover_tokens"].items():
         lines.append(f"L*(N={n}): " + ", ".join(f"batch {b}: {'never' if v is None else f'{v:,.0f}'}"
                                                  for b, v in per_b.items()))
+    d = doc.get("derived", {})
+    if "host_bw_needed_total_GBps" in d:
+        need = d["host_bw_needed_total_GBps"]
+        lines.append("host path can win only if N x BW_host > S x BW_dev x C/(C-1) = " +
+                     (f"{need:.1f} GB/s" if need is not None else "impossible (C <= 1: the centroid search alone "
+                      "costs more per token than dense attention)") + "; measured N x BW_host: " +
+                     ", ".join(f"N={n}: {v:.1f}" for n, v in d["host_bw_total_GBps"].items()))
     at = doc["T_input_at"]
     lines.append(f"T_input = {doc['T_input']} (N={at['N']}, batch {at['batch']})")
     return "\n".join(lines)
+
+
+def _refit(a, argv) -> int:
+    with open(a.refit) as f:
+        old = json.load(f)
+    meas = old["measurements"]
+    Ns = sorted({r["N"] for r in meas["host"]})
+    batches = sorted({r["B"] for r in meas["dense"]})
+    notes: list[str] = []
+    model = fit(meas["meta"]["M_kv_bytes"], meas["dense"], meas["search"], meas["host"], meas["xfer"],
+                meas["selected"], notes)
+    N = a.N or max(Ns)
+    B = a.batch if a.batch in batches else batches[0]
+    keep = {k: old[k] for k in ("shape_name", "machine", "command", "time", "wall_s") if k in old}
+    doc = calibration_doc(model, Ns, batches, N, B, meas, fit_notes=notes, refit_of=os.path.abspath(a.refit), **keep)
+    out = a.out or os.path.dirname(os.path.abspath(a.refit))
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "calibration.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    m = doc.get("machine", {})
+    plot(model, meas, Ns, os.path.join(out, "calibration.png"), B,
+         f"{doc.get('shape_name', '')} layer, {meas['meta']['dtype']}, device {m.get('device')}, host {m.get('cpu')}")
+    print(describe(doc))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -453,7 +487,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--N", type=int, default=None, help="device count T_input is chosen at (default: largest)")
     ap.add_argument("--batch", type=int, default=1, help="batch T_input is chosen at")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke run, seconds)")
+    ap.add_argument("--refit", default=None, metavar="JSON",
+                    help="no measuring: fit an existing calibration's measurements again (e.g. another --N/--batch), "
+                         "write the JSON and plot to --out")
     a = ap.parse_args(argv)
+    if a.refit:
+        return _refit(a, argv)
     import torch
     cuda = torch.cuda.is_available()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
