@@ -420,3 +420,61 @@ def test_least_loaded_and_dead_instance_skipped():
         assert [len(f.seen) for f in s.D] == [3, 6]
     finally:
         s.close()
+
+
+# ------------------------------------------------------------------ launcher helpers (no engine started)
+def test_engine_commands():
+    import json as _json
+
+    from nelssa.proxy.pd import engine_command
+
+    def kv(cmd):
+        return _json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+
+    p, penv = engine_command("prefill", 8100, model="m", nelssa={}, cuda=False, extra=["--dtype", "float32"])
+    d, denv = engine_command("decode", 8200, model="m", nelssa={"T_input": 512}, cuda=False,
+                             extra=["--dtype", "float32", "--enforce-eager"])
+    assert p[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--additional-config" not in p
+    assert kv(p) == {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
+    assert "--disable-hybrid-kv-cache-manager" in p  # NIXL's handshake hash must match D's
+    assert d[1:3] == ["-m", "nelssa.proxy.engine"] and d[-2:] == ["float32", "--enforce-eager"]
+    assert d.count("--dtype") == 1
+    k = kv(d)
+    assert k["kv_connector"] == "MultiConnector" and k["kv_role"] == "kv_consumer"
+    names = [c["kv_connector"] for c in k["kv_connector_extra_config"]["connectors"]]
+    assert names == ["NixlConnector", "NelssaConnector"]  # NIXL first: it loads the remote KV
+    assert _json.loads(d[d.index("--additional-config") + 1]) == {"nelssa": {"T_input": 512}}
+    assert d[d.index("--worker-cls") + 1].endswith("NelssaCPUWorker") and penv == denv == {}
+    # stock baseline: NixlConnector alone on both, nothing of NELSSA
+    for role in ("prefill", "decode"):
+        c, _ = engine_command(role, 1, model="m", nelssa=None, cuda=False, extra=["--dtype", "float32"])
+        assert kv(c)["kv_connector"] == "NixlConnector" and "--disable-hybrid-kv-cache-manager" not in c
+        assert "--worker-cls" not in c and c[2] == "vllm.entrypoints.openai.api_server"
+    g, genv = engine_command("decode", 1, model="m", nelssa={}, cuda=True, extra=[])
+    assert kv(g)["kv_connector_extra_config"]["connectors"][0]["kv_buffer_device"] == "cuda"
+    assert genv == {"VLLM_USE_V2_MODEL_RUNNER": "0"} and "--dtype" not in g
+    with pytest.raises(ValueError, match="budget"):
+        engine_command("decode", 1, model="m", nelssa={"budget": 2}, cuda=False, extra=[])
+
+
+def test_listening_ports():
+    from nelssa.proxy.pd import listening
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert listening([port, _free_port()]) == [port]
+    assert listening([port]) == []
+
+
+def test_connector_name_registered_for_multiconnector_stats():
+    """D's API process rebuilds MultiConnector child stats by class name; unregistered, it crashed."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    from nelssa.proxy.engine import register_connector
+    from nelssa.vllm_plugin.connector import NelssaStats
+    register_connector()
+    register_connector()  # idempotent
+    stats = MultiConnector.build_kv_connector_stats({"NelssaConnector": {"data": {"long_requests": 1}}})
+    assert isinstance(stats["NelssaConnector"], NelssaStats)
+    assert stats["NelssaConnector"].data == {"long_requests": 1}

@@ -1,0 +1,147 @@
+"""End to end on CPU: run_pd_with_nelssa.sh starts P, D and the proxy (real processes, SmolLM2, fp32,
+NIXL over DRAM); short and long requests through the proxy with the official openai client (one
+streamed); answers equal stock vLLM's (P asked directly, budget 1.0); usage right; D moved the long
+request's KV to its host tier; KV came over NIXL; a malformed body is a 400 and the stack keeps
+serving; `stop` leaves no process and no listening port."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.engine, pytest.mark.model]
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _metric_sum(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        m = re.match(r"([^{ ]+)(\{[^}]*\})? (\S+)", line)
+        if m and m.group(1) == name and all(f'{k}="{v}"' in (m.group(2) or "") for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+def _listening(ports: list[int]) -> list[int]:
+    out = subprocess.run([sys.executable, "-m", "nelssa.proxy.pd", "listening", *map(str, ports)],
+                         cwd=REPO, capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def test_pd_stack_end_to_end(tmp_path):
+    from nelssa.models import prepare_smollm2
+    model = str(prepare_smollm2())
+    pp, dp, xp, pn, dn = _free_ports(5)
+    ports = [pp, dp, xp, pn, dn]
+    log_dir = tmp_path / "logs"
+    env = {**os.environ, "NELSSA_PYTHON": sys.executable, "MODEL": model, "LOG_DIR": str(log_dir),
+           "PREFILL_PORT": str(pp), "DECODE_PORT": str(dp), "PROXY_PORT": str(xp),
+           "PREFILL_NIXL_PORT": str(pn), "DECODE_NIXL_PORT": str(dn),
+           "NELSSA_T_INPUT": "512", "NELSSA_BUDGET": "1.0", "NELSSA_HANDOFF_LAG": "0", "NELSSA_ENGINE": "local",
+           "VLLM_EXTRA_ARGS": "--dtype float32 --enforce-eager --max-model-len 1024 --max-num-seqs 8",
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("NELSSA_OFF", None)
+    t0 = time.monotonic()
+    launcher = subprocess.Popen(["bash", str(REPO / "run_pd_with_nelssa.sh")], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read():
+        for line in launcher.stdout:
+            lines.append(line)
+            if "] ready:" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    groups: list[int] = []
+    try:
+        while not ready.wait(1.0):
+            if launcher.poll() is not None or time.monotonic() - t0 > 480:
+                logs = "".join(f"\n== {f}\n" + f.read_text()[-3000:] for f in sorted(log_dir.glob("*.log")))
+                pytest.fail("the stack did not become ready:\n" + "".join(lines) + logs)
+        started = time.monotonic() - t0
+        groups = [int(line.split()[1]) for line in (log_dir / "pids").read_text().splitlines()]
+        assert [line.split()[0] for line in (log_dir / "pids").read_text().splitlines()] == \
+            ["prefill", "decode", "proxy"]
+        proxy = f"http://127.0.0.1:{xp}"
+        client = openai.OpenAI(base_url=proxy + "/v1", api_key="none", max_retries=0, timeout=180)
+        stock = openai.OpenAI(base_url=f"http://127.0.0.1:{pp}/v1", api_key="none", max_retries=0, timeout=180)
+        assert client.models.list().data[0].id == model
+
+        # short completion (not streamed) through P/D == stock vLLM on P alone
+        kw = dict(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+        short = client.completions.create(**kw)
+        ref = stock.completions.create(**kw)
+        assert short.choices[0].text == ref.choices[0].text and short.choices[0].text.strip()
+        assert (short.usage.prompt_tokens, short.usage.completion_tokens) == (ref.usage.prompt_tokens, 8)
+
+        # long chat (streamed, usage asked for) through P/D; D decodes it from its host tier
+        story = " ".join(f"Item {i} is a {c} box." for i, c in zip(range(70), ["red", "blue", "green"] * 30))
+        msgs = [{"role": "user", "content": story + " What color is item 4?"}]
+        s = client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+        parts, usage = [], None
+        for ch in s:
+            if ch.choices:
+                parts.append(ch.choices[0].delta.content or "")
+            if ch.usage is not None:
+                usage = ch.usage
+        ref = stock.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0)
+        assert "".join(parts) == ref.choices[0].message.content and "".join(parts).strip()
+        assert usage is not None and usage.prompt_tokens == ref.usage.prompt_tokens >= 512
+        assert usage.completion_tokens == ref.usage.completion_tokens
+
+        # a malformed body is a 400 with a reason; the stack keeps serving
+        r = httpx.post(proxy + "/v1/completions", content=b"{oops", headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+        again = client.completions.create(**kw)
+        assert again.choices[0].text == short.choices[0].text
+
+        pm = httpx.get(proxy + "/metrics").text
+        assert _metric_sum(pm, "nelssa_proxy_requests_total", route="short", status="200") == 2
+        assert _metric_sum(pm, "nelssa_proxy_requests_total", route="long", status="200") == 1
+        assert _metric_sum(pm, "nelssa_proxy_requests_total", route="none", status="400") == 1
+        assert _metric_sum(pm, "nelssa_proxy_prompt_token_mismatch_total") == 0
+        dm = httpx.get(f"http://127.0.0.1:{dp}/metrics").text
+        assert _metric_sum(dm, "nelssa:long_requests_total") == 1, "D did not move the long request to the host tier"
+        assert _metric_sum(dm, "nelssa:moved_tokens_total") >= 512 - 64 - 16 - 128
+        assert _metric_sum(dm, "vllm:nixl_bytes_transferred_sum") > 0, "no KV came over NIXL"
+        served = time.monotonic() - t0 - started
+    finally:
+        stop = subprocess.run(["bash", str(REPO / "run_pd_with_nelssa.sh"), "stop"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+        try:
+            launcher.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert launcher.returncode == 0, "".join(lines)
+    for g in groups:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(g, 0)
+    assert _listening(ports) == []
+    print(f"stack ready in {started:.0f} s, requests {served:.0f} s, stopped in {time.monotonic() - t0 - started - served:.0f} s")
