@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
                                       "workloads single-long, multi-long, mixed, growth (nelssa.bench.workloads); "
                                       "accuracy (needles at several budgets, dense vs NELSSA); report DIR "
                                       "(Markdown summary of a results folder)")
-    bh.add_argument("name", choices=["hol", "single-long", "multi-long", "mixed", "growth", "accuracy", "report"])
+    bh.add_argument("name", choices=["hol", "hol-http", "single-long", "multi-long", "mixed", "growth", "accuracy",
+                                     "report"])
     bh.add_argument("args", nargs=argparse.REMAINDER)
     ca = sub.add_parser("calibrate", add_help=False,
                         help="measure the paper's latency model here, fit it, solve T_input (nelssa.bench.calibrate)")

@@ -8,6 +8,8 @@
   fraction), short-request TPOT p50/p95/p99 apart from long ones, decode tok/s, running batch, KV
   usage, waiting queue and preemptions over time from ``/metrics`` (paper Fig. 14-16).
 * ``growth``: input:output 1:2, contexts that start below T_input and pass it while decoding (§8.4).
+* ``hol-http``: ``nelssa bench hol``'s scenario (its arrivals, ``nelssa.bench.hol.Scenario`` fields under
+  ``hol-http``) sent to the endpoint instead of an in-process AsyncLLM, so it runs through the proxy too.
 
 Modes: ``--serve on,off`` starts ``nelssa serve`` per mode (NELSSA with the preset's config, then stock
 vLLM under NELSSA_OFF=1), one after the other, each on a free port, and stops it after its run;
@@ -35,7 +37,7 @@ from typing import Any
 from nelssa.bench import trace as tr
 from nelssa.bench.common import pct, prompt_ids, ratio
 
-WORKLOADS = ("single-long", "multi-long", "mixed", "growth")
+WORKLOADS = ("single-long", "multi-long", "mixed", "growth", "hol-http")
 
 # Per preset: the server (both modes alike; "nelssa" is the on-mode config) and each workload's size.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -52,6 +54,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "multi-long": {"n": 2, "n_in": 2600, "n_out": 32},
         "mixed": {"rates": [1.0], "long_fractions": [0.2], "n": 10, "max_output": 32, "min_output": 8},
         "growth": {"n": 3, "n_in": 400, "rate": 0.0, "T_input": 1024},
+        "hol-http": {"rate": 1.5, "duration": 10.0, "short_in": 96, "short_out": 12, "long_at": 3.0, "n_long": 1,
+                     "long_len": 2600, "long_out": 24},
     },
     # H200, Llama-3.1-8B-shaped dummy weights, KV ~187K tokens (as nelssa bench hol)
     "h200": {
@@ -66,6 +70,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "mixed": {"rates": [2.0, 4.0, 8.0], "long_fractions": [None, 0.1], "n": 200, "max_output": 2000,
                   "min_output": 1},
         "growth": {"n": 16, "n_in": 4096, "rate": 1.0, "T_input": 8192},
+        "hol-http": {},  # nelssa bench hol's H200 defaults
     },
 }
 
@@ -83,6 +88,9 @@ def plans(workload: str, p: dict, t_input: int, trace_path: str | None = None, s
     if workload == "growth":
         return [("growth", tr.growth_plan(w["n"], w["n_in"], w.get("rate") or None, w["T_input"], seed))], \
             {"growth_T_input": w["T_input"]}
+    if workload == "hol-http":
+        from nelssa.bench.hol import Scenario, _arrivals
+        return [("hol", _arrivals(Scenario(**{**w, "seed": seed})))], {"hol_scenario": w}
     rows = tr.load_trace(trace_path)
     scaled, sc = tr.scale_trace(rows, p["max_model_len"], w["max_output"], min_output=w.get("min_output", 1))
     pts = []
