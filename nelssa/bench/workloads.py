@@ -303,7 +303,8 @@ def _model_path(name: str) -> str:
 
 def run(workload: str, preset: dict, out: str, serve: list[str] | None = None,
         endpoints: dict[str, str] | None = None, model: str | None = None, trace_path: str | None = None,
-        seed: int = 0, start_timeout: float = 900.0, interval: float = 0.5) -> dict:
+        seed: int = 0, start_timeout: float = 900.0, interval: float = 0.5,
+        metrics: dict[str, list[str]] | None = None) -> dict:
     """Run one workload for every mode (starting servers or against endpoints); write the results."""
     os.makedirs(out, exist_ok=True)
     t_input = int(preset["nelssa"].get("T_input", 2048))
@@ -323,9 +324,11 @@ def run(workload: str, preset: dict, out: str, serve: list[str] | None = None,
                 from nelssa.bench.serving import Server, free_port
                 with Server(mode, model_path, preset["nelssa"], preset["server"], free_port(),
                             os.path.join(out, f"server_{mode}.log"), start_timeout) as srv:
-                    runs[mode], tok = _drive(srv.url, workload, points, preset, tok, model_path, interval)
+                    runs[mode], tok = _drive(srv.url, workload, points, preset, tok, model_path, interval,
+                                             (metrics or {}).get(mode))
             else:
-                runs[mode], tok = _drive(endpoints[mode], workload, points, preset, tok, model_path, interval)
+                runs[mode], tok = _drive(endpoints[mode], workload, points, preset, tok, model_path, interval,
+                                         (metrics or {}).get(mode))
         except Exception as e:  # noqa: BLE001 - the other modes still run; the invocation fails at the end
             failed[mode] = f"{type(e).__name__}: {e}"[-3000:]
             print(f"[bench] mode {mode} failed after {time.time() - t:.0f} s: {failed[mode]}", file=sys.stderr,
@@ -340,7 +343,8 @@ def run(workload: str, preset: dict, out: str, serve: list[str] | None = None,
                 f.write(json.dumps(s) + "\n")
     meta = {"workload": workload, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "preset": preset, "T_input": t_input, "points": {n: tr.shares(p) for n, p in points},
-            "endpoints": endpoints or {}, "served_modes": serve or [], "failed_modes": failed,
+            "endpoints": endpoints or {}, "metrics_urls": metrics or {}, "served_modes": serve or [],
+            "failed_modes": failed,
             "model": model_path, "notes": notes, "command": " ".join(sys.argv),
             "wall_s": {m: r.get("wall_s") for m, r in runs.items()}}
     summ = summarise(runs, meta)
@@ -350,7 +354,8 @@ def run(workload: str, preset: dict, out: str, serve: list[str] | None = None,
     return summ
 
 
-def _drive(url: str, workload: str, points, preset, tok, model_path, interval) -> tuple[dict, Any]:
+def _drive(url: str, workload: str, points, preset, tok, model_path, interval,
+           metrics_urls: list[str] | None = None) -> tuple[dict, Any]:
     from nelssa.bench.serving import endpoint_model, replay
     mid, root = endpoint_model(url)
     if tok is None:
@@ -360,7 +365,8 @@ def _drive(url: str, workload: str, points, preset, tok, model_path, interval) -
         for r in plan:
             prompts[r["id"]] = prompt_ids(tok, r["n_in"], k, preset.get("prompts", "random"))
             k += 1
-    res = asyncio.run(replay(url, mid, points, prompts, interval=interval, label=f"{workload}:{url.split(':')[-1]}"))
+    res = asyncio.run(replay(url, mid, points, prompts, metrics_urls, interval=interval,
+                             label=f"{workload}:{url.split(':')[-1]}"))
     return res, tok
 
 
@@ -410,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve", default=None, help="start `nelssa serve` per mode, e.g. on,off (default when no "
                                                    "--endpoints)")
     ap.add_argument("--endpoints", default=None, help="existing servers/proxies: on=http://host:8000,off=http://...")
+    ap.add_argument("--metrics", default=None, help="/metrics URLs per mode when not the endpoint's own (e.g. the "
+                                                     "decode instance behind a proxy): on=URL[+URL],off=URL")
     ap.add_argument("--model", default=None, help="model path (default: the preset's)")
     ap.add_argument("--trace", default=None, help="Mooncake-format JSONL (default ../shared/data/mooncake/"
                                                    "conversation_trace.jsonl or NELSSA_TRACE)")
@@ -429,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     if serve and any(m not in ("on", "off") for m in serve):
         ap.error(f"--serve modes are on and off, got {serve}")
     out = a.out or os.path.join("results", time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + f"-{a.workload}")
-    summ = run(a.workload, preset, out, serve, endpoints, a.model, a.trace, a.seed, a.start_timeout, a.interval)
+    metrics = {k: v.split("+") for k, v in (x.split("=", 1) for x in a.metrics.split(","))} if a.metrics else None
+    summ = run(a.workload, preset, out, serve, endpoints, a.model, a.trace, a.seed, a.start_timeout, a.interval,
+               metrics)
     print(_table(summ))
     print(f"[bench] wrote {out}/summary.json, requests_<mode>.jsonl, metrics_<mode>.jsonl, {', '.join(summ['plots'])}"
           f"; `nelssa bench report {out}` renders report.md", file=sys.stderr)
