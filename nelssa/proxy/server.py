@@ -44,6 +44,10 @@ class ProxyError(Exception):
         self.status, self.message, self.type, self.param = status, message, type_, param
 
 
+class _ClientGone(Exception):
+    """The client closed the connection while its answer was streamed."""
+
+
 class UpstreamStatus(Exception):
     """An upstream answered with an error status: passed to the client as is."""
 
@@ -250,7 +254,7 @@ class Proxy:
             raise ProxyError(400, "kv_transfer_params is set by the proxy, not by clients", param="kv_transfer_params")
         if not isinstance(body.get("stream", False), bool):
             raise ProxyError(400, "'stream' must be a boolean", param="stream")
-        if body.get("n", 1) != 1 or body.get("best_of", 1) not in (1, None):
+        if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
             raise ProxyError(400, "only n=1 (and best_of=1) is supported through the P/D proxy", param="n")
         key = "max_completion_tokens" if endpoint == "chat" and body.get("max_completion_tokens") is not None \
             else "max_tokens"
@@ -303,11 +307,14 @@ class Proxy:
         except UpstreamStatus as e:
             status = e.status
             resp = web.Response(status=e.status, body=e.body, headers={**hdrs, "Content-Type": e.content_type})
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, _ClientGone) as e:
+            # the upstream responses were closed on the way out (vLLM aborts those requests)
             self.m.disconnects.labels(route).inc()
             self.m.requests.labels(route, endpoint, "499").inc()
             log.info("request %s (%s): client disconnected, upstream requests closed", rid, route)
-            raise
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise asyncio.CancelledError() from None  # nothing left to answer: end the handler like a cancel
         self.m.requests.labels(route, endpoint, str(status)).inc()
         if route != "none":
             self.m.latency.labels(route).observe(time.perf_counter() - t0)
@@ -440,6 +447,13 @@ class Proxy:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                           "X-Request-Id": rid})
         await out.prepare(request)
+
+        async def send(data: bytes) -> None:
+            try:
+                await out.write(data)
+            except ConnectionResetError:  # the client went away (aiohttp's reset error is also a ClientError)
+                raise _ClientGone() from None
+
         buf, first = b"", True
         try:
             async for chunk in r.content.iter_any():
@@ -451,14 +465,14 @@ class Proxy:
                         first = False
                         self.m.ttft.labels(dec.route).observe(time.perf_counter() - t0)
                     if keep:
-                        await out.write(ev + b"\n\n")
+                        await send(ev + b"\n\n")
             if buf.strip():
-                await out.write(buf)
+                await send(buf)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             err = self._upstream_failure("decode", u, e)
             log.error("request %s: stream broken: %s", rid, err.message)
             msg = {"error": {"message": err.message, "type": err.type, "param": None, "code": err.status}}
-            await out.write(b"data: " + json.dumps(msg).encode() + b"\n\n")
+            await send(b"data: " + json.dumps(msg).encode() + b"\n\n")
         await out.write_eof()
         return out
 
