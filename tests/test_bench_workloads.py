@@ -201,3 +201,99 @@ def test_accuracy_sweep_plot_and_report(tmp_path):
     md = render(str(tmp_path))
     assert "| NELSSA 2% | 50.0 | 1 / 0 | not worse | 750 |" in md and "| dense (NELSSA_OFF) | 75.0 |" in md
     assert "budget 10%: accuracy 75.0%" in acc.table(res)
+
+
+class _FakeTok:
+    vocab_size = 50_000
+
+
+def _fake_server():
+    """An OpenAI-compatible stand-in (aiohttp, own thread): streaming /v1/completions (one chunk per token,
+    2 ms apart), /v1/models, /health, /metrics (running gauge, a preemption counter)."""
+    import asyncio
+    import json as _json
+    import threading
+
+    from aiohttp import web
+
+    from nelssa.bench.serving import free_port
+    state = {"running": 0, "seen": []}
+
+    async def completions(req):
+        body = await req.json()
+        state["seen"].append(body)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(req)
+        state["running"] += 1
+        try:
+            for _ in range(body["max_tokens"]):
+                await asyncio.sleep(0.002)
+                await resp.write(b"data: " + _json.dumps({"choices": [{"index": 0, "text": "x"}]}).encode() + b"\n\n")
+            usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"], "prompt_tokens": len(body["prompt"])}}
+            await resp.write(b"data: " + _json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+        finally:
+            state["running"] -= 1
+        return resp
+
+    async def models(_):
+        return web.json_response({"data": [{"id": "fake", "root": "/nonexistent"}]})
+
+    async def metrics(_):
+        return web.Response(text=f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{engine=\"0\"}} "
+                                 f"{state['running']}.0\n# TYPE vllm:num_preemptions_total counter\n"
+                                 f"vllm:num_preemptions_total{{engine=\"0\"}} 2.0\n")
+
+    async def health(_):
+        return web.Response(text="")
+
+    app = web.Application()
+    app.add_routes([web.post("/v1/completions", completions), web.get("/v1/models", models),
+                    web.get("/metrics", metrics), web.get("/health", health)])
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        loop.run_forever()
+    threading.Thread(target=serve, daemon=True).start()
+    import time as _t
+    from nelssa.bench.serving import http_get
+    for _ in range(100):
+        try:
+            http_get(f"http://127.0.0.1:{port}/health")
+            break
+        except OSError:
+            _t.sleep(0.05)
+    return f"http://127.0.0.1:{port}", state, lambda: loop.call_soon_threadsafe(loop.stop)
+
+
+def test_replay_against_a_fake_endpoint(tmp_path, monkeypatch):
+    """The whole client side (vLLM's streaming request function, arrivals, /metrics sampling, summary,
+    plots) against a stand-in server, both modes given as endpoints: seconds, no engine."""
+    url, state, stop = _fake_server()
+    monkeypatch.setattr(wl, "_tokenizer", lambda path: _FakeTok())
+    try:
+        preset = wl._override(wl.PRESETS["cpu"], ["hol-http.duration=1.0", "hol-http.rate=6",
+                                                  "hol-http.long_at=0.2", "hol-http.long_len=300"])
+        s = wl.run("hol-http", preset, str(tmp_path), endpoints={"on": url, "off": url}, model=None, interval=0.05)
+    finally:
+        stop()
+    assert s["failed_modes"] == {}
+    body = state["seen"][-1]
+    assert body["ignore_eos"] is True and body["stream"] is True and isinstance(body["prompt"][0], int)
+    (name, plan), = wl.plans("hol-http", preset, 2048)[0]
+    sent = [b for b in state["seen"] if b["max_tokens"] != 2]                           # not the warm-ups
+    assert sorted(len(b["prompt"]) for b in sent) == sorted(2 * [r["n_in"] for r in plan])  # exact lengths
+    for mode in ("on", "off"):
+        st = s["modes"][mode][name]
+        assert st["classes"]["long"]["ok"] == 1 and st["classes"]["short"]["ok"] == len(plan) - 1
+        assert 1.0 < st["classes"]["short"]["tpot_ms_p50"] < 50.0
+        assert st["running_max"] >= 1 and st["preemptions"] == 0.0
+        recs = [json.loads(x) for x in (tmp_path / f"requests_{mode}.jsonl").read_text().splitlines()]
+        assert all(len(r["stamps"]) == r["n_out"] == r["output_tokens"] for r in recs)
+    assert s["ratios_on_over_off"][name]["decode_tok_s"] == pytest.approx(1.0, rel=0.5)
+    for f in ("summary.json", "throughput.png", "running.png", "short_tpot_cdf.png", "metrics_on.jsonl"):
+        assert (tmp_path / f).exists(), f
