@@ -297,3 +297,17 @@ def test_replay_against_a_fake_endpoint(tmp_path, monkeypatch):
     assert s["ratios_on_over_off"][name]["decode_tok_s"] == pytest.approx(1.0, rel=0.5)
     for f in ("summary.json", "throughput.png", "running.png", "short_tpot_cdf.png", "metrics_on.jsonl"):
         assert (tmp_path / f).exists(), f
+
+
+def test_sweep_plot_for_several_points(tmp_path):
+    runs = {}
+    for mode in ("on", "off"):
+        recs, pts = [], {}
+        for j, name in enumerate(("rate1-long0.2", "rate2-long0.2", "rate1-longtrace", "rate2-longtrace")):
+            recs += [{**r, "point": name, "id": f"{name}-{r['id']}"} for r in _runs()[mode]["requests"]]
+            pts[name] = [0.0, 7.0]
+        runs[mode] = {"requests": recs, "samples": _runs()[mode]["samples"], "points": pts}
+    s = wl.summarise(runs, {"workload": "mixed"})
+    assert set(s["ratios_on_over_off"]) == {"rate1-long0.2", "rate2-long0.2", "rate1-longtrace", "rate2-longtrace"}
+    assert "sweep.png" in wl.plot_all(runs, s, str(tmp_path))
+    assert os.path.getsize(tmp_path / "sweep.png") > 5_000
