@@ -7,8 +7,9 @@ Per layer of the model shape (default Llama-3.1-8B: 8 KV / 32 query heads, head_
   * T_dense(L, B): dense decode attention of B requests of L tokens (vLLM's FlashAttention decode
     kernel where it imports on CUDA, else torch SDPA), KV rotated over enough layers that it is not
     cache-resident;
-  * T_search(L, B): NELSSA's centroid search (``nelssa.sparse.select_clusters``, with the estimate of
-    the unselected clusters like the plugin) over L / cluster_size centroids on the device;
+  * T_search(L, B): NELSSA's centroid search (``nelssa.sparse.select_clusters`` called as the plugin
+    calls it: with the estimate of the unselected clusters, no sync on CUDA) over L / cluster_size
+    centroids on the device;
   * T_host(L, N, B): the host tier's fused sparse-attention kernel (``nelssa.sparse.attend``) over the
     selected clusters, N emulated devices = N x ``threads_per_device`` OpenMP threads of the pool;
   * T_xfer(B): queries and selected ids device -> host, outputs and LSE host -> device (pinned copies
@@ -343,7 +344,10 @@ def measure(contexts: list[int], batches: list[int], devices: list[int], *, shap
         qdev = [q.to(dev) for q in qs]
         if dev.type == "cpu":
             torch.set_num_threads(host_threads)
-        ts = _timer(dev, lambda i: select_clusters(qdev[i % n], ddata[i % hl], budget, estimate=cfg.estimate), reps)
+        # as the plugin calls it (attention.py): with the estimate, ids to pinned memory without a sync on
+        # CUDA (the timer synchronises after each call)
+        ts = _timer(dev, lambda i: select_clusters(qdev[i % n], ddata[i % hl], budget, estimate=cfg.estimate,
+                                                   no_sync=dev.type == "cuda"), reps)
         rows["search"].append({"L": L, "B": B, "t": statistics.median(ts), "clusters": data[0][0].num_clusters})
         prog.step(f"search L={L} B={B}: {1e3 * rows['search'][-1]['t']:.3f} ms")
         sels = [select_clusters(qs[i], data[i % hl], budget) for i in range(n)]
