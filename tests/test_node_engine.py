@@ -1,0 +1,33 @@
+"""One real vLLM engine (CPU, SmolLM2, fp32, budget 1.0) with the host tier on a nelssa-node
+subprocess over shared memory: its greedy tokens equal NELSSA_OFF's, and it leaves nothing on the node."""
+
+import pytest
+
+from harness_util import run_harness
+from test_node import Node
+
+pytestmark = pytest.mark.engine
+
+REQUESTS = [{"id": "long", "text_tokens": 2400, "max_tokens": 24},
+            {"id": "chat", "chat": "What is the capital of France?", "max_tokens": 24}]
+
+
+def test_engine_node_equals_nelssa_off():
+    node = Node("--devices", "2", "--device-memory", "2GiB")
+    try:
+        nelssa = {"T_input": 2048, "budget": 1.0, "chunk": 128, "segment": 1024, "engine": "node",
+                  "node_address": node.address, "node_transport": "shm"}
+        spec = {"nelssa": nelssa, "requests": REQUESTS, "max_model_len": 4096,
+                "engine": {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 1024}}
+        on = run_harness({**spec, "mode": "on"}, timeout=600)
+        s = node.stats()
+        off = run_harness({**spec, "mode": "off"}, timeout=600)
+        for rid in ("long", "chat"):
+            assert on["results"][rid]["token_ids"] == off["results"][rid]["token_ids"], rid
+            assert len(off["results"][rid]["token_ids"]) == 24
+        assert on["host_totals"]["long_requests"] == 1, on["host_totals"]   # the long one went to the node
+        assert s.jobs > 0 and s.job_errors == 0, s
+        assert on["final_host_bytes"] == 0 and on["host_requests"] == 0
+        assert s.requests == 0 and all(d.used_bytes == 0 for d in s.devices), s
+    finally:
+        node.stop()
