@@ -405,19 +405,17 @@ class NodeState:
         N = len(self.devices)
         C = sizes.shape[1]
         owner = (torch.arange(C) + base) % N
+        row_cluster = [torch.repeat_interleave(torch.arange(C), sizes[hh].long()) for hh in range(H)]  # per stored row
         out = []
         for d in range(N):
             mine = (owner == d).unsqueeze(0).expand(H, C)
             sz = torch.where(mine, sizes, torch.zeros_like(sizes))
             rows_h = sz.sum(1, dtype=torch.int64)
-            width = max(1, int(rows_h.max()))
-            kv = host_empty((H, width, 2, D), full.dtype)
+            kv = host_empty((H, max(1, int(rows_h.max())), 2, D), full.dtype)
+            for hh in range(H):  # rows of this device's clusters, in cluster order (a stable boolean gather)
+                if rows_h[hh]:
+                    kv[hh, :int(rows_h[hh])] = full[hh][owner[row_cluster[hh]] == d]
             new_start = torch.cumsum(sz, 1, dtype=torch.int64) - sz
-            for hh in range(H):
-                idx = torch.nonzero(mine[hh] & (sizes[hh] > 0)).flatten()
-                if idx.numel():
-                    runs = [full[hh, int(starts[hh, c]):int(starts[hh, c] + sizes[hh, c])] for c in idx.tolist()]
-                    kv[hh, :int(rows_h[hh])] = torch.cat(runs)
             out.append((n, kv, torch.where(mine, new_start, torch.zeros_like(new_start)).contiguous(), sz.contiguous()))
         # settle the reservation to the exact bytes of this layer (it was estimated evenly)
         exact = [int(o[1].nbytes) + table_bytes(H, C) for o in out]
