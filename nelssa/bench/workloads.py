@@ -131,7 +131,9 @@ def class_stats(recs: list[dict]) -> dict:
 
 
 def point_stats(recs: list[dict], samples: list[dict], span: list[float]) -> dict:
-    """One sweep point of one mode: per class and overall; decode tok/s over the point; /metrics."""
+    """One sweep point of one mode: per class and overall; decode tok/s = output tokens over the point's
+    window (first arrival to last token); /metrics over that window (running batch, waiting, KV usage,
+    preemptions, NELSSA counters)."""
     out: dict[str, Any] = {"classes": {}}
     for k in sorted({r["kind"] for r in recs}):
         out["classes"][k] = class_stats([r for r in recs if r["kind"] == k])
@@ -145,21 +147,23 @@ def point_stats(recs: list[dict], samples: list[dict], span: list[float]) -> dic
     else:
         out["window_s"], out["decode_tok_s"] = list(span), None
     lo, hi = out["window_s"]
-    ss = [s for s in samples if lo <= s["t"] <= hi + 1.0] or [s for s in samples if s["point"] == recs[0]["point"]] \
-        if recs else []
+    ss = [s for s in samples if lo <= s["t"] <= hi + 1.0]
+    if not ss and recs:
+        ss = [s for s in samples if s["point"] == recs[0]["point"]]
     if ss:
         out["running_max"] = max(s["running"] for s in ss)
         out["running_mean"] = sum(s["running"] for s in ss) / len(ss)
         out["waiting_max"] = max(s["waiting"] for s in ss)
         out["kv_usage_max"] = max(s["kv_usage"] for s in ss)
         out["preemptions"] = ss[-1]["preemptions"] - ss[0]["preemptions"]
-        out["nelssa"] = {k: ss[-1][k] - ss[0].get(k, 0.0) for k in ss[-1] if k.startswith("nelssa:")}
+        # NELSSA counters over the window, gauges (e.g. host bytes) at their maximum
+        out["nelssa"] = {k: (ss[-1][k] - ss[0].get(k, 0.0)) if k.endswith(("_total", "_sum", "_count"))
+                         else max(s.get(k, 0.0) for s in ss) for k in ss[-1] if k.startswith("nelssa:")}
     return out
 
 
-RATIO_KEYS = [("decode_tok_s", None), ("classes.short.tpot_ms_p99", None), ("classes.short.tpot_ms_p50", None),
-              ("classes.short.ttft_ms_p99", None), ("classes.long.tpot_ms_p50", None),
-              ("classes.long.ttft_ms_p50", None), ("running_mean", None), ("preemptions", None)]
+RATIO_KEYS = ["decode_tok_s", "classes.short.tpot_ms_p99", "classes.short.tpot_ms_p50", "classes.short.ttft_ms_p99",
+              "classes.long.tpot_ms_p50", "classes.long.ttft_ms_p50", "running_mean", "preemptions"]
 
 
 def _get(d: dict, dotted: str):
@@ -178,7 +182,7 @@ def summarise(runs: dict[str, dict], meta: dict) -> dict:
     if "on" in runs and "off" in runs:
         summ["ratios_on_over_off"] = {
             name: {k: ratio(_get(summ["modes"]["on"][name], k), _get(summ["modes"]["off"][name], k))
-                   for k, _ in RATIO_KEYS}
+                   for k in RATIO_KEYS}
             for name in summ["modes"]["on"] if name in summ["modes"]["off"]}
     return summ
 
