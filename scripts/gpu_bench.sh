@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue 12 on the lent H200 host (no network there; /tmp survives while the machine stays warm), in
+# back-to-back calls:
+#   bash scripts/gpu_bench.sh stage .bundle/N ...      # once per vLLM bundle part (scripts/gpu_hol.sh stage)
+#   bash scripts/gpu_bench.sh calibrate [args]         # nelssa calibrate (needs no vLLM)
+#   bash scripts/gpu_bench.sh mixed|single-long|multi-long|growth|hol-http [args]   # NELSSA, then NELSSA_OFF
+# Carried folders as for gpu_hol.sh: .bundle/N, .gpumodel/dummy-llama-3.1-8b. Results come back as
+# $OUT/<what>.tgz (the whole results folder) plus its summary/calibration JSON and report.md.
+set -euo pipefail
+what=${1:?usage: gpu_bench.sh stage DIR... | calibrate [args] | WORKLOAD [args]}
+shift
+export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ATTENTION_BACKEND=FLASH_ATTN
+export NELSSA_CACHE=/tmp/nelssa-cache PYTHONUNBUFFERED=1
+[ "$what" = stage ] && exec bash scripts/gpu_hol.sh stage "$@"
+[ -f nelssa/_C*.so ] || python3 setup.py -q build_ext --inplace >/dev/null
+{ lscpu | grep -E "Model name|^CPU\(s\)"; nvidia-smi --query-gpu=name,memory.total --format=csv; } > "$OUT/machine.txt"
+res=/tmp/nelssa-results/$what-$(date -u +%Y%m%d-%H%M%S)
+rc=0
+if [ "$what" = calibrate ]; then
+  python3 -m nelssa.cli calibrate --out "$res" "$@" 2>&1 | tee "$OUT/$what.log" | grep -v "left$" || rc=$?
+  cp "$res/calibration.json" "$res/calibration.png" "$OUT/" 2>/dev/null || true
+else
+  [ -d /tmp/site/vllm ] || { echo "vLLM is not installed: stage all bundle parts first" >&2; exit 2; }
+  # the plugin's entry point, as an installed distribution would declare it (as gpu_hol.sh)
+  mkdir -p /tmp/site/nelssa-0.1.0.dist-info
+  printf 'Metadata-Version: 2.1\nName: nelssa\nVersion: 0.1.0\n' > /tmp/site/nelssa-0.1.0.dist-info/METADATA
+  printf '[vllm.general_plugins]\nnelssa = nelssa.vllm_plugin:register\n' > /tmp/site/nelssa-0.1.0.dist-info/entry_points.txt
+  python3 -m nelssa.cli bench "$what" --preset h200 --model .gpumodel/dummy-llama-3.1-8b --out "$res" "$@" 2>&1 \
+    | tee "$OUT/$what.log" | grep -v "left \[" || rc=$?
+  python3 -m nelssa.cli bench report "$res" || true
+  cp "$res/summary.json" "$res/report.md" "$OUT/" 2>/dev/null || true
+fi
+tar -C "$(dirname "$res")" -czf "$OUT/$what.tgz" "$(basename "$res")"
+exit $rc
