@@ -86,6 +86,10 @@ class NelssaConfig:
     recent: int = 64              # last tokens kept on the device
     chunk: int = 1024             # generated tokens clustered and appended to the host tier at once
     long_prefills: int = 1        # long prompts prefilling at once (admission; 0: no limit)
+    long_chunk: int = 1024        # long-prompt tokens per step while short requests decode, at context 0;
+                                  # shrinks with the context so the step's cost stays flat (0: vLLM's own)
+    migrate: bool = True          # a request that grew past T_input moves to the host tier under pressure
+    migrate_watermark: float = 0.9  # device KV blocks in use (fraction) from which such requests migrate
     engine: str = "local"         # host tier: "local" (in-process pool) | "node" (a nelssa-node service)
     node_address: str = "127.0.0.1:50151"  # engine "node": the node's gRPC address
     node_token: str = field(default="", repr=False)  # engine "node": shared secret (required off loopback)
@@ -118,6 +122,10 @@ class NelssaConfig:
         req(self.chunk >= 1, f"chunk must be >= 1, got {self.chunk}")
         req(isinstance(self.long_prefills, int) and self.long_prefills >= 0,
             f"long_prefills must be an int >= 0, got {self.long_prefills!r}")
+        req(isinstance(self.long_chunk, int) and self.long_chunk >= 0,
+            f"long_chunk must be an int >= 0, got {self.long_chunk!r}")
+        req(isinstance(self.migrate_watermark, (int, float)) and 0 <= self.migrate_watermark <= 1,
+            f"migrate_watermark must be in [0, 1], got {self.migrate_watermark!r}")
         req(self.engine in ("local", "node"), f"engine must be 'local' or 'node', got {self.engine!r}")
         req(self.node_transport in ("auto", "shm", "grpc"),
             f"node_transport must be auto, shm or grpc, got {self.node_transport!r}")
@@ -152,6 +160,9 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_RECENT": ("recent", int),
     "NELSSA_CHUNK": ("chunk", int),
     "NELSSA_LONG_PREFILLS": ("long_prefills", int),
+    "NELSSA_LONG_CHUNK": ("long_chunk", int),
+    "NELSSA_MIGRATE": ("migrate", _bool),
+    "NELSSA_MIGRATE_WATERMARK": ("migrate_watermark", float),
     "NELSSA_ENGINE": ("engine", str),
     "NELSSA_NODE_ADDRESS": ("node_address", str),
     "NELSSA_NODE_TOKEN": ("node_token", str),

@@ -24,7 +24,20 @@ case "$what" in
     python3 -c "import vllm, nelssa._C; print('vllm', vllm.__version__)"
     mkdir -p "$OUT/hol"
     set -o pipefail
+    rc=0
     python3 -m nelssa.cli bench hol --model .gpumodel/dummy-llama-3.1-8b --out "$OUT/hol" "$@" 2>&1 \
-      | tee "$OUT/hol.log" | grep -E "^\[hol|^(on|off) |^targets|Traceback|Error|error" ;;
+      | tee "$OUT/hol.log" | grep -E "^\[hol|^(on|off) |^targets|Traceback|Error|error" || rc=$?
+    # profiles (--set profile_at=...): a summary next to the results; the trace itself when small enough
+    for d in "$OUT"/hol/profile_*; do
+      [ -d "$d" ] || continue
+      m=$(basename "$d")
+      for t in "$d"/*.pt.trace.json*; do
+        python3 -m nelssa.bench.trace_summary "$t" --out "$OUT/hol/${m}_summary.json" > /dev/null || true
+        [ "$(stat -c %s "$t")" -lt 15000000 ] && cp "$t" "$OUT/hol/${m}.trace.json.gz"
+      done
+      [ -f "$d/profiler_out_0.txt" ] && cp "$d/profiler_out_0.txt" "$OUT/hol/${m}_table.txt"
+      rm -rf "$d"
+    done
+    exit $rc ;;
   *) echo "unknown step $what" >&2; exit 2 ;;
 esac

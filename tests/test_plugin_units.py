@@ -7,7 +7,7 @@ import torch
 from conftest import rel_err
 from nelssa.config import load_config, parse_bytes, parse_cores, vllm_nelssa_config
 from nelssa.sparse import cluster_kv, dense_attention, merge_states, select_clusters, sparse_attention
-from nelssa.vllm_plugin.policy import Policy, host_bytes
+from nelssa.vllm_plugin.policy import Policy, attention_balance, host_bytes, prefill_chunk
 
 
 def test_policy_goal_switch_and_freed_blocks():
@@ -31,6 +31,30 @@ def test_policy_goal_switch_and_freed_blocks():
         Policy(2048, 16, 64, 100, 128)
     with pytest.raises(ValueError, match="T_input"):
         Policy(300, 16, 64, 128, 128)
+
+
+def test_migrated_request_anchor():
+    """A request that grew past T_input is host-backed from its anchor (tokens with KV when it
+    migrated), exactly like a prompt of that length; a short prompt without an anchor never is."""
+    p = Policy(T_input=2048, sink=16, recent=64, chunk=256, block_size=128)
+    assert p.anchor(1950) == 0 and p.anchor(5000) == 5000 and p.anchor(1950, 2100) == 2100
+    a = p.anchor(1950, 2100)
+    assert p.goal(a, 2100) == (2100 - 64) // 128 * 128 == 1920
+    assert p.in_use(a, 1920) == 1920 and p.in_use(a, 1792) == 0
+    assert p.goal(a, 1920 + 64 + 256) == 1920 + 256
+
+
+def test_long_prefill_chunk_keeps_step_cost_flat():
+    from types import SimpleNamespace as NS
+    llama8b = NS(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 intermediate_size=14336)
+    leq = attention_balance(llama8b)
+    assert 20_000 < leq < 35_000  # attention of ~27K context tokens costs a token's linear layers
+    chunks = [prefill_chunk(1024, d, leq, 16) for d in (0, 25_000, 50_000, 100_000)]
+    assert chunks[0] == 1024 and chunks == sorted(chunks, reverse=True) and all(c % 16 == 0 for c in chunks)
+    for d, c in zip((0, 25_000, 50_000, 100_000), chunks):  # cost ~ c * (1 + d / leq) within a block
+        assert abs(c * (1 + d / leq) - 1024) <= 16 * (1 + d / leq)
+    assert prefill_chunk(64, 10**7, leq, 16) == 16  # never below one block
 
 
 def test_host_bytes_bounds_the_store():

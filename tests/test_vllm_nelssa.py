@@ -14,28 +14,33 @@ MIXED = [  # long prompts of real text mixed with short ones, in one batch
     {"id": "long7k", "text_tokens": 7000, "offset": 60000, "max_tokens": 32},
     {"id": "chat", "chat": "What is the capital of France?", "max_tokens": 32},
     {"id": "aborted", "text_tokens": 2600, "offset": 90000, "max_tokens": 64, "abort_at_step": 30},
+    # short prompt that grows past T_input while decoding: migrates (the mixed run's watermark is 0)
+    {"id": "grows", "text_tokens": 1950, "offset": 120000, "max_tokens": 250},
+    # the same, aborted while its migration is in flight (NELSSA only: NELSSA_OFF never migrates)
+    {"id": "grows_aborted", "text_tokens": 1950, "offset": 150000, "max_tokens": 250, "abort_on_migrate": True},
 ]
+MAX_TOKENS = {r["id"]: r["max_tokens"] for r in MIXED}
 pytestmark = pytest.mark.engine
 
 
 def tokens(res):
-    return {k: r["token_ids"] for k, r in res["results"].items() if k != "aborted"}
+    return {k: r["token_ids"] for k, r in res["results"].items() if k not in ("aborted", "grows_aborted")}
 
 
 @pytest.fixture(scope="module")
 def mixed():
     """fp32, budget 100%, chunked prefill (1024-token chunks), 70 blocks of 128 (8,960 tokens);
     2,048-token k-means segments, so completed segments are staged on the host during prefill."""
-    spec = {"nelssa": {**NELSSA, "segment": 2048}, "requests": MIXED,
+    spec = {"nelssa": {**NELSSA, "segment": 2048, "migrate_watermark": 0.0}, "requests": MIXED,
             "engine": {"num_gpu_blocks_override": 70, "max_num_batched_tokens": 1024}}
     return both(spec)
 
 
 def test_exact_mixed_batch_chunked_prefill(mixed):
     on, off = mixed
-    assert set(tokens(on)) == {"long3k", "short200", "long5k", "long7k", "chat"}
+    assert set(tokens(on)) == {"long3k", "short200", "long5k", "long7k", "chat", "grows"}
     for rid, ids in tokens(off).items():
-        assert len(ids) == 32
+        assert len(ids) == MAX_TOKENS[rid]
         assert tokens(on)[rid] == ids, rid
 
 
@@ -60,6 +65,28 @@ def test_device_blocks_given_back(mixed):
     assert on["host_totals"]["long_requests"] >= 3, on["host_totals"]
     assert on["host_totals"]["cluster_s_n"] >= 3 + 4, on["host_totals"]
     assert on["final_free_blocks"] == off["final_free_blocks"] == on["total_blocks"] - 1
+
+
+def test_grown_request_migrates_without_recompute(mixed):
+    """A 1,950-token prompt decoding 250 tokens passes T_input (2,048) mid-generation and migrates in
+    the background: its device blocks shrink to the window, it is never preempted or recomputed, and
+    its tokens equal NELSSA_OFF's (budget 1.0, fp32; checked in the test above). Its twin is aborted
+    while its migration is in flight and leaves nothing behind."""
+    on, off = mixed
+    bs = on["block_size"]
+    held_on = [s["blocks"]["grows"] for s in on["steps"] if "grows" in s["blocks"]]
+    held_off = [s["blocks"]["grows"] for s in off["steps"] if "grows" in s["blocks"]]
+    full = -(-(1950 + 250 - 1) // bs)
+    window = -(-16 // bs) + -(-(64 + 128 + bs) // bs) + 1 + 1
+    print(f"grows device blocks (block size {bs}): NELSSA max {max(held_on)} last {held_on[-1]}; "
+          f"NELSSA_OFF last {held_off[-1]}")
+    assert held_off[-1] >= full - 1
+    assert held_on[-1] <= window < full - 1
+    assert on["preempted"]["grows"] == 0  # (NELSSA_OFF may preempt and recompute it in this tight pool)
+    # aborted mid-migration: nothing left on the host, every device block back (both runs end equal)
+    assert on["aborted_migrating"] == ["grows_aborted"], on["aborted_migrating"]
+    assert on["final_host_bytes"] == 0 and on["host_requests"] == 0
+    assert on["final_free_blocks"] == on["total_blocks"] - 1
 
 
 def test_no_preemption_under_memory_pressure():

@@ -10,7 +10,9 @@ Spec "sync_handoff" (default true): after each step wait for NELSSA's background
 switch to host attention comes at deterministic steps (a run of `nelssa bench hol` keeps them
 asynchronous, as in serving).
 A request: {"id", "prompt_ids" | "text_tokens": n (+ "offset") | "chat": str, "max_tokens",
-"abort_at_step"?, "add_at_step"?, "priority"?}.
+"abort_at_step"?, "abort_on_migrate"?, "add_at_step"?, "priority"?}. "abort_on_migrate": aborted after
+the first step in which NELSSA's scheduler is migrating it (anchor set, not yet switched); listed in
+the output's "aborted_migrating".
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def run(spec: dict) -> dict:
     internal: dict[str, str] = {}  # our id -> scheduler id
     seen: dict[str, Any] = {}
     results: dict[str, dict] = {}
+    aborted_migrating: list[str] = []
     steps: list[dict] = []
     t0 = time.time()
     step = 0
@@ -89,6 +92,11 @@ def run(spec: dict) -> dict:
             internal[r["id"]] = eng.add_request(r["id"], {"prompt_token_ids": ids[r["id"]]}, sp,
                                                 priority=r.get("priority", 0))
         for r in reqs:
+            rid = internal.get(r["id"])
+            if r.get("abort_on_migrate") and r["id"] not in results and rid in getattr(sched, "_anchor", {}) \
+                    and not sched._host_end.get(rid) and r["id"] not in aborted_migrating:
+                aborted_migrating.append(r["id"])
+                eng.abort_request([r["id"]])
             if r.get("abort_at_step") == step and r["id"] not in results:
                 eng.abort_request([r["id"]])
         if not pending and not sched.has_requests():  # as EngineCore: one more step flushes finished ids
@@ -125,6 +133,7 @@ def run(spec: dict) -> dict:
         "final_host_bytes": host.nbytes if host is not None else 0,
         "host_requests": len(host.reqs) if host is not None else 0,
         "host_totals": dict(host.stats.totals) if host is not None else {},
+        "aborted_migrating": aborted_migrating,
     }
     if spec.get("metrics"):
         out["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()

@@ -42,7 +42,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # SmolLM2 on 2 CPU cores: a few short requests around one long prompt that does not fit beside
     # the others' KV in stock vLLM's way of admitting it; budget 1.0 so outputs must be equal.
     "cpu": dict(rate=1.5, duration=10.0, short_in=96, short_out=12, long_at=3.0, n_long=1, long_len=2600,
-                long_out=24, prompts="text", dtype="float32", util=None, kv_blocks=28, max_model_len=3200,
+                long_out=24, prompts="text", dtype="float32", util=0.5, kv_blocks=28, max_model_len=3200,
                 max_num_seqs=16, max_num_batched_tokens=1024, long_prefill_token_threshold=512,
                 enforce_eager=True, load_format="auto",
                 nelssa={"T_input": 2048, "budget": 1.0, "chunk": 128}),
@@ -72,6 +72,10 @@ class Scenario:
     enforce_eager: bool = False
     load_format: str = "dummy"
     nelssa: dict = field(default_factory=lambda: {"T_input": 8192, "budget": 0.04})
+    # diagnostics: vLLM's torch profiler (CPU + CUDA, every thread of the engine core) from this second
+    # of the run for profile_s seconds; trace and key-average table land in <out>/profile_<mode>/
+    profile_at: float | None = None
+    profile_s: float = 1.0
 
 
 # ------------------------------------------------------------------ one mode (subprocess)
@@ -93,17 +97,19 @@ def _prompt_ids(sc: Scenario, tok, r: dict, k: int) -> list[int]:
 
 
 def _scrape() -> dict[str, float]:
-    """vLLM and NELSSA metrics of this (front-end) process, summed over label sets."""
+    """vLLM and NELSSA metrics of this (front-end) process, summed over label sets except "part"
+    (kept as name{part})."""
     from prometheus_client import REGISTRY
     out: dict[str, float] = {}
     for fam in REGISTRY.collect():
         if fam.name.startswith(("vllm:", "nelssa:")):
             for s in fam.samples:
-                out[s.name] = out.get(s.name, 0.0) + float(s.value)
+                name = f"{s.name}{{{s.labels['part']}}}" if "part" in s.labels else s.name
+                out[name] = out.get(name, 0.0) + float(s.value)
     return out
 
 
-async def _run_mode(mode: str, sc: Scenario, model: str) -> dict:
+async def _run_mode(mode: str, sc: Scenario, model: str, out_dir: str = "") -> dict:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -120,6 +126,10 @@ async def _run_mode(mode: str, sc: Scenario, model: str) -> dict:
         kw["num_gpu_blocks_override"] = sc.kv_blocks
     if mode == "on":
         kw.update(engine_args(sc.nelssa))
+    if sc.profile_at is not None:
+        from vllm.config import ProfilerConfig
+        kw["profiler_config"] = ProfilerConfig(profiler="torch", torch_profiler_dir=os.path.abspath(
+            os.path.join(out_dir, f"profile_{mode}")), torch_profiler_with_stack=False, ignore_frontend=True)
     eng = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
     tok = eng.tokenizer if getattr(eng, "tokenizer", None) is not None else await eng.get_tokenizer()
     plan = _arrivals(sc)
@@ -161,26 +171,36 @@ async def _run_mode(mode: str, sc: Scenario, model: str) -> dict:
                       f"kv {100 * samples[-1]['kv_usage']:.0f}%", file=sys.stderr, flush=True)
             await asyncio.sleep(0.25)
 
+    async def profile() -> None:
+        await asyncio.sleep(max(0.0, sc.profile_at - (time.perf_counter() - t0)))
+        print(f"[hol:{mode}] profiling {sc.profile_s:.1f} s", file=sys.stderr, flush=True)
+        await eng.start_profile()
+        await asyncio.sleep(sc.profile_s)
+        await eng.stop_profile()
+
     smp = asyncio.create_task(sampler())
+    prof = asyncio.create_task(profile()) if sc.profile_at is not None else None
     tasks = []
     for r in plan:
         await asyncio.sleep(max(0.0, r["at"] - (time.perf_counter() - t0)))
         tasks.append(asyncio.create_task(one(r, t0, recs)))
     await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
+    if prof is not None:
+        await prof
     done.set()
     await smp
     await asyncio.sleep(1.5)  # let the last iteration stats reach the registry
     end = _scrape()
     eng.shutdown()
     delta = {k: v - base.get(k, 0.0) for k, v in end.items()
-             if k.endswith(("_total", "_sum", "_count")) or k.startswith("nelssa:")}
+             if "_created" not in k and (k.endswith(("_total", "_sum", "_count")) or k.startswith("nelssa:"))}
     return {"mode": mode, "wall_s": wall, "requests": recs, "samples": samples, "metrics": delta}
 
 
 def _worker(spec: dict) -> None:
     sc = Scenario(**spec["scenario"])
-    res = asyncio.run(_run_mode(spec["mode"], sc, spec["model"]))
+    res = asyncio.run(_run_mode(spec["mode"], sc, spec["model"], spec.get("out_dir", "")))
     print("HOL_JSON " + json.dumps(res), flush=True)
 
 
@@ -286,7 +306,7 @@ def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout:
     runs: dict[str, dict] = {}
     failed: dict[str, str] = {}
     for mode in modes:
-        spec = {"mode": mode, "scenario": asdict(sc), "model": model}
+        spec = {"mode": mode, "scenario": asdict(sc), "model": model, "out_dir": out_dir}
         env = {k: v for k, v in os.environ.items() if k != "NELSSA_OFF"}
         if mode == "off":
             env["NELSSA_OFF"] = "1"

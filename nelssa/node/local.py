@@ -169,6 +169,9 @@ class LocalHostTier:
                 raise HostError("injected host-tier fault (NELSSA_FAULT=attend)")
             out = attend(q_cpu, ckvs, sel, scale)
             self.stats.add(attn_s=time.perf_counter() - t)
+            # checked here, off the step's thread (which only collects the result)
+            if not (torch.isfinite(out[0]).all() and not torch.isnan(out[1]).any()):
+                raise HostError(f"host attention of layer {layer} returned non-finite values")
             if pinned:  # the caller copies it to the device without waiting for its stream
                 out = tuple(x.pin_memory() for x in out)
             return out
@@ -184,9 +187,6 @@ class LocalHostTier:
         except Exception:
             self.stats.add(failures=1)
             raise
-        if not (torch.isfinite(out).all() and not torch.isnan(lse).any()):
-            self.stats.add(failures=1)
-            raise HostError(f"host attention of layer {layer} returned non-finite values")
         return out, lse
 
     def close(self) -> None:

@@ -41,10 +41,21 @@ class StepPlan:
     seq_lens: list[int]             # tokens with KV after this step's write
     failed: dict[str, str] = field(default_factory=dict)
     cache: dict = field(default_factory=dict)  # per-step derived tensors, keyed by purpose
-    wait_s: float = 0.0                         # time this step's forward waited for host results
+    split: dict = field(default_factory=dict)  # seconds of the forward's thread per part (SPLIT_PARTS)
 
     def fail(self, req_id: str, msg: str) -> None:
         self.failed.setdefault(req_id, msg)
+
+    def lap(self, part: str, t0: float) -> float:
+        """Add the time since ``t0`` to ``part``; returns now."""
+        t = time.perf_counter()
+        self.split[part] = self.split.get(part, 0.0) + t - t0
+        return t
+
+
+# Parts of a step's forward thread time in the split-batch layers (the rest, "other", is everything
+# else the forward does: the model's own layers, launches, graph replays), reported per step.
+SPLIT_PARTS = ("select", "stock", "window", "wait", "merge")
 
 
 def set_plan(plan: StepPlan | None) -> None:
@@ -188,6 +199,7 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
     base = super(type(self), self).forward
     if plan is None or not plan.rows or attn_metadata is None:
         return base(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+    t = time.perf_counter()
     cfg: NelssaConfig = self.nelssa_cfg
     li = layer.nelssa_layer
     backend = self.nelssa_backend
@@ -211,10 +223,12 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
             for i in sel_rows:
                 plan.fail(plan.req_ids[i], f"host tier (layer {li}): {type(e).__name__}: {e}")
             sel_rows = []
+    t = plan.lap("select", t)
 
     # 2. stock kernel for every row, offloaded rows shrunk to one live token
     md = shrunk_metadata(plan, attn_metadata, self, backend)
     base(layer, query, key, value, kv_cache, md, output, output_scale, output_block_scale)
+    t = plan.lap("stock", t)
 
     # 3. window attention of the offloaded rows
     bs = plan.cache["block_size"]
@@ -224,6 +238,7 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
         blocks, offs, valid = window_index(plan, attn_metadata.block_table, cfg.sink, bs)
         k, v = read_kv(kv_cache, backend, blocks, offs, self.num_kv_heads, self.head_size)
         w_out, w_lse = window_attention(q_off, k, v, valid, self.scale)
+    t = plan.lap("window", t)
 
     # 4. merge with the host result
     out = torch.zeros_like(w_out)
@@ -235,9 +250,9 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
             m, m_lse = w_out[idx], w_lse[idx]
             if sel.estimate is not None:  # the unselected clusters, estimated on the device
                 m, m_lse = merge_states(m, m_lse, *sel.estimate)
-            t = time.perf_counter()
+            t = plan.lap("merge", t)
             h_out, h_lse = host.wait(fut, li)
-            plan.wait_s += time.perf_counter() - t
+            t = plan.lap("wait", t)
             m, _ = merge_states(m, m_lse, h_out.to(w_out.device, non_blocking=True),
                                 h_lse.to(w_out.device, non_blocking=True))
             out[idx] = m
@@ -246,6 +261,7 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
                 plan.fail(plan.req_ids[i], f"host tier (layer {li}): {type(e).__name__}: {e}")
     o = output.view(-1, self.num_heads, self.head_size)
     o.index_copy_(0, tok, out.to(o.dtype))
+    plan.lap("merge", t)
     return output
 
 

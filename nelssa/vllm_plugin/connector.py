@@ -3,7 +3,9 @@
 It moves no KV itself (in P/D it runs beside NixlConnector in a MultiConnector).
   * scheduler -> worker, each step (NelssaConnectorMetadata): ``host_ends``, the host range [sink, H)
     each scheduled long request uses in this step (NelssaScheduler decides it; the KV-cache manager
-    frees the blocks below it in the same step's scheduling).
+    frees the blocks below it in the same step's scheduling); ``anchors``, the policy anchor of each
+    scheduled request that is migrating or migrated (a long prompt's anchor is its length, derived
+    by each side).
   * worker -> scheduler, each step (NelssaWorkerMeta): ``handoffs``, the ends of hand-offs completed
     since the last report (with the request's preemption count, so a stale report is ignored), and
     ``failed``, requests whose host-tier work failed (finished with an error before any token of
@@ -30,6 +32,7 @@ CONNECTOR = {"kv_connector": "NelssaConnector", "kv_connector_module_path": "nel
 @dataclass
 class NelssaConnectorMetadata(KVConnectorMetadata):
     host_ends: dict[str, int] = field(default_factory=dict)
+    anchors: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -60,10 +63,17 @@ def step_host_ends(meta) -> dict[str, int]:
     return m.host_ends if m is not None else {}
 
 
+def step_anchors(meta) -> dict[str, int]:
+    """This step's anchors of migrating/migrated requests (policy.Policy.anchor)."""
+    m = _ours(meta, NelssaConnectorMetadata, "metadata")
+    return m.anchors if m is not None else {}
+
+
 @dataclass
 class NelssaStats(KVConnectorStats):
     """data: long_requests, failures, moved_tokens (counts); host_bytes, reserved_bytes (latest);
-    attn_s, cluster_s, handoff_wait_s, offload_step_s, host_wait_s (lists of seconds)."""
+    attn_s, cluster_s, handoff_wait_s, offload_step_s, host_wait_s (lists of seconds); offload_split_s
+    (seconds per part of the forward thread in steps with offloaded rows, summed)."""
 
     def reset(self) -> None:
         self.data = {}
@@ -71,7 +81,9 @@ class NelssaStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> "NelssaStats":
         d = dict(self.data)
         for k, v in other.data.items():
-            if isinstance(v, list):
+            if isinstance(v, dict):
+                d[k] = {p: d.get(k, {}).get(p, 0.0) + x for p, x in {**d.get(k, {}), **v}.items()}
+            elif isinstance(v, list):
                 d[k] = d.get(k, []) + v
             elif k.endswith("_bytes"):
                 d[k] = v
@@ -82,7 +94,9 @@ class NelssaStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
         for k, v in self.data.items():
-            if isinstance(v, list):
+            if isinstance(v, dict):
+                out.update({f"{k}_{p}": x for p, x in v.items()})
+            elif isinstance(v, list):
                 out[f"{k}_count"] = len(v)
                 out[f"{k}_mean_ms"] = 1e3 * sum(v) / len(v) if v else 0.0
             else:
@@ -106,6 +120,11 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
         self.m = {
             "long_requests": per_engine(c(name="nelssa:long_requests", labelnames=labelnames,
                                           documentation="Long requests whose KV moved to the host tier")),
+            "migrations_started": per_engine(c(name="nelssa:migrations_started", labelnames=labelnames,
+                                               documentation="Requests that grew past T_input and began "
+                                                             "migrating to the host tier")),
+            "migrations_completed": per_engine(c(name="nelssa:migrations_completed", labelnames=labelnames,
+                                                 documentation="Migrations switched to host attention")),
             "failures": per_engine(c(name="nelssa:host_failures", labelnames=labelnames,
                                      documentation="Host-tier failures (requests finished with an error)")),
             "moved_tokens": per_engine(c(name="nelssa:moved_tokens", labelnames=labelnames,
@@ -123,11 +142,21 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
                                            documentation="Step-path waits for a hand-off not done by its switch")),
             "offload_step_s": per_engine(h(name="nelssa:offload_step_seconds", labelnames=labelnames, buckets=buckets,
                                            documentation="Forward wall time of steps with offloaded rows")),
+            "offload_decode_step_s": per_engine(h(name="nelssa:offload_decode_step_seconds", labelnames=labelnames,
+                                                  buckets=buckets, documentation="Forward wall time of steps with "
+                                                  "offloaded rows and no prefill chunk")),
             "host_wait_s": per_engine(h(name="nelssa:host_wait_seconds", labelnames=labelnames, buckets=buckets,
                                         documentation="Per step with offloaded rows: time waiting for host results")),
         }
+        # labelled by part as well: per engine, the label values without the part
+        self._split = c(name="nelssa:offload_split_seconds", labelnames=[*labelnames, "part"],
+                        documentation="Steps with offloaded rows: forward-thread seconds per part of the split-batch "
+                                      "layers (select, stock, window, wait, merge)")
+        self._labels = per_engine_labelvalues
 
     def observe(self, data: dict[str, Any], engine_idx: int = 0):
+        for part, x in data.get("offload_split_s", {}).items():
+            self._split.labels(*self._labels[engine_idx], part).inc(x)
         for k, v in data.items():
             m = self.m.get(k)
             if m is None:
@@ -146,6 +175,7 @@ class NelssaConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.sched_stats: dict[str, Any] = {}  # filled by NelssaScheduler (scheduler role)
         self.host_ends: dict[str, int] = {}    # set by NelssaScheduler (scheduler role): request -> H in use
+        self.anchors: dict[str, int] = {}      # set by NelssaScheduler: migrated request -> anchor
 
     # ---- scheduler side: nothing to load, nothing to send
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -156,7 +186,8 @@ class NelssaConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output):
         sched = scheduler_output.num_scheduled_tokens
-        return NelssaConnectorMetadata({r: h for r, h in self.host_ends.items() if r in sched})
+        return NelssaConnectorMetadata({r: h for r, h in self.host_ends.items() if r in sched},
+                                       {r: a for r, a in self.anchors.items() if r in sched})
 
     def request_finished(self, request, block_ids):
         return False, None

@@ -1,10 +1,14 @@
-"""Which tokens of a request belong on the host tier: pure functions of (prompt length, tokens with KV)
-that the worker (which hands KV off) and the scheduler (which switches a request to it and frees its
+"""Which tokens of a request belong on the host tier: pure functions of (anchor, tokens with KV) that
+the worker (which hands KV off) and the scheduler (which switches a request to it and frees its
 device blocks) both use.
 
-A request is long when its prompt has >= T_input tokens. Once its prompt is processed (n >= P tokens
-have KV), the *goal* is that the host holds [sink, G) and the device the window [0, sink) + [G, n):
-    G(n) = H0 + chunk * floor(max(0, n - recent - H0) / chunk),   H0 = floor((P - recent) / bs) * bs
+A request is host-backed from its *anchor* A on: a long request's prompt length (its prompt has
+>= T_input tokens), or, for a request that grew past T_input and migrates (scheduler.py), the tokens
+with KV when the scheduler decided to migrate it (>= T_input). The scheduler sends migrated requests'
+anchors to the worker in the NELSSA connector's metadata; prompts' anchors each side derives itself.
+Once n >= A tokens have KV, the *goal* is that the host holds [sink, G) and the device the window
+[0, sink) + [G, n):
+    G(n) = H0 + chunk * floor(max(0, n - recent - H0) / chunk),   H0 = floor((A - recent) / bs) * bs
 G is block aligned (chunk is a multiple of bs), so whole blocks [ceil(sink / bs), G / bs) can be
 freed, every token is in exactly one of host / window, and generated tokens move to the host a chunk
 at a time while at least ``recent`` of them stay on the device.
@@ -40,21 +44,46 @@ class Policy:
     def is_long(self, prompt_len: int) -> bool:
         return prompt_len >= self.T_input
 
-    def goal(self, prompt_len: int, n: int) -> int:
+    def anchor(self, prompt_len: int, migrated: int = 0) -> int:
+        """A: ``migrated`` (the anchor the scheduler gave a migrating request) or a long prompt's length;
+        0: the request stays on the device."""
+        return migrated or (prompt_len if self.is_long(prompt_len) else 0)
+
+    def goal(self, anchor: int, n: int) -> int:
         """G: end of the range that should be on the host once n tokens have KV (0: nothing)."""
-        if prompt_len < self.T_input or n < prompt_len:
+        if anchor < self.T_input or n < anchor:
             return 0
-        h0 = (prompt_len - self.recent) // self.block_size * self.block_size
+        h0 = (anchor - self.recent) // self.block_size * self.block_size
         return h0 + self.chunk * (max(0, n - self.recent - h0) // self.chunk)
 
-    def in_use(self, prompt_len: int, done: int) -> int:
-        """H to use given the end of the completed hand-offs: 0 until the whole prompt's range (G at
-        the prompt's end) is on the host; hand-offs end at the sink, a segment boundary or a G."""
-        return done if self.is_long(prompt_len) and done >= self.goal(prompt_len, prompt_len) else 0
+    def in_use(self, anchor: int, done: int) -> int:
+        """H to use given the end of the completed hand-offs: 0 until the whole range up to the anchor
+        (G at n = A) is on the host; hand-offs end at the sink, a segment boundary or a G."""
+        return done if anchor >= self.T_input and done >= self.goal(anchor, anchor) else 0
 
     def freed_blocks(self, h: int) -> tuple[int, int]:
         """Device block range [first, last) that is on the host when [sink, h) is (empty if first >= last)."""
         return -(-self.sink // self.block_size), h // self.block_size
+
+
+def prefill_chunk(budget: int, done: int, l_eq: float, block_size: int) -> int:
+    """Tokens of a long prompt to prefill in one step at ``done`` tokens of context so the step costs
+    about what ``budget`` tokens cost at context 0: a chunk's work is ~ c * (1 + done / l_eq), where
+    l_eq is the context at which a token's attention costs as much as its projections and MLP
+    (``attention_balance``). At least one block."""
+    c = int(budget / (1.0 + done / l_eq))
+    return max(block_size, c // block_size * block_size)
+
+
+def attention_balance(hf_config) -> float:
+    """l_eq of a Llama-shaped model: per-token multiply-adds of its linear layers divided by its
+    attention's per-context-token multiply-adds (QK and PV over all query heads and layers)."""
+    h, nl = hf_config.hidden_size, hf_config.num_hidden_layers
+    hq = hf_config.num_attention_heads
+    d = getattr(hf_config, "head_dim", None) or h // hq
+    hkv = getattr(hf_config, "num_key_value_heads", None) or hq
+    linear = nl * (h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * hf_config.intermediate_size)
+    return linear / (nl * 2 * hq * d)
 
 
 def host_bytes(tokens: int, num_layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:

@@ -23,7 +23,7 @@ from nelssa.config import set_config, vllm_nelssa_config
 from nelssa.node import LocalHostTier, host_tier
 from nelssa.vllm_plugin import runtime
 from nelssa.vllm_plugin.attention import StepPlan, read_kv, set_plan
-from nelssa.vllm_plugin.connector import step_host_ends
+from nelssa.vllm_plugin.connector import step_anchors, step_host_ends
 from nelssa.vllm_plugin.handoff import Handoff
 from nelssa.vllm_plugin.policy import Policy
 
@@ -100,7 +100,11 @@ class NelssaRunnerMixin:
         finally:
             set_plan(None)
         if plan.rows:
-            self.nelssa_host.stats.add(offload_step_s=time.perf_counter() - t, host_wait_s=plan.wait_s)
+            dt = time.perf_counter() - t
+            self.nelssa_host.stats.add(offload_step_s=dt, host_wait_s=plan.split.get("wait", 0.0),
+                                       offload_split_s=plan.split)
+            if all(n == 1 for n in so.num_scheduled_tokens.values()):  # no prefill chunk in this step
+                self.nelssa_host.stats.add(offload_decode_step_s=dt)
         self._nelssa_submit(moves, plan)
         for rid, msg in plan.failed.items():
             if rid not in runtime.failed:
@@ -112,6 +116,7 @@ class NelssaRunnerMixin:
         """The step's offloaded rows (their hand-offs made ready) and the ranges to hand off after it."""
         pol, ib, seg, ho = self._nelssa_policy, self.input_batch, self.nelssa_cfg.segment, self.nelssa_handoff
         in_use = step_host_ends(so.kv_connector_metadata)
+        anchors = step_anchors(so.kv_connector_metadata)
         rows, rids, tok, hend, seqs, moves = [], [], [], [], [], []
         bad: dict[str, str] = {}
         qpos = 0
@@ -119,7 +124,8 @@ class NelssaRunnerMixin:
             rid = ib.req_ids[i]
             s = so.num_scheduled_tokens[rid]
             prompt = self.requests[rid].num_prompt_tokens
-            if pol.is_long(prompt):
+            a = pol.anchor(prompt, anchors.get(rid, 0))  # 0: on the device
+            if a:
                 failed = rid in runtime.failed
                 c = int(ib.num_computed_tokens_cpu[i])
                 n = c + s  # tokens with KV after this step
@@ -133,10 +139,10 @@ class NelssaRunnerMixin:
                             ho.ready(rid, h)
                         except Exception as e:  # noqa: BLE001 - this request fails loudly; others go on
                             bad[rid] = f"hand-off of tokens up to {h} to the host tier: {type(e).__name__}: {e}"
-                # what should be on the host once this step has run: completed segments while the
+                # what should be on the host once this step has run: completed segments while a long
                 # prompt prefills, then the policy's goal
-                want = (pol.goal(prompt, n) if n >= prompt
-                        else min(pol.goal(prompt, prompt), pol.sink + (n - pol.sink) // seg * seg))
+                want = (pol.goal(a, n) if n >= a
+                        else min(pol.goal(a, a), pol.sink + (n - pol.sink) // seg * seg))
                 if want > ho.end(rid) and not failed:
                     moves.append((rid, ho.end(rid), want))
             qpos += s

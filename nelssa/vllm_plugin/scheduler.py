@@ -13,11 +13,22 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
     makes vLLM preempt running short requests to find room (stock vLLM does: head-of-line blocking).
   - while it prefills, vLLM's admission watermark is raised by the blocks its prompt still needs,
     so short requests admitted meanwhile leave them free.
+* Long prefill chunks: while short requests decode, a long prompt advances by at most
+  policy.prefill_chunk(long_chunk, its context so far) tokens per step (vLLM's
+  long_prefill_token_threshold for that step), so a step with a long-prefill chunk costs about the
+  same at 1K and at 100K tokens of context, and short requests' next token never waits for a
+  chunk's quadratic attention. Without short decodes vLLM's own threshold applies.
 * Switch: the worker reports completed hand-offs through the NELSSA connector; before each step the
   scheduler sets each long request's host range in use, H = policy.in_use(prompt, completed end),
   sends it to the worker in the connector's metadata and lets the KV-cache manager free the blocks
   below it. A request whose hand-off is still running keeps decoding from its device blocks: no
   step waits for one. A preemption discards the request's reports (the worker frees its host KV).
+* Migration: when device KV use reaches ``migrate_watermark``, the running request with the largest
+  context that grew past T_input (its prompt was short) migrates: its anchor (policy.Policy.anchor)
+  is its tokens with KV now, sent to the worker in the connector's metadata, whose background
+  hand-off moves [sink, G) while it keeps decoding from its device blocks; the switch and the
+  freeing of its blocks are those of a long prompt. One migration at a time; none with headroom or
+  without host room. A preempted migrated request starts over as a short one (its host KV is freed).
 * Errors: requests the worker reports failed (host-tier exception, timeout, missing KV) are finished
   with FINISHED_ERROR *before* this step's tokens are emitted, so no token computed from a failed
   attention reaches the client.
@@ -36,7 +47,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from nelssa.config import mem_available, vllm_nelssa_config
 from nelssa.vllm_plugin.connector import find_connector, nelssa_worker_meta
-from nelssa.vllm_plugin.policy import host_bytes
+from nelssa.vllm_plugin.policy import attention_balance, host_bytes, prefill_chunk
 from nelssa.vllm_plugin.spec import NelssaSpec
 
 log = logging.getLogger("vllm.nelssa")
@@ -57,6 +68,7 @@ class NelssaScheduler(Scheduler):
         self._rejected: list[tuple[Request, str]] = []
         self._done: dict[str, int] = {}      # request -> end of its completed hand-offs
         self._host_end: dict[str, int] = {}  # request -> H in use (shared with the manager and connector)
+        self._anchor: dict[str, int] = {}    # migrating/migrated request -> anchor (shared with the connector)
         if cfg is None:
             return
         groups = self.kv_cache_config.kv_cache_groups
@@ -73,7 +85,10 @@ class NelssaScheduler(Scheduler):
         if len(managers) != 1 or conn is None:
             raise ValueError("NELSSA needs its KV-cache manager and its KV connector (see nelssa.vllm_plugin.engine_args)")
         managers[0].host_ends = conn.host_ends = self._host_end
+        conn.anchors = self._anchor
+        self._conn = conn
         self._bytes_per = (len(groups[0].layer_names), spec.num_kv_heads, spec.head_size, spec.dtype.itemsize)
+        self._l_eq = attention_balance(self.vllm_config.model_config.hf_text_config)
         self.host_capacity = cfg.host_capacity or int(0.8 * mem_available())
         log.info("NELSSA scheduler: T_input=%d, host capacity %.2f GiB", cfg.T_input, self.host_capacity / 2**30)
 
@@ -109,29 +124,64 @@ class NelssaScheduler(Scheduler):
         """Admitted long requests that still hold (or will hold) their whole prompt on the device."""
         return sum(1 for rid in self._reserved if rid in self.requests and not self._host_end.get(rid))
 
+    def _anchor_of(self, r: Request) -> int:
+        return self.nelssa_policy.anchor(r.num_prompt_tokens, self._anchor.get(r.request_id, 0))
+
     def _switch(self) -> None:
-        """Set H for long requests whose completed hand-offs now cover their goal's prompt range."""
+        """Set H for host-backed requests whose completed hand-offs now cover their anchor's range."""
         pol = self.nelssa_policy
         for rid, done in self._done.items():
             r = self.requests.get(rid)
-            if r is not None and r.num_computed_tokens >= r.num_prompt_tokens:
-                h = pol.in_use(r.num_prompt_tokens, done)
+            a = self._anchor_of(r) if r is not None else 0
+            if a and r.num_computed_tokens >= a:
+                h = pol.in_use(a, done)
                 if h > self._host_end.get(rid, 0):
+                    if not self._host_end.get(rid) and rid in self._anchor:
+                        self._count("migrations_completed")
                     self._host_end[rid] = h
 
+    def _count(self, name: str, n: int = 1) -> None:
+        self._conn.sched_stats[name] = self._conn.sched_stats.get(name, 0) + n
+
+    def _migrate(self) -> None:
+        """Start migrating the largest grown request when device KV use is at the watermark."""
+        cfg, pol, kvm = self.nelssa, self.nelssa_policy, self.kv_cache_manager
+        if not cfg.migrate or any(rid in self.requests and not self._host_end.get(rid) for rid in self._anchor):
+            return  # off, or one in progress
+        pool = kvm.block_pool
+        total = max(1, pool.num_gpu_blocks - 1)  # block 0 is vLLM's null block
+        if 1.0 - pool.get_num_free_blocks() / total < cfg.migrate_watermark:
+            return
+        cands = [r for r in self.running if r.status == RequestStatus.RUNNING and r.request_id not in self._anchor
+                 and not pol.is_long(r.num_prompt_tokens) and r.num_computed_tokens >= r.num_prompt_tokens
+                 and r.num_computed_tokens >= pol.T_input]
+        if not cands:
+            return
+        r = max(cands, key=lambda x: x.num_computed_tokens)
+        need = host_bytes(min(r.num_prompt_tokens + (r.max_tokens or 0), self.max_model_len), *self._bytes_per)
+        if need > self.host_capacity - sum(self._reserved.values()):
+            return
+        self._anchor[r.request_id] = r.num_computed_tokens
+        self._reserved[r.request_id] = need
+        self._count("migrations_started")
+        log.info("NELSSA: migrating request %s (%d tokens) to the host tier: device KV %.0f%% in use",
+                 r.request_id, r.num_computed_tokens, 100 * (1.0 - pool.get_num_free_blocks() / total))
+
     def _preempt_request(self, request: Request, timestamp: float) -> None:
-        self._done.pop(request.request_id, None)
-        self._host_end.pop(request.request_id, None)
+        rid = request.request_id
+        self._done.pop(rid, None)
+        self._host_end.pop(rid, None)
+        if self._anchor.pop(rid, None) is not None:  # it comes back as a short request
+            self._reserved.pop(rid, None)
         return super()._preempt_request(request, timestamp)
 
     def _device_room(self, request: Request) -> bool:
         """The prompt's blocks fit in the free blocks beside what running requests need to finish."""
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-        pol = self.nelssa_policy
         need = 0
         for r in self.running:
-            if pol.is_long(r.num_prompt_tokens):
-                continue  # offloaded: keeps a window; prefilling: capped by long_prefills
+            if self._anchor_of(r):
+                continue  # offloaded or migrating: keeps a window; prefilling: capped by long_prefills
             end = min(r.num_prompt_tokens + (r.max_tokens or 0), self.max_model_len)
             need += max(0, self._blocks(end) - self._blocks(r.num_computed_tokens))
         return self._blocks(request.num_prompt_tokens) + need <= free
@@ -164,22 +214,43 @@ class NelssaScheduler(Scheduler):
         if self.nelssa is None:
             return super().schedule(*args, **kwargs)
         self._admit_held()
+        self._migrate()
         self._switch()
         # vLLM's watermark keeps blocks free when it admits waiting requests: raised by what running
         # long prefills still need, so short arrivals cannot take them (vLLM would then preempt
         # running requests to finish the prompt)
-        kvm = self.kv_cache_manager
-        base = kvm.watermark_blocks
+        kvm, sc = self.kv_cache_manager, self.scheduler_config
+        base, thr = kvm.watermark_blocks, sc.long_prefill_token_threshold
         kvm.watermark_blocks = base + self._prefill_reserve()
+        sc.long_prefill_token_threshold = self._long_chunk(thr)
         try:
             return super().schedule(*args, **kwargs)
         finally:
-            kvm.watermark_blocks = base
+            kvm.watermark_blocks, sc.long_prefill_token_threshold = base, thr
+
+    def _long_chunk(self, thr: int) -> int:
+        """This step's cap on a prefill chunk: policy.prefill_chunk at the deepest running long
+        prefill's context while a short request decodes; else vLLM's threshold ``thr``."""
+        budget, pol = self.nelssa.long_chunk, self.nelssa_policy
+        if not budget:
+            return thr
+        done, short_decoding = None, False
+        for r in self.running:
+            if pol.is_long(r.num_prompt_tokens):
+                if r.num_computed_tokens < r.num_prompt_tokens:
+                    done = max(done or 0, r.num_computed_tokens)
+            elif r.num_computed_tokens >= r.num_prompt_tokens:
+                short_decoding = True
+        if done is None or not short_decoding:
+            return thr
+        c = prefill_chunk(budget, done, self._l_eq, self.block_size)
+        return min(c, thr) if thr > 0 else c
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
         self._reserved.pop(request.request_id, None)
         self._done.pop(request.request_id, None)
         self._host_end.pop(request.request_id, None)
+        self._anchor.pop(request.request_id, None)
         return super()._free_request(request, delay_free_blocks)
 
     def finish_requests(self, request_ids, finished_status):
@@ -219,8 +290,8 @@ class NelssaScheduler(Scheduler):
                 out[client].outputs.append(eco)
             else:
                 out[client] = EngineCoreOutputs(outputs=[eco])
-        if self.nelssa is not None and self.connector is not None and hasattr(self.connector, "sched_stats"):
-            self.connector.sched_stats["reserved_bytes"] = sum(self._reserved.values())
+        if self.nelssa is not None:
+            self._conn.sched_stats["reserved_bytes"] = sum(self._reserved.values())
         return out
 
     @staticmethod
