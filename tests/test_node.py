@@ -272,12 +272,19 @@ def test_malformed_jobs_get_errors_and_the_node_keeps_serving(nodes):
 
 def test_killed_node_fails_calls_within_the_deadline_and_a_restarted_node_serves():
     node = Node("--devices", "2")
-    tiers = {tr: NodeHostTier(_cfg(node, tr, host_timeout_s=8.0, node_lease_s=1.5), L) for tr in ("shm", "grpc")}
+    tiers = {tr: NodeHostTier(_cfg(node, tr, host_timeout_s=8.0, node_lease_s=4.0), L) for tr in ("shm", "grpc")}
     q = torch.randn(1, HQ, D)
     try:
         for t in tiers.values():
             t.put_layers("a", *_kv(200, 1))
             assert torch.isfinite(_attend(t, ["a"], 0, q, 1.0)[0]).all()
+        os.killpg(node.proc.pid, signal.SIGSTOP)     # a node that stalls: the shm client sees no heartbeat
+        t0 = time.monotonic()
+        with pytest.raises(HostError, match="heartbeat"):
+            _attend(tiers["shm"], ["a"], 1, q, 1.0)
+        assert time.monotonic() - t0 < 8.0
+        os.killpg(node.proc.pid, signal.SIGCONT)     # back: the next job gets a fresh channel and is served
+        assert torch.isfinite(_attend(tiers["shm"], ["a"], 1, q, 1.0)[0]).all()
         node.kill()
         for t in tiers.values():
             t0 = time.monotonic()

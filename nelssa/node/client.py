@@ -162,14 +162,25 @@ class _ShmPlane:
     name = "shm"
 
     def __init__(self, tier: "NodeHostTier"):
-        rep = tier._rpc("OpenShm", pb.ShmRequest(client_id=tier.client_id, slot_bytes=tier.limits.max_message_bytes))
+        self.tier = tier
+        self.ch: ShmChannel | None = None
+        self._open()
+
+    def _open(self) -> None:
+        """(Re)open: the node retires a channel this client had (one left after a timeout)."""
+        if self.ch is not None:
+            self.ch.close()
+            self.ch = None
+        t = self.tier
+        rep = t._rpc("OpenShm", pb.ShmRequest(client_id=t.client_id, slot_bytes=t.limits.max_message_bytes))
         self.ch = ShmChannel.attach(rep.path, rep.slot_bytes)
         self.seq = max(int(self.ch.w[W_REQ_SEQ]), int(self.ch.w[W_RESP_SEQ]))
         self.broken = ""
 
     def run(self, job: pb.AttendJob, timeout: float) -> pb.AttendResult:
-        if self.broken:
-            raise HostError(f"node data plane (shared memory) unusable: {self.broken}")
+        if self.broken:  # the jobs that saw it break have failed; later ones get a fresh channel
+            log.warning("reopening the shared-memory channel (%s)", self.broken)
+            self._open()
         ch = self.ch
         self.seq += 1
         seq = self.seq
@@ -193,7 +204,9 @@ class _ShmPlane:
         self.broken = self.broken or "a job timed out"
 
     def close(self) -> None:
-        self.ch.close()
+        if self.ch is not None:
+            self.ch.close()
+            self.ch = None
 
 
 class NodeHostTier:

@@ -172,6 +172,7 @@ class Client:
         self.reqs: dict[str, NodeRequest] = {}
         self.shm: ShmChannel | None = None
         self.shm_thread: threading.Thread | None = None
+        self.shm_stop: threading.Event | None = None
         self.stop = threading.Event()
 
 
@@ -277,9 +278,7 @@ class NodeState:
         for rid in list(c.reqs):
             self.free(c, rid)
         if c.shm_thread is not None and c.shm_thread is not threading.current_thread():
-            c.shm_thread.join(timeout=5)
-        if c.shm is not None:
-            c.shm.close(unlink=True)
+            c.shm_thread.join(timeout=5)  # the responder closes and unlinks its channel as it exits
 
     # -------- accounting
     def reserve(self, need: list[int]) -> None:
@@ -508,23 +507,32 @@ class NodeState:
 
     # -------- shared memory
     def open_shm(self, c: Client, slot: int) -> ShmChannel:
+        """A new shared-memory channel for the client; one it had before (a client that gave up on it
+        after a timeout) is retired: its responder stops, closes and unlinks it."""
         slot = min(max(slot, 1 << 16), self.s.limits.max_message_bytes)
+        ch, stop = ShmChannel.create(slot, self.s.shm_dir), threading.Event()
         with self.lock:
-            if c.shm is not None:
-                raise NodeError(grpc.StatusCode.ALREADY_EXISTS, "this client already has a shared-memory channel")
-            c.shm = ShmChannel.create(slot, self.s.shm_dir)
-        c.shm_thread = threading.Thread(target=self._respond, args=(c,), name=f"nelssa-shm-{c.id[:8]}", daemon=True)
+            if c.shm_stop is not None:
+                c.shm_stop.set()
+            c.shm, c.shm_stop = ch, stop
+            c.shm_thread = threading.Thread(target=self._respond, args=(c, ch, stop), name=f"nelssa-shm-{c.id[:8]}",
+                                            daemon=True)
         c.shm_thread.start()
-        return c.shm
+        return ch
 
-    def _respond(self, c: Client) -> None:
+    def _respond(self, c: Client, ch: ShmChannel, stop: threading.Event) -> None:
+        try:
+            self._poll(c, ch, stop)
+        finally:
+            ch.close(unlink=True)  # sets the header's closed flag: a waiting client fails at once
+
+    def _poll(self, c: Client, ch: ShmChannel, stop: threading.Event) -> None:
         """Polling responder: busy-polls for poll_spin_us after each job (yielding the GIL), then sleeps
         poll_sleep_us between polls; heartbeats into the header so the client sees a dead node."""
-        ch = c.shm
         last = int(ch.w[W_REQ_SEQ])
         idle = time.perf_counter()
         spin, nap = self.s.poll_spin_us * 1e-6, self.s.poll_sleep_us * 1e-6
-        while not c.stop.is_set():
+        while not (c.stop.is_set() or stop.is_set()):
             ch.beat()
             seq = int(ch.w[W_REQ_SEQ])
             if seq == last:
