@@ -6,6 +6,7 @@ allocated from them.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import time
@@ -113,7 +114,7 @@ def decode_job(job: pb.AttendJob, limits: Limits, heads_of) -> DecodedJob:
         raise WireError(f"job has {B} requests (1..{limits.max_batch} allowed)")
     if not 1 <= Hq <= limits.max_heads or not 1 <= D <= limits.max_head_dim:
         raise WireError(f"job has {Hq} heads of dim {D} (limits {limits.max_heads}, {limits.max_head_dim})")
-    if not np.isfinite(job.scale) or job.scale <= 0:
+    if not math.isfinite(job.scale) or job.scale <= 0:
         raise WireError(f"bad scale {job.scale}")
     q = from_bytes(job.q, dtype_of(job.q_dtype), (B, Hq, D))
     req_ids, lengths, ids, counts = [], [], [], []
