@@ -8,7 +8,8 @@ and without a concurrent large store (ingestion isolation, paper 5.1).
 
 Each device count gets its own node subprocess (--cores-per-device = cores // devices, at least 1).
 Reported per case: p50/p99 of the client's round trip (submit to result), the node's own time per
-job (validation, dispatch to the devices, aggregation) and their difference (transport + client).
+job (validation, dispatch to the devices, aggregation), the slowest device's kernel time, the
+transport + client part (round trip - node time) and the part outside compute (round trip - kernel).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import json
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import threading
@@ -62,7 +62,7 @@ def _jobs(tier: NodeHostTier, rids: list[str], q: torch.Tensor, budget: float | 
     else:
         sel = select_clusters(q, ckvs, budget, scale)
     job = encode_job(1, tier.client_id, 0, scale, q, rids, [c.length for c in ckvs], list(sel.ids), list(sel.counts))
-    rt, node = [], []
+    rt, node, comp = [], [], []
     for i in range(warmup + iters):
         t = time.perf_counter()
         res = tier._plane.run(job, 30.0)
@@ -72,9 +72,13 @@ def _jobs(tier: NodeHostTier, rids: list[str], q: torch.Tensor, budget: float | 
         if i >= warmup:
             rt.append(dt)
             node.append(res.node_s)
+            comp.append(res.compute_s)
     over = [a - b for a, b in zip(rt, node)]
+    outside = [a - c for a, c in zip(rt, comp)]
     return {"rt_p50_us": _pct(rt, 0.5) * 1e6, "rt_p99_us": _pct(rt, 0.99) * 1e6, "node_p50_us": _pct(node, 0.5) * 1e6,
-            "overhead_p50_us": _pct(over, 0.5) * 1e6, "overhead_mean_us": statistics.mean(over) * 1e6, "n": iters}
+            "compute_p50_us": _pct(comp, 0.5) * 1e6, "transport_p50_us": _pct(over, 0.5) * 1e6,
+            "outside_compute_p50_us": _pct(outside, 0.5) * 1e6,
+            "outside_compute_share": sum(outside) / sum(rt), "n": iters}
 
 
 def _store_loop(port: int, stop: threading.Event, tokens: int, layers: int, H: int, D: int, out: dict) -> None:

@@ -198,10 +198,11 @@ class Device:
             if item is None:
                 return
             fn, args, box, done = item
+            t = time.perf_counter()
             try:
-                box.append((True, fn(*args)))
+                box.append((True, fn(*args), time.perf_counter() - t))
             except BaseException as e:  # noqa: BLE001 - handed to the caller
-                box.append((False, e))
+                box.append((False, e, 0.0))
             done.release()
 
     def submit(self, fn, *args) -> tuple[list, "_thread.LockType"]:
@@ -212,10 +213,13 @@ class Device:
         return box, done
 
     @staticmethod
-    def result(call: tuple[list, "_thread.LockType"]):
+    def result(call: tuple[list, "_thread.LockType"], timing: list | None = None):
+        """The call's return value (its exception re-raised); its seconds appended to ``timing``."""
         box, done = call
         done.acquire()
-        ok, v = box[0]
+        ok, v, dt = box[0]
+        if timing is not None:
+            timing.append(dt)
         if not ok:
             raise v
         return v
@@ -487,8 +491,10 @@ class NodeState:
             dj = decode_job(job, self.s.limits, heads_of)
             if len({(r.H, r.dtype) for r in reqs}) != 1:
                 raise WireError("all requests of a job must share KV heads and dtype")
-            out, lse = self._dispatch(dj, reqs, job.layer, float(job.scale))
-            res = pb.AttendResult(job_id=job.job_id, code=0, out=tensor_bytes(out), lse=tensor_bytes(lse))
+            timing: list[float] = []
+            out, lse = self._dispatch(dj, reqs, job.layer, float(job.scale), timing)
+            res = pb.AttendResult(job_id=job.job_id, code=0, out=tensor_bytes(out), lse=tensor_bytes(lse),
+                                  compute_s=max(timing, default=0.0))
             outcome = "ok"
         except NodeError as e:
             res, outcome = pb.AttendResult(job_id=job.job_id, code=e.code.value[0], message=str(e)), "error"
@@ -507,7 +513,8 @@ class NodeState:
         self.metrics.job(plane, outcome, dt)
         return res
 
-    def _dispatch(self, dj, reqs: list[NodeRequest], layer: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _dispatch(self, dj, reqs: list[NodeRequest], layer: int, scale: float,
+                  timing: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
         q = dj.q
         B, Hq, D = q.shape
         H = reqs[0].H
@@ -517,7 +524,7 @@ class NodeState:
             raise NodeError(grpc.StatusCode.NOT_FOUND, "a request of the job was freed")
         if len(self.devices) == 1:
             d0 = self.devices[0]
-            return d0.result(d0.submit(attend, q, [s[0] for s in shards], Selection(dj.ids, dj.counts), scale))
+            return d0.result(d0.submit(attend, q, [s[0] for s in shards], Selection(dj.ids, dj.counts), scale), timing)
         if self.s.partition == "head":
             out = torch.empty(B, Hq, D)
             lse = torch.empty(B, Hq)
@@ -530,16 +537,16 @@ class NodeState:
                 sel = Selection([i[h0:h1].contiguous() for i in dj.ids], [c[h0:h1].contiguous() for c in dj.counts])
                 jobs.append((h0, h1, dev.submit(attend, qd, [s[d] for s in shards], sel, scale)))
             for h0, h1, f in jobs:
-                o, l_ = Device.result(f)
+                o, l_ = Device.result(f, timing)
                 out[:, h0 * G:h1 * G] = o
                 lse[:, h0 * G:h1 * G] = l_
             return out, lse
         sel = Selection(dj.ids, dj.counts)
         q = q.contiguous()
         calls = [dev.submit(attend, q, [s[d] for s in shards], sel, scale) for d, dev in enumerate(self.devices)]
-        out, lse = Device.result(calls[0])
+        out, lse = Device.result(calls[0], timing)
         for f in calls[1:]:
-            out, lse = merge_states(out, lse, *Device.result(f))
+            out, lse = merge_states(out, lse, *Device.result(f, timing))
         return out, lse
 
     # -------- shared memory
