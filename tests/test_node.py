@@ -374,3 +374,42 @@ def test_malformed_stores_leave_nothing_and_store_free_cycles_keep_rss_flat(node
     assert sum(d.used_bytes for d in node.stats().devices) == base
     stub.Unregister(pb.RenewRequest(client_id=cid), timeout=5)
     ch.close()
+
+
+def test_property_arbitrary_jobs_are_refused_in_process():
+    """Hypothesis: a node (in this process) given decode jobs with arbitrary fields and bytes answers
+    each with an error status (a valid job is vanishingly unlikely) and keeps its state."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from nelssa.node.server import NodeSettings, NodeState
+    node = NodeState(NodeSettings(devices=2))
+    cid = node.register("prop", 60).id
+    sizes = torch.full((H, 8), 8, dtype=torch.int32).numpy().tobytes()
+    kv = torch.randn(H * 64 * 2 * D).numpy().tobytes()
+    node.store(iter([pb.StoreChunk(header=pb.StoreHeader(client_id=cid, req_id="a", num_layers=L, kv_heads=H,
+                                                         head_dim=D, dtype=pb.FLOAT32, tokens=64, clusters=[8] * L))]
+                    + [pb.StoreChunk(data=b) for _ in range(L) for b in (sizes, kv)]), None)
+    held = node.stats().devices
+    ch_bytes = st.binary(max_size=512)
+    req = st.builds(pb.JobRequest, req_id=st.sampled_from(["a", "b", ""]) | st.text(max_size=20),
+                    length=st.sampled_from([64, 0]) | st.integers(0, 1 << 40),
+                    selected=st.integers(0, 1 << 20), ids=ch_bytes, counts=ch_bytes)
+    job = st.builds(pb.AttendJob, job_id=st.integers(0, 1 << 63), client_id=st.sampled_from([cid, "", "x"]),
+                    layer=st.integers(0, 3) | st.integers(0, 1 << 31), scale=st.floats(allow_nan=True, width=32),
+                    num_heads=st.sampled_from([HQ, H]) | st.integers(0, 1 << 20),
+                    head_dim=st.sampled_from([D]) | st.integers(0, 1 << 16),
+                    q_dtype=st.integers(0, 5), q=ch_bytes, reqs=st.lists(req, max_size=4))
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(job)
+    def check(j):
+        res = node.run_job(j, "prop")
+        assert res.code != 0 and not res.out
+
+    try:
+        check()
+        s = node.stats()
+        assert s.clients == 1 and s.requests == 1 and s.job_errors >= 300 and s.devices == held
+    finally:
+        node.close()
