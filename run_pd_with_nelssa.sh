@@ -20,6 +20,7 @@
 #   NELSSA_ENGINE_CORES: cores of both vLLM instances (taskset/numactl), or PREFILL_CORES / DECODE_CORES
 #   NELSSA_AFFINITY_CORES: D's host-attention pool (NELSSA config)   NODE_CORES: the node's cores
 #   LOG_DIR [${TMPDIR:-/tmp}/nelssa-pd-$PROXY_PORT]: logs and the PID record (stop reads it)
+#   NIXL_KV_LEASE_S [300 on CPU, vLLM's 30 on GPUs]: how long P keeps a request's KV for D
 #   HEALTH_TIMEOUT [900] s   PROXY_ARGS [extra nelssa-proxy arguments]   NELSSA_PYTHON [the project venv]
 #
 # Short requests (< T_input prompt tokens): standard vLLM P/D, prefill on P, KV to D through vLLM's
@@ -196,7 +197,13 @@ elif [ "$engine" = node ] && [ "$node_ok" = 0 ]; then
 fi
 export NELSSA_ENGINE=$([ "$engine" = none ] && echo local || echo "$engine")
 nelssa_json="{\"T_input\": $NELSSA_T_INPUT, \"budget\": $NELSSA_BUDGET, \"engine\": \"$NELSSA_ENGINE\""
-[ "$engine" != node ] || nelssa_json+=", \"node_address\": \"127.0.0.1:$NODE_PORT\""
+if [ "$engine" = node ]; then
+  export NELSSA_NODE_ADDRESS="127.0.0.1:$NODE_PORT"
+  nelssa_json+=", \"node_address\": \"$NELSSA_NODE_ADDRESS\""
+  if busy=$("$PY" -m nelssa.proxy.pd listening "$NODE_PORT"); then :; else
+    log "NODE_PORT $NODE_PORT is already in use"; exit 1
+  fi
+fi
 nelssa_json+="}"
 
 on_exit() {  # whatever ends this script (error, Ctrl-C, a process dying) stops what it started
@@ -209,7 +216,8 @@ trap 'log "interrupted: stopping"; exit 130' INT TERM
 extra=(${VLLM_EXTRA_ARGS:-})
 off_flag=()
 [ "$off" = 0 ] || off_flag=(--off)
-waits=()
+lease=()
+[ -z "${NIXL_KV_LEASE_S:-}" ] || lease=(--kv-lease "$NIXL_KV_LEASE_S")
 if [ "$engine" = node ]; then
   # shellcheck disable=SC2046,SC2206
   launch node "$NODE_PORT" "$LOG_DIR/node.log" $(pin "${NODE_CORES:-}") env "$PY" -m nelssa.node \
@@ -218,11 +226,11 @@ fi
 # shellcheck disable=SC2046
 launch prefill "$PREFILL_PORT $PREFILL_NIXL_PORT" "$LOG_DIR/prefill.log" $(pin "$PREFILL_CORES") \
   env "${p_env[@]}" "$PY" -m nelssa.proxy.pd engine-cmd --exec --role prefill --port "$PREFILL_PORT" \
-  --nixl-port "$PREFILL_NIXL_PORT" --model "$MODEL" "$dev_flag" "${off_flag[@]}" -- "${extra[@]}" "${p_extra[@]}"
+  --nixl-port "$PREFILL_NIXL_PORT" --model "$MODEL" "$dev_flag" "${off_flag[@]}" "${lease[@]}" -- "${extra[@]}" "${p_extra[@]}"
 # shellcheck disable=SC2046
 launch decode "$DECODE_PORT $DECODE_NIXL_PORT" "$LOG_DIR/decode.log" $(pin "$DECODE_CORES") \
   env "${d_env[@]}" "$PY" -m nelssa.proxy.pd engine-cmd --exec --role decode --port "$DECODE_PORT" \
-  --nixl-port "$DECODE_NIXL_PORT" --model "$MODEL" "$dev_flag" "${off_flag[@]}" --nelssa "$nelssa_json" \
+  --nixl-port "$DECODE_NIXL_PORT" --model "$MODEL" "$dev_flag" "${off_flag[@]}" "${lease[@]}" --nelssa "$nelssa_json" \
   -- "${extra[@]}" "${d_extra[@]}"
 # shellcheck disable=SC2206
 launch proxy "$PROXY_PORT" "$LOG_DIR/proxy.log" "$PY" -m nelssa.proxy.server --host 127.0.0.1 \

@@ -121,19 +121,27 @@ def test_pd_stack_end_to_end(tmp_path):
         again = client.completions.create(**kw)
         assert again.choices[0].text == short.choices[0].text
 
-        # a client leaving mid-stream: D aborts the request (its KV and host-tier entry are freed)
+        # a client leaving mid-stream: D aborts the request (its KV and host-tier entry are freed); a
+        # request that ran to its 200 tokens instead would count as finished by length
+        def d_metrics():
+            return httpx.get(f"http://127.0.0.1:{dp}/metrics").text
+        done = _metric_sum(d_metrics(), "vllm:request_success_total", finished_reason="length")
         with httpx.stream("POST", proxy + "/v1/chat/completions", timeout=120,
                           json={"model": model, "messages": msgs, "max_tokens": 200, "stream": True}) as r:
             assert r.status_code == 200
             next(r.iter_lines())
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            dm = httpx.get(f"http://127.0.0.1:{dp}/metrics").text
-            if _metric_sum(dm, "vllm:request_success_total", finished_reason="abort") >= 1:
+            dm = d_metrics()
+            if _metric_sum(dm, "vllm:num_requests_running") + _metric_sum(dm, "vllm:num_requests_waiting") == 0:
                 break
             time.sleep(0.5)
         else:
-            pytest.fail("D did not abort the request of a client that left")
+            pytest.fail("D still runs the request of a client that left")
+        time.sleep(2)
+        dm = d_metrics()
+        assert _metric_sum(dm, "vllm:request_success_total", finished_reason="length") == done
+        assert _metric_sum(dm, "nelssa:host_bytes") == 0
 
         pm = httpx.get(proxy + "/metrics").text
         assert _metric_sum(pm, "nelssa_proxy_requests_total", route="short", status="200") == 2

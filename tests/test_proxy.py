@@ -435,7 +435,8 @@ def test_engine_commands():
     d, denv = engine_command("decode", 8200, model="m", nelssa={"T_input": 512}, cuda=False,
                              extra=["--dtype", "float32", "--enforce-eager"])
     assert p[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--additional-config" not in p
-    assert kv(p) == {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
+    assert kv(p) == {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu",
+                     "kv_connector_extra_config": {"kv_lease_duration": 300}}  # CPU: longer than vLLM's 30 s
     assert "--disable-hybrid-kv-cache-manager" in p  # NIXL's handshake hash must match D's
     assert d[1:3] == ["-m", "nelssa.proxy.engine"] and d[-2:] == ["float32", "--enforce-eager"]
     assert d.count("--dtype") == 1
@@ -451,7 +452,10 @@ def test_engine_commands():
         assert kv(c)["kv_connector"] == "NixlConnector" and "--disable-hybrid-kv-cache-manager" not in c
         assert "--worker-cls" not in c and c[2] == "vllm.entrypoints.openai.api_server"
     g, genv = engine_command("decode", 1, model="m", nelssa={}, cuda=True, extra=[])
-    assert kv(g)["kv_connector_extra_config"]["connectors"][0]["kv_buffer_device"] == "cuda"
+    assert kv(g)["kv_connector_extra_config"]["connectors"][0] == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cuda"}  # vLLM's lease
+    p2, _ = engine_command("prefill", 1, model="m", nelssa=None, cuda=True, extra=[], lease_s=45)
+    assert kv(p2)["kv_connector_extra_config"] == {"kv_lease_duration": 45}
     assert genv == {"VLLM_USE_V2_MODEL_RUNNER": "0"} and "--dtype" not in g
     with pytest.raises(ValueError, match="budget"):
         engine_command("decode", 1, model="m", nelssa={"budget": 2}, cuda=False, extra=[])

@@ -30,13 +30,22 @@ import urllib.error
 import urllib.request
 
 
-def nixl_config(role: str, cuda: bool) -> dict:
-    return {"kv_connector": "NixlConnector", "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_buffer_device": "cuda" if cuda else "cpu"}
+def nixl_config(role: str, cuda: bool, lease_s: int | None = None) -> dict:
+    kv = {"kv_connector": "NixlConnector", "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+          "kv_buffer_device": "cuda" if cuda else "cpu"}
+    if lease_s is None and not cuda:
+        # P holds a request's blocks for D this long (vLLM's default 30 s). On a loaded CPU box D's read
+        # came after 50 s (first request: handshake included) and P had already released the blocks
+        # ("Potentially invalid KV blocks ... may have expired"): a wrong answer waiting to happen.
+        lease_s = 300
+    if lease_s is not None:
+        kv["kv_connector_extra_config"] = {"kv_lease_duration": int(lease_s)}
+    return kv
 
 
 def engine_command(role: str, port: int, *, model: str, nelssa: dict | None, cuda: bool, extra: list[str],
-                   host: str = "127.0.0.1", python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+                   host: str = "127.0.0.1", python: str = sys.executable,
+                   lease_s: int | None = None) -> tuple[list[str], dict[str, str]]:
     """(argv, extra environment) of one P or D instance. ``nelssa`` None: no NELSSA on this instance."""
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be prefill or decode, got {role!r}")
@@ -47,7 +56,7 @@ def engine_command(role: str, port: int, *, model: str, nelssa: dict | None, cud
     if not cuda and not any(a == "--dtype" or a.startswith("--dtype=") for a in extra):
         from nelssa.cpu import cpu_dtype
         cmd += ["--dtype", cpu_dtype()]  # P and D must agree: the same function decides both
-    kv = nixl_config(role, cuda)
+    kv = nixl_config(role, cuda, lease_s)
     if nelssa is not None and role == "decode":
         from nelssa.config import load_config
         from nelssa.vllm_plugin import SCHEDULER, WORKER_CPU, WORKER_GPU
@@ -140,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     g = e.add_mutually_exclusive_group()
     g.add_argument("--cuda", dest="cuda", action="store_true", default=None)
     g.add_argument("--cpu", dest="cuda", action="store_false")
+    e.add_argument("--kv-lease", type=int, default=None,
+                   help="s P keeps a request's KV for D (NixlConnector kv_lease_duration; default 300 on CPU, "
+                        "vLLM's 30 on GPUs)")
     e.add_argument("--exec", action="store_true", help="replace this process by the engine")
     w = sub.add_parser("wait")
     w.add_argument("--timeout", type=float, default=600)
@@ -158,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             from nelssa.models import prepare_smollm2
             model = str(prepare_smollm2())
         nelssa = None if a.off else json.loads(a.nelssa)
-        cmd, env = engine_command(a.role, a.port, model=model, nelssa=nelssa, cuda=cuda, extra=extra)
+        cmd, env = engine_command(a.role, a.port, model=model, nelssa=nelssa, cuda=cuda, extra=extra,
+                                  lease_s=a.kv_lease)
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(a.nixl_port)
         env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
         if a.exec:
