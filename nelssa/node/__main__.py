@@ -80,8 +80,13 @@ def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
-    running.stop(grace=2.0)
-    sys.exit(0)
+    running.stop(grace=2.0)  # clients dropped, shared-memory files unlinked, devices stopped
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter finalisation: a library thread (gRPC / OpenMP) left joinable at static
+    # destruction aborted the process now and then ("terminate called without an active exception").
+    os._exit(0)
 
 
 if __name__ == "__main__":
