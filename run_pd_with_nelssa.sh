@@ -29,6 +29,7 @@
 # take the same P/D path and D moves their KV to its host tier (see docs/pd.md: the interim path and
 # the design of the clustered path).
 set -euo pipefail
+{  # the whole script is read before it runs: editing the file under a running stack cannot break it
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 action=${1:-start}
 
@@ -271,3 +272,5 @@ while true; do
     fi
   done < "$STATE"
 done
+exit 0
+}
