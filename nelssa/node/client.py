@@ -182,9 +182,12 @@ class _ShmPlane:
             log.warning("reopening the shared-memory channel (%s)", self.broken)
             self._open()
         ch = self.ch
+        payload = job.SerializeToString()
+        if len(payload) > ch.slot:
+            raise HostError(f"decode job of {len(payload)} B exceeds the node's shared-memory slot ({ch.slot} B)")
         self.seq += 1
         seq = self.seq
-        ch.write("req", seq, job.SerializeToString())
+        ch.write("req", seq, payload)
         t0 = time.monotonic()
         deadline = t0 + timeout
         while int(ch.w[W_RESP_SEQ]) != seq:
