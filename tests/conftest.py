@@ -33,4 +33,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
+def lse_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute LSE difference: an LSE error d rescales the attention weights by exp(d), so it
+    is absolute (a relative error is ill-conditioned where an LSE is near 0)."""
+    return float((a.double() - b.double()).abs().max())
+
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

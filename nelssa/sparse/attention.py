@@ -137,16 +137,15 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                  lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial attentions over disjoint token sets by LSE, in fp32.
 
-    out [..., H, D], lse [..., H] (natural log; -inf = no tokens) -> merged (out, lse).
+    out [..., H, D], lse [..., H] (natural log; -inf = no tokens) -> merged (out, lse); both sides
+    empty -> (0, -inf). Eight device ops (it runs twice per layer on the decode step's path).
     """
     la, lb = lse_a.float(), lse_b.float()
-    m = torch.maximum(la, lb)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    wa, wb = torch.exp(la - m), torch.exp(lb - m)
-    tot = wa + wb
-    safe = torch.where(tot > 0, tot, torch.ones_like(tot))
-    out = (out_a.float() * wa.unsqueeze(-1) + out_b.float() * wb.unsqueeze(-1)) / safe.unsqueeze(-1)
-    lse = torch.where(tot > 0, m + torch.log(safe), torch.full_like(m, float("-inf")))
+    lse = torch.logaddexp(la, lb)
+    ls = lse.unsqueeze(-1)
+    wa = torch.exp(la.unsqueeze(-1) - ls)  # NaN only where both sides are empty (-inf - -inf)
+    wb = torch.exp(lb.unsqueeze(-1) - ls)
+    out = torch.addcmul(out_b.float() * wb, out_a.float(), wa).nan_to_num_(0.0)
     return out, lse
 
 

@@ -38,8 +38,35 @@ def budget_tokens(budget: float, length: int) -> int:
     return min(length, max(1, math.ceil(budget * length - 1e-9)))
 
 
+def budget_targets(ckvs: list[ClusteredKV], budget: float) -> torch.Tensor:
+    """Tokens each request may attend at ``budget``, [B] int64 on the centroids' device (on CUDA by a
+    pinned asynchronous copy: no wait for the stream). The same for every layer of a decode step."""
+    dev = ckvs[0].centroids.device
+    target = torch.tensor([budget_tokens(budget, c.length) for c in ckvs])
+    if dev.type == "cuda":  # a pageable host->device copy would wait for the stream: pinned + async
+        target = target.pin_memory()
+    return target.to(dev, non_blocking=True)
+
+
+_RING = 4  # pinned output buffers per shape: a selection's ids are read by the host before the 2nd next call
+_pinned: dict[tuple, list] = {}
+
+
+def _pinned_buffer(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """One of a ring of reusable pinned buffers (allocating pinned memory per call costs launches)."""
+    key = (shape, dtype)
+    ring = _pinned.get(key)
+    if ring is None:
+        if len(_pinned) > 32:  # shapes change as requests come and go: keep the recent ones
+            _pinned.clear()
+        ring = _pinned[key] = [0, [torch.empty(shape, dtype=dtype, pin_memory=True) for _ in range(_RING)]]
+    ring[0] = (ring[0] + 1) % _RING
+    return ring[1][ring[0]]
+
+
 def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: float,
-                    scale: float | None = None, estimate: bool = False, no_sync: bool = False) -> Selection:
+                    scale: float | None = None, estimate: bool = False, no_sync: bool = False,
+                    target: torch.Tensor | None = None) -> Selection:
     """Rank clusters by the query heads' softmax probability mass and fill the budget.
 
     queries [B, Hq, D] (on the centroids' device). Per request and KV head: scores of its centroids
@@ -49,7 +76,10 @@ def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: floa
 
     ``no_sync`` (CUDA centroids): the ids go to pinned host memory by an asynchronous copy sized by the
     budget's upper bound (a selected cluster holds >= 1 token), so the caller never waits for the
-    device; ``ready`` is the event after which they are valid.
+    device; ``ready`` is the event after which they are valid. The pinned buffers are reused after
+    a few calls: a caller consumes a selection (the host attention that reads it) before selecting
+    twice more, as the decode step does layer by layer.
+    ``target``: ``budget_targets(ckvs, budget)`` when the caller already has it (once per step).
     """
     B, Hq, D = queries.shape
     H = ckvs[0].num_kv_heads
@@ -77,10 +107,7 @@ def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: floa
     order = torch.argsort(mass, dim=-1, descending=True)
     ssz = sizes.gather(-1, order).long()
     before = torch.cumsum(ssz, -1) - ssz
-    target = torch.tensor([budget_tokens(budget, c.length) for c in ckvs])
-    if dev.type == "cuda":  # a pageable host->device copy would wait for the stream: pinned + async
-        target = target.pin_memory()
-    target = target.to(dev, non_blocking=True).view(B, 1, 1)
+    target = (budget_targets(ckvs, budget) if target is None else target).view(B, 1, 1)
     keep = (before < target) & (ssz > 0)
     counts = keep.sum(-1)
     ids = torch.where(keep, order, torch.full_like(order, cmax)).sort(-1).values
@@ -89,13 +116,13 @@ def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: floa
         rest = torch.zeros_like(keep).scatter_(-1, order, keep) | empty  # selected or empty: not estimated
         lg = (logits + sizes.clamp_min(1).float().log().unsqueeze(2)).masked_fill(rest.unsqueeze(2), float("-inf"))
         lse = torch.logsumexp(lg, -1)                                   # [B, H, G]
-        w = torch.exp(lg - lse.unsqueeze(-1)).nan_to_num_(0.0)
+        w = torch.softmax(lg, -1).nan_to_num_(0.0)  # rows with every cluster selected: all -inf -> 0
         out = torch.einsum("bhgc,bhcd->bhgd", w, vm.float())
         est = (out.reshape(B, Hq, D), lse.reshape(B, Hq))
     if no_sync and dev.type == "cuda":
         bound = max(1, min(cmax, max(budget_tokens(budget, c.length) for c in ckvs)))
-        ids_h = torch.empty((B, H, bound), dtype=ids.dtype, pin_memory=True)
-        cnt_h = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        ids_h = _pinned_buffer((B, H, bound), ids.dtype)
+        cnt_h = _pinned_buffer(tuple(counts.shape), counts.dtype)
         ids_h.copy_(ids[..., :bound], non_blocking=True)
         cnt_h.copy_(counts, non_blocking=True)
         ev = torch.cuda.Event()

@@ -26,6 +26,7 @@ import torch
 
 from nelssa.config import NelssaConfig
 from nelssa.sparse import merge_states, select_clusters
+from nelssa.sparse.search import budget_targets
 
 _local = threading.local()
 
@@ -217,7 +218,11 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
         try:
             ckvs = [host.layer_kv(plan.req_ids[i], li) for i in sel_rows]
             qs = q_off[sel_rows] if len(sel_rows) < len(live) else q_off
-            sel = select_clusters(qs, ckvs, cfg.budget, self.scale, estimate=cfg.estimate, no_sync=True)
+            tk = ("target", tuple(sel_rows))  # every layer of the step has the same requests and lengths
+            if tk not in plan.cache:
+                plan.cache[tk] = budget_targets(ckvs, cfg.budget)
+            sel = select_clusters(qs, ckvs, cfg.budget, self.scale, estimate=cfg.estimate, no_sync=True,
+                                  target=plan.cache[tk])
             fut = host.submit_attend(qs, ckvs, sel, self.scale, li)
         except Exception as e:  # noqa: BLE001 - any host-tier failure fails these requests, loudly
             for i in sel_rows:
@@ -240,14 +245,18 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
         w_out, w_lse = window_attention(q_off, k, v, valid, self.scale)
     t = plan.lap("window", t)
 
-    # 4. merge with the host result
-    out = torch.zeros_like(w_out)
+    # 4. merge with the host result (rows of failed requests get zeros: they finish with an error)
+    out = None
     if fut is not None:
         try:
-            idx = plan.cache.get(("sel", tuple(sel_rows)))
-            if idx is None:
-                idx = plan.cache[("sel", tuple(sel_rows))] = torch.tensor(sel_rows, device=w_out.device)
-            m, m_lse = w_out[idx], w_lse[idx]
+            whole = len(sel_rows) == len(live)  # the common case: no indexing
+            if whole:
+                m, m_lse = w_out, w_lse
+            else:
+                idx = plan.cache.get(("sel", tuple(sel_rows)))
+                if idx is None:
+                    idx = plan.cache[("sel", tuple(sel_rows))] = torch.tensor(sel_rows, device=w_out.device)
+                m, m_lse = w_out[idx], w_lse[idx]
             if sel.estimate is not None:  # the unselected clusters, estimated on the device
                 m, m_lse = merge_states(m, m_lse, *sel.estimate)
             t = plan.lap("merge", t)
@@ -255,10 +264,17 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
             t = plan.lap("wait", t)
             m, _ = merge_states(m, m_lse, h_out.to(w_out.device, non_blocking=True),
                                 h_lse.to(w_out.device, non_blocking=True))
-            out[idx] = m
+            if whole:
+                out = m
+            else:
+                out = torch.zeros_like(w_out)
+                out[idx] = m
         except Exception as e:  # noqa: BLE001
+            out = None
             for i in sel_rows:
                 plan.fail(plan.req_ids[i], f"host tier (layer {li}): {type(e).__name__}: {e}")
+    if out is None:
+        out = torch.zeros_like(w_out)
     o = output.view(-1, self.num_heads, self.head_size)
     o.index_copy_(0, tok, out.to(o.dtype))
     plan.lap("merge", t)
