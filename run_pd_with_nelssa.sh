@@ -51,27 +51,31 @@ ours() {  # pid start-time: the recorded process is still the one we started (no
   [ -n "$t" ] && [ "$t" = "$2" ]
 }
 group_alive() { kill -0 -- "-$1" 2>/dev/null; }
+running() {  # pid start-time: ours and not a zombie
+  ours "$1" "$2" && [ "$(awk '{sub(/.*\) /, ""); print $1}' "/proc/$1/stat" 2>/dev/null)" != Z ]
+}
 
 stop_all() {  # stop every recorded process group, newest first; TERM, then KILL after STOP_TIMEOUT
   [ -f "$STATE" ] || { log "nothing recorded in $STATE"; return 0; }
   touch "$LOG_DIR/stopping"
-  local lines name pid st i waited
+  local lines name pid st i waited sent=()
   mapfile -t lines < "$STATE"
   for ((i = ${#lines[@]} - 1; i >= 0; i--)); do
     read -r name pid st _ <<<"${lines[i]}"
     if ours "$pid" "$st"; then
       log "stopping $name (process group $pid)"
-      kill -TERM -- "-$pid" 2>/dev/null || true
-    elif group_alive "$pid" && [ "$(ps -o pgid= -p "$pid" 2>/dev/null | tr -d ' ')" != "$pid" ]; then
-      :  # the leader is gone and the id was reused by something else: not ours
-    elif group_alive "$pid"; then
+    elif [ ! -e "/proc/$pid" ] && group_alive "$pid"; then
+      # the leader is gone, its children are not; Linux gives no new process a live group's id
       log "stopping what is left of $name (process group $pid)"
-      kill -TERM -- "-$pid" 2>/dev/null || true
+    else
+      continue  # gone, or the id now belongs to another process: not ours
     fi
+    kill -TERM -- "-$pid" 2>/dev/null || true
+    sent+=("$name $pid")
   done
   waited=0
-  for ((i = ${#lines[@]} - 1; i >= 0; i--)); do
-    read -r name pid st _ <<<"${lines[i]}"
+  for i in "${sent[@]}"; do
+    read -r name pid <<<"$i"
     while group_alive "$pid" && [ "$waited" -lt "${STOP_TIMEOUT:-30}" ]; do sleep 1; waited=$((waited + 1)); done
     if group_alive "$pid"; then
       log "$name (process group $pid) still running after ${STOP_TIMEOUT:-30} s: SIGKILL"
@@ -122,7 +126,7 @@ if [ "$action" = stop ] || [ "$action" = status ]; then
   if [ "$action" = status ]; then
     [ -f "$STATE" ] || { echo "not running (no $STATE)"; exit 1; }
     while read -r name pid st port; do
-      if ours "$pid" "$st"; then echo "$name pid $pid port $port: running"; else echo "$name pid $pid port $port: gone"; fi
+      if running "$pid" "$st"; then echo "$name pid $pid port $port: running"; else echo "$name pid $pid port $port: gone"; fi
     done < "$STATE"
     exit 0
   fi
@@ -135,7 +139,7 @@ fi
 mkdir -p "$LOG_DIR"
 if [ -f "$STATE" ]; then
   while read -r name pid st _; do
-    if ours "$pid" "$st"; then log "already running ($name pid $pid; $STATE): '$0 stop' first"; exit 1; fi
+    if running "$pid" "$st"; then log "already running ($name pid $pid; $STATE): '$0 stop' first"; exit 1; fi
   done < "$STATE"
   rm -f "$STATE"
 fi
@@ -265,7 +269,7 @@ while true; do
   sleep 1 & wait $! || true
   [ ! -f "$LOG_DIR/stopping" ] || { log "stopped from another shell"; exit 0; }
   while read -r name pid st _; do
-    if ! ours "$pid" "$st"; then
+    if ! running "$pid" "$st"; then
       [ ! -f "$LOG_DIR/stopping" ] || { log "stopped from another shell"; exit 0; }
       log "$name (pid $pid) exited; see $LOG_DIR/$name.log; stopping the rest"
       exit 1

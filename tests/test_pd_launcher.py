@@ -1,0 +1,210 @@
+"""run_pd_with_nelssa.sh's process handling, with fake engines (no vLLM): start waits for health and
+records process groups, requests go through the real proxy, `stop` from another shell ends every
+process (children included) and frees every port, Ctrl-C does the same, a dying engine stops the rest,
+a second start on busy ports is refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.model  # the proxy loads SmolLM2's tokenizer
+
+FAKE_ENGINE = r'''
+import argparse, asyncio, json, os, socket, subprocess, sys, time
+from aiohttp import web
+ap = argparse.ArgumentParser()
+ap.add_argument("--role"); ap.add_argument("--port", type=int); ap.add_argument("--nixl-port", type=int, default=0)
+ap.add_argument("--model", default="m")
+a, _ = ap.parse_known_args()
+# a child in the same process group, like vLLM's EngineCore
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+side = None
+if a.nixl_port:
+    side = socket.socket(); side.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    side.bind(("127.0.0.1", a.nixl_port)); side.listen()
+die = float(os.environ.get("FAKE_DIE_AFTER", "0")) if os.environ.get("FAKE_DIE_ROLE") == a.role else 0
+async def health(r): return web.Response()
+async def models(r):
+    return web.json_response({"data": [{"id": a.model, "root": a.model, "max_model_len": 4096}]})
+async def gen(r):
+    body = await r.json()
+    if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+        return web.json_response({"choices": [], "kv_transfer_params": {"do_remote_prefill": True}})
+    return web.json_response({"choices": [{"index": 0, "text": a.role, "finish_reason": "length"}],
+                              "usage": {"prompt_tokens": 0, "completion_tokens": 1, "total_tokens": 1}})
+async def main():
+    app = web.Application()
+    app.router.add_get("/health", health); app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", gen)
+    runner = web.AppRunner(app); await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", a.port).start()
+    await asyncio.sleep(die if die else 3600)
+    os._exit(3)
+asyncio.run(main())
+'''
+
+FAKE_NODE = r'''
+import socket, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", port)); s.listen()
+print(f"nelssa-node listening on 127.0.0.1:{port}", flush=True)
+time.sleep(3600)
+'''
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _listening(ports) -> list[int]:
+    from nelssa.proxy.pd import listening
+    return listening(ports)
+
+
+class Launch:
+    def __init__(self, tmp: Path, model: str, **env):
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / "fake_engine.py").write_text(FAKE_ENGINE)
+        (tmp / "fake_node.py").write_text(FAKE_NODE)
+        py = tmp / "python"
+        # the launcher's python: engines and the node are fakes, everything else (proxy, helpers) is real
+        py.write_text(f"""#!/usr/bin/env bash
+case " $* " in
+  *" engine-cmd "*) exec {sys.executable} {tmp}/fake_engine.py "$@" ;;
+  *" -m nelssa.node "*) exec {sys.executable} {tmp}/fake_node.py "$@" ;;
+esac
+exec {sys.executable} "$@"
+""")
+        py.chmod(0o755)
+        self.ports = _free_ports(6)
+        pp, dp, xp, pn, dn, node = self.ports
+        self.proxy = f"http://127.0.0.1:{xp}"
+        self.log_dir = tmp / "logs"
+        self.env = {**os.environ, "NELSSA_PYTHON": str(py), "MODEL": model, "LOG_DIR": str(self.log_dir),
+                    "PREFILL_PORT": str(pp), "DECODE_PORT": str(dp), "PROXY_PORT": str(xp),
+                    "PREFILL_NIXL_PORT": str(pn), "DECODE_NIXL_PORT": str(dn), "NODE_PORT": str(node),
+                    "NELSSA_ENGINE": "local", "HEALTH_TIMEOUT": "120", "STOP_TIMEOUT": "10", **env}
+        self.env.pop("NELSSA_OFF", None)
+        self.p = subprocess.Popen(["bash", str(REPO / "run_pd_with_nelssa.sh")], cwd=REPO, env=self.env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  start_new_session=True)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            self.lines.append(line)
+            if "] ready:" in line:
+                self.ready.set()
+
+    def wait_ready(self, timeout=120.0):
+        t = time.monotonic() + timeout
+        while not self.ready.wait(0.5):
+            if self.p.poll() is not None or time.monotonic() > t:
+                pytest.fail("not ready:\n" + "".join(self.lines))
+        return self.groups()
+
+    def groups(self) -> dict[str, int]:
+        return {ln.split()[0]: int(ln.split()[1]) for ln in (self.log_dir / "pids").read_text().splitlines()}
+
+    def stop(self) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(REPO / "run_pd_with_nelssa.sh"), "stop"], cwd=REPO, env=self.env,
+                              capture_output=True, text=True, timeout=60)
+
+    def cleanup(self):
+        if self.p.poll() is None:
+            self.stop()
+            try:
+                self.p.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+
+
+def _gone(groups: dict[str, int]) -> bool:
+    for g in groups.values():
+        try:
+            os.killpg(g, 0)
+            return False
+        except ProcessLookupError:
+            pass
+    return True
+
+
+@pytest.fixture
+def model(model_dir):
+    return model_dir
+
+
+def test_start_serve_stop_from_another_shell(tmp_path, model):
+    a = Launch(tmp_path / "a", model, NELSSA_ENGINE="node")
+    try:
+        groups = a.wait_ready()
+        assert list(groups) == ["node", "prefill", "decode", "proxy"]
+        r = httpx.post(a.proxy + "/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decode"
+        time.sleep(0.5)
+        out = "".join(a.lines)
+        assert f"Send OpenAI requests to {a.proxy}/v1" in out and "host tier node" in out
+        status = subprocess.run(["bash", str(REPO / "run_pd_with_nelssa.sh"), "status"], cwd=REPO, env=a.env,
+                                capture_output=True, text=True)
+        assert status.stdout.count(": running") == 4
+        # a second stack on the same ports is refused, and leaves the first alone
+        b = subprocess.run(["bash", str(REPO / "run_pd_with_nelssa.sh")], cwd=REPO, env={**a.env, "LOG_DIR": str(
+            tmp_path / "b")}, capture_output=True, text=True, timeout=60)
+        assert b.returncode == 1 and "ports already in use" in b.stderr
+        assert httpx.get(a.proxy + "/health").status_code == 200
+        children = subprocess.run(["pgrep", "-g", str(groups["decode"])], capture_output=True, text=True).stdout
+        assert len(children.split()) >= 2  # the fake engine and its child
+        s = a.stop()
+        assert s.returncode == 0, s.stderr
+        assert a.p.wait(20) == 0 and "stopped from another shell" in "".join(a.lines)
+        assert _gone(groups) and _listening(a.ports) == []
+        assert not (a.log_dir / "pids").exists()
+        assert a.stop().returncode == 0  # nothing left to stop
+    finally:
+        a.cleanup()
+
+
+def test_ctrl_c_stops_everything(tmp_path, model):
+    a = Launch(tmp_path, model)
+    try:
+        groups = a.wait_ready()
+        assert list(groups) == ["prefill", "decode", "proxy"]
+        os.kill(a.p.pid, signal.SIGINT)
+        assert a.p.wait(30) == 130
+        assert _gone(groups) and _listening(a.ports) == []
+    finally:
+        a.cleanup()
+
+
+def test_a_dying_engine_stops_the_stack(tmp_path, model):
+    a = Launch(tmp_path, model, FAKE_DIE_ROLE="decode", FAKE_DIE_AFTER="25")
+    try:
+        groups = a.wait_ready()
+        assert a.p.wait(60) == 1
+        out = "".join(a.lines)
+        assert "decode (pid" in out and "exited" in out
+        assert "stopping what is left of decode" in out or "stopping decode" in out
+        assert "SIGKILL" not in out  # its orphaned child got TERM and went
+        assert _gone(groups) and _listening(a.ports) == []
+    finally:
+        a.cleanup()
