@@ -1,5 +1,6 @@
 """The one end-to-end run of the serving workloads on the CPU: `nelssa bench mixed` at its smallest
-(SmolLM2, the cpu preset's KV-limited server, 6 trace-scaled requests at 2 req/s with a 30% long share),
+(SmolLM2, the cpu preset's KV-limited server, 3 trace-scaled requests at 2 req/s, the seed's draw: one
+long prompt of 2,273 tokens and two short ones, 8 tokens out each),
 starting `nelssa serve` with NELSSA and then with NELSSA_OFF, streaming clients, /metrics sampled.
 Asserts the files of issue 12 are written and well-formed; performance is judged on the H200 only."""
 
@@ -13,18 +14,20 @@ from nelssa.bench import workloads as wl
 
 pytestmark = pytest.mark.engine
 
-SET = ["mixed.rates=[2.0]", "mixed.long_fractions=[0.3]", "mixed.n=6", "mixed.max_output=16"]
+SET = ["mixed.rates=[2.0]", "mixed.long_fractions=[0.3]", "mixed.n=3", "mixed.max_output=8"]
+SEED = 3  # 5.8 min with the first draw of 6 (three long prompts); this one took
 
 
 def test_mixed_smallest_against_real_servers(tmp_path, model_dir):
     if not os.path.exists(tr.default_trace()):
         pytest.skip("shared Mooncake trace not present")
     preset = wl._override(wl.PRESETS["cpu"], SET)
-    name, plan = wl.plans("mixed", preset, preset["nelssa"]["T_input"])[0][0]
+    name, plan = wl.plans("mixed", preset, preset["nelssa"]["T_input"], seed=SEED)[0][0]
     kinds = {r["kind"] for r in plan}
     assert kinds == {"short", "long"}, plan  # the seeded draw has both classes
     out = tmp_path / "mixed"
-    args = ["mixed", "--preset", "cpu", "--model", model_dir, "--out", str(out), "--start-timeout", "600"]
+    args = ["mixed", "--preset", "cpu", "--model", model_dir, "--out", str(out), "--start-timeout", "600",
+            "--seed", str(SEED)]
     for s in SET:
         args += ["--set", s]
     assert wl.main(args) == 0

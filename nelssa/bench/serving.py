@@ -62,14 +62,15 @@ class ServerError(RuntimeError):
 
 class Server:
     """``nelssa serve`` for one mode (``on``: NELSSA with ``nelssa`` config, ``off``: NELSSA_OFF=1) on a
-    port, its log in ``log_path``; a context manager that stops the whole process group."""
+    port, its log in ``log_path``, ``env`` as defaults under the caller's environment; a context manager
+    that stops the whole process group."""
 
     def __init__(self, mode: str, model: str, nelssa: dict, args: list[str], port: int, log_path: str,
-                 start_timeout: float = 600.0) -> None:
+                 start_timeout: float = 600.0, env: dict[str, str] | None = None) -> None:
         self.mode, self.port, self.log_path, self.start_timeout = mode, port, log_path, start_timeout
         self.cmd = [sys.executable, "-m", "nelssa.cli", "serve", "--model", model, "--nelssa",
                     json.dumps(nelssa if mode == "on" else {}), "--port", str(port), *args]
-        self.env = {k: v for k, v in os.environ.items() if k != "NELSSA_OFF"}
+        self.env = {**(env or {}), **{k: v for k, v in os.environ.items() if k != "NELSSA_OFF"}}  # caller's env wins
         if mode == "off":
             self.env["NELSSA_OFF"] = "1"
         self.proc: subprocess.Popen | None = None
