@@ -30,10 +30,19 @@ def _device_cores(spec: str, devices: int, per_device: int) -> tuple[tuple[int, 
     return tuple(tuple(avail[(d * per_device + i) % len(avail)] for i in range(per_device)) for d in range(devices))
 
 
-def main(argv: list[str] | None = None) -> None:
-    from nelssa.node.server import NodeSettings, serve
-    from nelssa.node.wire import Limits
+def _omp_wait_policy(cores: tuple[tuple[int, ...], ...]) -> None:
+    """OpenMP threads that spin after a kernel call steal the CPU from everything else where devices
+    share cores (no pinning, or more devices x cores than the machine has): measured on the 2-core box,
+    a spinning team made some decode jobs take 30 ms instead of 0.1-0.6. Passive waiting there;
+    libgomp's default (spin, then sleep) where every device has cores of its own. Must be decided
+    before torch (and libgomp) is loaded; an OMP_WAIT_POLICY in the environment wins."""
+    flat = [c for cs in cores for c in cs]
+    own = bool(cores) and len(set(flat)) == len(flat)
+    if not own:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="nelssa-node", description=__doc__)
     p.add_argument("--host", default="127.0.0.1", help="bind address (anything but loopback needs a token)")
     p.add_argument("--port", type=int, default=50151, help="gRPC port (0: any free port)")
@@ -62,7 +71,11 @@ def main(argv: list[str] | None = None) -> None:
             token = f.read().strip()
     cores = _device_cores(a.device_cores, a.devices, a.cores_per_device)
     threads = a.threads_per_device or (len(cores[0]) if cores else 1)
+    _omp_wait_policy(cores)
     import torch
+
+    from nelssa.node.server import NodeSettings, serve
+    from nelssa.node.wire import Limits
     torch.set_num_threads(1)  # the node's own torch ops are small; the kernels have their teams
     try:
         s = NodeSettings(host=a.host, port=a.port, devices=a.devices, device_cores=cores, threads_per_device=threads,
