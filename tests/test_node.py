@@ -88,6 +88,15 @@ def nodes():
         n.stop()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_shm_left_behind():
+    """Clients unlink their channel's name once mapped: even killed nodes leave nothing in /dev/shm."""
+    before = {f for f in os.listdir("/dev/shm") if f.startswith("nelssa-node-")}
+    yield
+    time.sleep(0.5)
+    assert {f for f in os.listdir("/dev/shm") if f.startswith("nelssa-node-")} <= before
+
+
 def _cfg(node: Node, transport: str, **kw) -> NelssaConfig:
     cfg = NelssaConfig(engine="node", node_address=node.address, node_transport=transport, cluster_size=8,
                        segment=128, iters=5, pool_threads=1, host_timeout_s=kw.pop("host_timeout_s", 20.0), **kw)

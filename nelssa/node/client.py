@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -174,6 +175,10 @@ class _ShmPlane:
         t = self.tier
         rep = t._rpc("OpenShm", pb.ShmRequest(client_id=t.client_id, slot_bytes=t.limits.max_message_bytes))
         self.ch = ShmChannel.attach(rep.path, rep.slot_bytes)
+        try:  # both sides hold the mapping now: no name left behind even if the node is killed
+            os.unlink(rep.path)
+        except OSError:
+            pass
         self.seq = max(int(self.ch.w[W_REQ_SEQ]), int(self.ch.w[W_RESP_SEQ]))
         self.broken = ""
 
