@@ -20,7 +20,8 @@
 #   NELSSA_ENGINE_CORES: cores of both vLLM instances (taskset/numactl), or PREFILL_CORES / DECODE_CORES
 #   NELSSA_AFFINITY_CORES: D's host-attention pool (NELSSA config)   NODE_CORES: the node's cores
 #   LOG_DIR [${TMPDIR:-/tmp}/nelssa-pd-$PROXY_PORT]: logs and the PID record (stop reads it)
-#   NIXL_KV_LEASE_S [300 on CPU, vLLM's 30 on GPUs]: how long P keeps a request's KV for D
+#   NIXL_KV_LEASE_S [120 on CPU, vLLM's 30 on GPUs]: how long P keeps a request's KV for D
+#   WARMUP_TRIES [5]: P->D warm-up requests (first NIXL handshake) before "ready"
 #   HEALTH_TIMEOUT [900] s   PROXY_ARGS [extra nelssa-proxy arguments]   NELSSA_PYTHON [the project venv]
 #
 # Short requests (< T_input prompt tokens): standard vLLM P/D, prefill on P, KV to D through vLLM's
@@ -256,6 +257,10 @@ if ! "$PY" -m nelssa.proxy.pd wait --timeout "$HEALTH_TIMEOUT" "${pidargs[@]}" "
   log "start failed; last lines of the logs:"
   for f in "$LOG_DIR"/*.log; do echo "== $f" >&2; tail -n 15 "$f" >&2; done
   exit 1
+fi
+if ! "$PY" -m nelssa.proxy.pd warmup --prefill "http://127.0.0.1:$PREFILL_PORT" \
+     --decode "http://127.0.0.1:$DECODE_PORT" --tries "${WARMUP_TRIES:-5}" >&2; then
+  log "start failed: no KV reached D from P"; exit 1
 fi
 mode=$([ "$off" = 1 ] && echo "stock P/D (NELSSA_OFF)" || echo "NELSSA (T_input $NELSSA_T_INPUT, budget $NELSSA_BUDGET, host tier $engine)")
 log "ready: $mode"

@@ -33,7 +33,7 @@ side = None
 if a.nixl_port:
     side = socket.socket(); side.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     side.bind(("127.0.0.1", a.nixl_port)); side.listen()
-die = float(os.environ.get("FAKE_DIE_AFTER", "0")) if os.environ.get("FAKE_DIE_ROLE") == a.role else 0
+die = os.environ.get("FAKE_DIE_FILE") if os.environ.get("FAKE_DIE_ROLE") == a.role else None
 async def health(r): return web.Response()
 async def models(r):
     return web.json_response({"data": [{"id": a.model, "root": a.model, "max_model_len": 4096}]})
@@ -49,7 +49,8 @@ async def main():
     app.router.add_post("/v1/completions", gen)
     runner = web.AppRunner(app); await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", a.port).start()
-    await asyncio.sleep(die if die else 3600)
+    while not (die and os.path.exists(die)):  # dies when the test says so
+        await asyncio.sleep(0.2)
     os._exit(3)
 asyncio.run(main())
 '''
@@ -197,9 +198,10 @@ def test_ctrl_c_stops_everything(tmp_path, model):
 
 
 def test_a_dying_engine_stops_the_stack(tmp_path, model):
-    a = Launch(tmp_path, model, FAKE_DIE_ROLE="decode", FAKE_DIE_AFTER="25")
+    a = Launch(tmp_path, model, FAKE_DIE_ROLE="decode", FAKE_DIE_FILE=str(tmp_path / "die"))
     try:
         groups = a.wait_ready()
+        (tmp_path / "die").touch()
         assert a.p.wait(60) == 1
         out = "".join(a.lines)
         assert "decode (pid" in out and "exited" in out

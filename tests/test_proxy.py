@@ -436,7 +436,7 @@ def test_engine_commands():
                              extra=["--dtype", "float32", "--enforce-eager"])
     assert p[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--additional-config" not in p
     assert kv(p) == {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu",
-                     "kv_connector_extra_config": {"kv_lease_duration": 300}}  # CPU: longer than vLLM's 30 s
+                     "kv_connector_extra_config": {"kv_lease_duration": 120}}  # CPU: longer than vLLM's 30 s
     assert "--disable-hybrid-kv-cache-manager" in p  # NIXL's handshake hash must match D's
     assert d[1:3] == ["-m", "nelssa.proxy.engine"] and d[-2:] == ["float32", "--enforce-eager"]
     assert d.count("--dtype") == 1

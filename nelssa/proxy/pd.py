@@ -5,6 +5,8 @@
         prints the vLLM api_server command (one argument per line; ``--exec`` runs it in place)
     python -m nelssa.proxy.pd wait --timeout S [--pid PID=NAME ...] URL ...
         waits until every URL answers 200 (fails early, naming it, when a recorded process died)
+    python -m nelssa.proxy.pd warmup --prefill URL --decode URL [--tries N]
+        one P -> D request until D has read P's KV (NIXL handshake done before users come)
     python -m nelssa.proxy.pd listening PORT ...
         prints the ports that something on this machine still listens on (exit 1 if any)
 
@@ -37,7 +39,7 @@ def nixl_config(role: str, cuda: bool, lease_s: int | None = None) -> dict:
         # P holds a request's blocks for D this long (vLLM's default 30 s). On a loaded CPU box D's read
         # came after 50 s (first request: handshake included) and P had already released the blocks
         # ("Potentially invalid KV blocks ... may have expired"): a wrong answer waiting to happen.
-        lease_s = 300
+        lease_s = 120
     if lease_s is not None:
         kv["kv_connector_extra_config"] = {"kv_lease_duration": int(lease_s)}
     return kv
@@ -98,6 +100,37 @@ def wait_healthy(urls: list[str], timeout: float, pids: dict[int, str]) -> None:
             time.sleep(1.0)
 
 
+def warmup(prefill: str, decode: str, tries: int, timeout: float = 60.0) -> None:
+    """One tiny request P -> D the way the proxy sends it, retried until D has read P's KV: D's first
+    NIXL handshake with P (a 5 s reply timeout in vLLM, nixl/base_worker.py ``_nixl_handshake``) can
+    miss on a loaded CPU box; D stays up and the next request tries again. Done here, no user request
+    pays for it or fails on it."""
+    import json as _json
+
+    def post(url: str, body: dict) -> dict:
+        req = urllib.request.Request(url + "/v1/completions", data=_json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return _json.loads(r.read())
+
+    with urllib.request.urlopen(decode + "/v1/models", timeout=timeout) as r:
+        model = _json.loads(r.read())["data"][0]["id"]
+    last = None
+    for i in range(tries):
+        try:
+            p = post(prefill, {"model": model, "prompt": "warm up", "max_tokens": 1, "kv_transfer_params": {
+                "do_remote_decode": True, "do_remote_prefill": False}})
+            post(decode, {"model": model, "prompt": "warm up", "max_tokens": 1,
+                          "kv_transfer_params": p.get("kv_transfer_params")})
+            print(f"NIXL P->D warm-up done (try {i + 1})", flush=True)
+            return
+        except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+            last = e
+            print(f"NIXL P->D warm-up try {i + 1} failed: {e}", flush=True)
+            time.sleep(2.0)
+    raise SystemExit(f"P -> D KV transfer failed {tries} times; last: {last}")
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -150,13 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--cuda", dest="cuda", action="store_true", default=None)
     g.add_argument("--cpu", dest="cuda", action="store_false")
     e.add_argument("--kv-lease", type=int, default=None,
-                   help="s P keeps a request's KV for D (NixlConnector kv_lease_duration; default 300 on CPU, "
+                   help="s P keeps a request's KV for D (NixlConnector kv_lease_duration; default 120 on CPU, "
                         "vLLM's 30 on GPUs)")
     e.add_argument("--exec", action="store_true", help="replace this process by the engine")
     w = sub.add_parser("wait")
     w.add_argument("--timeout", type=float, default=600)
     w.add_argument("--pid", action="append", default=[], help="PID=NAME of a process that must stay alive")
     w.add_argument("urls", nargs="+")
+    wu = sub.add_parser("warmup")
+    wu.add_argument("--prefill", required=True)
+    wu.add_argument("--decode", required=True)
+    wu.add_argument("--tries", type=int, default=5)
     li = sub.add_parser("listening")
     li.add_argument("ports", nargs="+", type=int)
     a = ap.parse_args(argv)
@@ -189,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             pid, _, name = p.partition("=")
             pids[int(pid)] = name or pid
         wait_healthy(a.urls, a.timeout, pids)
+        return 0
+    if a.cmd == "warmup":
+        warmup(a.prefill.rstrip("/"), a.decode.rstrip("/"), a.tries)
         return 0
     busy = listening(a.ports)
     if busy:
