@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 
-from nelssa.config import get_config, parse_bytes, parse_cores
+from nelssa.config import get_config, mem_available, parse_bytes, parse_cores
 
 
 def _device_cores(spec: str, devices: int, per_device: int) -> tuple[tuple[int, ...], ...]:
@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device-cores", default="", help="explicit core lists per device, e.g. '0-3;4-7'")
     p.add_argument("--threads-per-device", type=int, default=0,
                    help="kernel threads per device (default: --cores-per-device, else 1)")
-    p.add_argument("--device-memory", default="1GiB", help="capacity per device, e.g. 64GiB")
+    p.add_argument("--device-memory", default="",
+                   help="capacity per device, e.g. 64GiB (default: 80%% of available memory, split over the devices)")
     p.add_argument("--partition", choices=("head", "cluster"), default="head")
     p.add_argument("--ingest-cores", default="", help="cores for store handling, e.g. '15' (default: not pinned)")
     p.add_argument("--token-file", default="", help="file holding the shared secret (else NELSSA_NODE_TOKEN)")
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)  # the node's own torch ops are small; the kernels have their teams
     try:
         s = NodeSettings(host=a.host, port=a.port, devices=a.devices, device_cores=cores, threads_per_device=threads,
-                         device_memory=parse_bytes(a.device_memory), partition=a.partition,
+                         device_memory=parse_bytes(a.device_memory) if a.device_memory
+                         else int(0.8 * mem_available()) // a.devices, partition=a.partition,
                          ingest_cores=parse_cores(a.ingest_cores), token=token, lease_min_s=a.lease_min_s,
                          lease_max_s=a.lease_max_s, poll_spin_us=a.poll_spin_us, metrics_port=a.metrics_port,
                          limits=Limits(max_message_bytes=parse_bytes(a.max_message_bytes)))
