@@ -155,6 +155,8 @@ class NodeRequest:
         if not 0 <= layer < self.num_layers:
             raise WireError(f"layer {layer} outside [0, {self.num_layers})")
         with self.lock:
+            if not self.shards:
+                raise NodeError(grpc.StatusCode.NOT_FOUND, f"request {self.req_id} was freed")
             row = self.shards[layer]
             if row[0].length < length:
                 for s in row:
