@@ -55,7 +55,8 @@ def sweep(model_dir: str, lengths, depths, seed: int, budgets: list[float], *, d
         on = run_subprocess({**spec, "mode": "on", "nelssa": section}, timeout=timeout)
         wall = time.time() - t
         ok, by_len = score(on)
-        out["budgets"][f"{b:g}"] = {"budget": b, "nelssa": section, "accuracy": sum(ok) / len(reqs), "by_length": by_len,
+        out["budgets"][f"{b:g}"] = {"budget": b, "nelssa": section, "accuracy": sum(ok) / len(reqs),
+                                    "by_length": by_len,
                                     "verdict": paired_verdict(ok, dense_ok), "wall_s": wall, "tok_s": tokens / wall,
                                     "rows": [{"id": r["id"], "ok": k, "dense_ok": d}
                                              for r, k, d in zip(reqs, ok, dense_ok)]}

@@ -54,7 +54,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 GiB = 1 << 30
@@ -416,7 +416,8 @@ def plot(model: LatencyModel, meas: dict | None, Ns: list[int], path: str, B: in
                         xytext=(4, -12), textcoords="offset points")
     if meas:
         d = [r for r in meas["dense"] if r["B"] == B]
-        ax.scatter([r["L"] for r in d], [1e3 * r["t"] for r in d], color="k", marker="o", s=18, label="dense (measured)")
+        ax.scatter([r["L"] for r in d], [1e3 * r["t"] for r in d], color="k", marker="o", s=18,
+                   label="dense (measured)")
         srch = {r["L"]: r["t"] for r in meas["search"] if r["B"] == B}
         xf = {r["L"]: r["t"] for r in meas["xfer"] if r["B"] == B}
         for j, n in enumerate(Ns):

@@ -1,6 +1,7 @@
 """`nelssa bench report DIR`: a Markdown summary (``DIR/report.md``) of a results folder with its plots:
 a workload run (``summary.json`` of ``nelssa bench <workload>``), a calibration (``calibration.json``),
-a head-of-line run (``hol.json``), a needle sweep (``accuracy.json``), whichever are there (also in sub-folders, one level down)."""
+a head-of-line run (``hol.json``), a needle sweep (``accuracy.json``), whichever are there (also in
+sub-folders, one level down)."""
 
 from __future__ import annotations
 
@@ -39,11 +40,13 @@ def workload_md(s: dict, rel: str) -> list[str]:
                    f"(trace max {sc['trace_max_input']:,} -> {sc['max_input']:,}), output x {sc['out_factor']:.4g} "
                    f"(max {sc['trace_max_output']:,} -> {sc['max_output']:,}); scaled long share "
                    f"{100 * notes['scaled_long_share']:.2f}%. {notes['rule']}.")
-    out += ["", "| mode | point | class | n ok | TTFT p50 / p99 ms | TPOT p50 / p95 / p99 ms |", "|---|---|---|---|---|---|"]
+    out += ["", "| mode | point | class | n ok | TTFT p50 / p99 ms | TPOT p50 / p95 / p99 ms |",
+            "|---|---|---|---|---|---|"]
     for mode, pts in s["modes"].items():
         for name, st in pts.items():
             for k, c in st["classes"].items():
-                out.append(f"| {mode} | {name} | {k} | {c['ok']}/{c['n']} | {_f(c['ttft_ms_p50'])} / {_f(c['ttft_ms_p99'])}"
+                out.append(f"| {mode} | {name} | {k} | {c['ok']}/{c['n']} | {_f(c['ttft_ms_p50'])} / "
+                           f"{_f(c['ttft_ms_p99'])}"
                            f" | {_f(c['tpot_ms_p50'])} / {_f(c['tpot_ms_p95'])} / {_f(c['tpot_ms_p99'])} |")
     out += ["", "| mode | point | decode tok/s | running mean / max | waiting max | KV max % | preemptions |",
             "|---|---|---|---|---|---|---|"]

@@ -1,6 +1,7 @@
 """Serving workloads against an OpenAI-compatible endpoint, NELSSA vs NELSSA_OFF side by side:
 
-    nelssa bench single-long | multi-long | mixed | growth  [--preset cpu|h200] [--serve on,off | --endpoints on=URL,...]
+    nelssa bench single-long | multi-long | mixed | growth | hol-http  [--preset cpu|h200]
+                 [--serve on,off | --endpoints on=URL,...]
 
 * ``single-long`` / ``multi-long``: one / N concurrent long requests: TTFT, TPOT, decode tok/s.
 * ``mixed``: the Mooncake conversation trace (``nelssa.bench.trace``: lengths scaled to the model's
@@ -274,8 +275,8 @@ def plot_all(runs: dict[str, dict], summ: dict, out: str) -> list[str]:
                 lst.sort(key=lambda x: x[0])
                 lab = f"{_mode_name(mode)} {f}"
                 axes[0].plot([x for x, _ in lst], [s.get("decode_tok_s") or 0 for _, s in lst], marker="o", label=lab)
-                axes[1].plot([x for x, _ in lst], [_get(s, "classes.short.tpot_ms_p99") or float("nan") for _, s in lst],
-                             marker="o", label=lab)
+                p99 = [_get(s, "classes.short.tpot_ms_p99") or float("nan") for _, s in lst]
+                axes[1].plot([x for x, _ in lst], p99, marker="o", label=lab)
         axes[0].set_ylabel("decode tok/s")
         axes[1].set_ylabel("short TPOT p99 (ms)")
         for ax in axes:
