@@ -80,7 +80,7 @@ def test_pd_stack_end_to_end(tmp_path):
     groups: list[int] = []
     try:
         while not ready.wait(1.0):
-            if launcher.poll() is not None or time.monotonic() - t0 > 480:
+            if launcher.poll() is not None or time.monotonic() - t0 > 600:
                 logs = "".join(f"\n== {f}\n" + f.read_text()[-3000:] for f in sorted(log_dir.glob("*.log")))
                 pytest.fail("the stack did not become ready:\n" + "".join(lines) + logs)
         started = time.monotonic() - t0

@@ -100,11 +100,12 @@ def wait_healthy(urls: list[str], timeout: float, pids: dict[int, str]) -> None:
             time.sleep(1.0)
 
 
-def warmup(prefill: str, decode: str, tries: int, timeout: float = 60.0) -> None:
-    """One tiny request P -> D the way the proxy sends it, retried until D has read P's KV: D's first
-    NIXL handshake with P (a 5 s reply timeout in vLLM, nixl/base_worker.py ``_nixl_handshake``) can
-    miss on a loaded CPU box; D stays up and the next request tries again. Done here, no user request
-    pays for it or fails on it."""
+def warmup(prefill: str, decode: str, tries: int, timeout: float = 600.0) -> None:
+    """One tiny request P -> D the way the proxy sends it, until D has read P's KV: D's first NIXL
+    handshake with P (a 5 s reply timeout in vLLM, nixl/base_worker.py ``_nixl_handshake``) can miss on
+    a loaded CPU box; D answers that request with an error, stays up, and the next request tries again.
+    Retried on errors only: a slow answer is waited for (a second request beside a slow one only adds
+    load). Done here, no user request pays for it or fails on it."""
     import json as _json
 
     def post(url: str, body: dict) -> dict:
@@ -113,21 +114,24 @@ def warmup(prefill: str, decode: str, tries: int, timeout: float = 60.0) -> None
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return _json.loads(r.read())
 
-    with urllib.request.urlopen(decode + "/v1/models", timeout=timeout) as r:
+    with urllib.request.urlopen(decode + "/v1/models", timeout=60) as r:
         model = _json.loads(r.read())["data"][0]["id"]
     last = None
     for i in range(tries):
+        t = time.monotonic()
         try:
             p = post(prefill, {"model": model, "prompt": "warm up", "max_tokens": 1, "kv_transfer_params": {
                 "do_remote_decode": True, "do_remote_prefill": False}})
             post(decode, {"model": model, "prompt": "warm up", "max_tokens": 1,
                           "kv_transfer_params": p.get("kv_transfer_params")})
-            print(f"NIXL P->D warm-up done (try {i + 1})", flush=True)
+            print(f"NIXL P->D warm-up done in {time.monotonic() - t:.0f} s (try {i + 1})", flush=True)
             return
-        except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+        except urllib.error.HTTPError as e:  # an answer, e.g. D's 500 after a failed handshake: retry
             last = e
             print(f"NIXL P->D warm-up try {i + 1} failed: {e}", flush=True)
             time.sleep(2.0)
+        except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"P -> D warm-up failed: {type(e).__name__}: {e}") from None
     raise SystemExit(f"P -> D KV transfer failed {tries} times; last: {last}")
 
 
