@@ -15,7 +15,7 @@ from nelssa.bench import workloads as wl
 pytestmark = pytest.mark.engine
 
 SET = ["mixed.rates=[2.0]", "mixed.long_fractions=[0.3]", "mixed.n=3", "mixed.max_output=8"]
-SEED = 3  # 5.8 min with the first draw of 6 (three long prompts); this one took
+SEED = 3  # this draw: 3.2 min on the 2-core box (the first draft, 6 requests with three long prompts: 5.8 min)
 
 
 def test_mixed_smallest_against_real_servers(tmp_path, model_dir):
