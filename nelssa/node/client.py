@@ -32,7 +32,7 @@ from nelssa.node.server import is_loopback
 from nelssa.node.wire import (DTYPE_IDS, TOKEN_HEADER, W_BEAT, W_CLOSED, W_REQ_SEQ, W_RESP_SEQ, Limits, ShmChannel,
                               decode_result, encode_job, tensor_bytes)
 from nelssa.sparse import Selection, pack
-from nelssa.sparse.clustered import cluster_layers
+from nelssa.sparse.clustered import cluster_layers, part_stats
 
 log = logging.getLogger("nelssa.node.client")
 
@@ -92,20 +92,6 @@ class _Req:
         self.parts = 0
         self.bytes = 0          # on the node
         self.lost = ""          # why the node no longer holds it
-
-
-def _part_stats(keys: torch.Tensor, values: torch.Tensor, labels: torch.Tensor, C: int):
-    """Cluster sizes [H, C], stable order of tokens by cluster [H, n], centroids and value means
-    [H, C, D] (keys' dtype) of one clustered chunk (as ClusteredKV.append computes them)."""
-    H, n, D = keys.shape
-    sizes = torch.zeros(H, C, dtype=torch.long, device=keys.device)
-    sizes.scatter_add_(1, labels, torch.ones_like(labels))
-    perm = torch.sort(labels, dim=1, stable=True).indices
-    idx = labels.unsqueeze(-1).expand(H, n, D)
-    count = sizes.clamp_min(1).unsqueeze(-1)
-    cent = (torch.zeros(H, C, D, device=keys.device).scatter_add_(1, idx, keys.float()) / count).to(keys.dtype)
-    vmean = (torch.zeros(H, C, D, device=keys.device).scatter_add_(1, idx, values.float()) / count).to(keys.dtype)
-    return sizes, perm, cent, vmean
 
 
 class _GrpcPlane:
@@ -306,7 +292,7 @@ class NodeHostTier:
         part = r.parts
         labels = cluster_layers(keys, seed=cfg.seed + 1000 * part, cluster_size=cfg.cluster_size,
                                 segment=cfg.segment, iters=cfg.iters)
-        stats = [_part_stats(k, v, lab, C) for k, v, (lab, C) in zip(keys, values, labels)]
+        stats = [part_stats(k, v, lab, C) for k, v, (lab, C) in zip(keys, values, labels)]
         header = pb.StoreHeader(client_id=self.client_id, req_id=req_id, part=part, num_layers=self.num_layers,
                                 kv_heads=H, head_dim=D, dtype=DTYPE_IDS[dtype], tokens=n,
                                 clusters=[C for _, C in labels])

@@ -122,6 +122,20 @@ class _Pending:
     vmean: torch.Tensor
 
 
+def part_stats(keys: torch.Tensor, values: torch.Tensor, labels: torch.Tensor, C: int):
+    """Of one clustered chunk [H, n, D] with cluster ids ``labels`` [H, n] < C: cluster sizes [H, C],
+    the stable order of tokens by cluster [H, n], centroids and value means [H, C, D] (keys' dtype)."""
+    H, n, D = keys.shape
+    sizes = torch.zeros(H, C, dtype=torch.long, device=keys.device)
+    sizes.scatter_add_(1, labels, torch.ones_like(labels))
+    perm = torch.sort(labels, dim=1, stable=True).indices
+    idx = labels.unsqueeze(-1).expand(H, n, D)
+    count = sizes.clamp_min(1).unsqueeze(-1)
+    cent = (torch.zeros(H, C, D, device=keys.device).scatter_add_(1, idx, keys.float()) / count).to(keys.dtype)
+    vmean = (torch.zeros(H, C, D, device=keys.device).scatter_add_(1, idx, values.float()) / count).to(keys.dtype)
+    return sizes, perm, cent, vmean
+
+
 class ClusteredKV:
     """A request's clustered KV for one layer.
 
@@ -189,14 +203,7 @@ class ClusteredKV:
                              f"[{self.num_kv_heads}, *, {self.head_dim}] {self.dtype}")
         if labels is None:
             labels = segmented_kmeans(keys, seed=self.seed + self.num_parts, **self.params)
-        labels, C = labels
-        sizes = torch.zeros(H, C, dtype=torch.long, device=keys.device)
-        sizes.scatter_add_(1, labels, torch.ones_like(labels))
-        perm = torch.sort(labels, dim=1, stable=True).indices
-        idx = labels.unsqueeze(-1).expand(H, n, D)
-        count = sizes.clamp_min(1).unsqueeze(-1)
-        cent = (torch.zeros(H, C, D, device=keys.device).scatter_add_(1, idx, keys.float()) / count).to(self.dtype)
-        vmean = (torch.zeros(H, C, D, device=keys.device).scatter_add_(1, idx, values.float()) / count).to(self.dtype)
+        sizes, perm, cent, vmean = part_stats(keys, values, *labels)
         dev = self.device
         part = _Pending(n=n, kv=pack(keys, values, perm), sizes_cpu=sizes.cpu(), perm=perm.cpu(),
                         cent=cent.to(dev), sizes=sizes.to(device=dev, dtype=torch.int32), vmean=vmean.to(dev))
