@@ -82,6 +82,7 @@ class NelssaConfig:
     T_input: int = 2048           # prompt length (tokens) from which a request is "long"
     budget: float = 0.04          # fraction of a long request's tokens attended on the host tier
     estimate: bool = True         # approximate the unselected clusters by their centroids (device)
+    graphs: bool = True           # CUDA: centroid search replayed as captured graphs, one merge kernel
     sink: int = 16                # first tokens kept on the device
     recent: int = 64              # last tokens kept on the device
     chunk: int = 1024             # generated tokens clustered and appended to the host tier at once
@@ -156,6 +157,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_T_INPUT": ("T_input", int),
     "NELSSA_BUDGET": ("budget", float),
     "NELSSA_ESTIMATE": ("estimate", _bool),
+    "NELSSA_GRAPHS": ("graphs", _bool),
     "NELSSA_SINK": ("sink", int),
     "NELSSA_RECENT": ("recent", int),
     "NELSSA_CHUNK": ("chunk", int),

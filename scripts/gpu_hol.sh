@@ -3,6 +3,7 @@
 # stays warm), in back-to-back calls:
 #   bash scripts/gpu_hol.sh stage .bundle/N          # once per vLLM bundle part (the last one installs)
 #   bash scripts/gpu_hol.sh bench [hol args ...]     # build nelssa._C, run `nelssa bench hol` (both modes)
+#   bash scripts/gpu_hol.sh check [exact|throughput] # CUDA unit tests + benchmarks/gpu_validate.py (dummy 8B)
 # Carried folders: .bundle/N (../shared/gpu/make-vllm-bundle.sh .bundle), .gpumodel/dummy-llama-3.1-8b
 # (`nelssa make-dummy-model --out .gpumodel/dummy-llama-3.1-8b`: config + tokenizer). Results: $OUT.
 set -euo pipefail
@@ -13,7 +14,7 @@ export NELSSA_CACHE=/tmp/nelssa-cache PYTHONUNBUFFERED=1
 case "$what" in
   stage)
     for d in "$@"; do bash "$d/install-vllm-bundle.sh" "$d"; done ;;
-  bench)
+  bench|check)
     [ -d /tmp/site/vllm ] || { echo "vLLM is not installed: stage all bundle parts first" >&2; exit 2; }
     # the plugin's entry point, as an installed distribution would declare it
     mkdir -p /tmp/site/nelssa-0.1.0.dist-info
@@ -22,6 +23,12 @@ case "$what" in
     [ -f nelssa/_C*.so ] || python3 setup.py -q build_ext --inplace >/dev/null
     { lscpu | grep -E "Model name|^CPU\(s\)"; nvidia-smi --query-gpu=name,memory.total --format=csv; } | tee "$OUT/machine.txt"
     python3 -c "import vllm, nelssa._C; print('vllm', vllm.__version__)"
+    if [ "$what" = check ]; then
+      python3 -m pytest -q -p no:cacheprovider tests/test_cuda_split.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -n 15
+      python3 benchmarks/gpu_validate.py --out "$OUT/validate" --model .gpumodel/dummy-llama-3.1-8b \
+        ${1:+--only "$1"} 2>&1 | tee "$OUT/validate.log" | grep -vE "^(INFO|WARNING|DEBUG)" | tail -n 60
+      exit 0
+    fi
     mkdir -p "$OUT/hol"
     set -o pipefail
     rc=0

@@ -382,10 +382,10 @@ class NodeHostTier:
 
     # -------- attention
     def submit_attend(self, q: torch.Tensor, ckvs: list[RemoteKV], sel: Selection, scale: float,
-                      layer: int) -> Future:
+                      layer: int, pin_result: bool | None = None) -> Future:
         """One decode job for all requests of ``ckvs`` (queries [n, Hq, D]); a future of fp32
         (out [n, Hq, D], lse [n, Hq]) on the host."""
-        ready, pinned = sel.ready, q.is_cuda
+        ready, pinned = sel.ready, q.is_cuda if pin_result is None else pin_result  # pinned: for a device copy
         if q.is_cuda:
             q_cpu = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
             q_cpu.copy_(q.detach(), non_blocking=True)

@@ -148,10 +148,10 @@ class LocalHostTier:
 
     # -------- attention
     def submit_attend(self, q: torch.Tensor, ckvs: list[ClusteredKV], sel: Selection, scale: float,
-                      layer: int) -> Future:
+                      layer: int, pin_result: bool | None = None) -> Future:
         """Start host attention of q [n, Hq, D] over the selected clusters; returns a future of
         fp32 (out [n, Hq, D], lse [n, Hq]) on the host."""
-        ready, pinned = sel.ready, q.is_cuda
+        ready, pinned = sel.ready, q.is_cuda if pin_result is None else pin_result  # pinned: for a device copy
         if q.is_cuda:  # no wait on the caller's thread: pinned copy, the pool thread waits for the event
             q_cpu = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
             q_cpu.copy_(q.detach(), non_blocking=True)

@@ -64,9 +64,18 @@ def _pinned_buffer(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     return ring[1][ring[0]]
 
 
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [H, M, K] @ b [H, K, N] -> fp32. On CUDA with 16-bit b: a cast to b's dtype, fp32 accumulation
+    and output (cuBLAS tensor cores; the H200 profile: fp32 copies of the centroids cost more than the
+    products); elsewhere in fp32."""
+    if b.is_cuda and b.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(a.to(b.dtype), b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
 def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: float,
                     scale: float | None = None, estimate: bool = False, no_sync: bool = False,
-                    target: torch.Tensor | None = None) -> Selection:
+                    target: torch.Tensor | None = None, device_out: bool = False) -> Selection:
     """Rank clusters by the query heads' softmax probability mass and fill the budget.
 
     queries [B, Hq, D] (on the centroids' device). Per request and KV head: scores of its centroids
@@ -80,6 +89,8 @@ def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: floa
     a few calls: a caller consumes a selection (the host attention that reads it) before selecting
     twice more, as the decode step does layer by layer.
     ``target``: ``budget_targets(ckvs, budget)`` when the caller already has it (once per step).
+    ``device_out``: no copy at all; ``ids`` [B, H, cmax] and ``counts`` [B, H] stay on the device as
+    two tensors (for a caller that copies them itself, e.g. inside a captured CUDA graph).
     """
     B, Hq, D = queries.shape
     H = ckvs[0].num_kv_heads
@@ -87,19 +98,16 @@ def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: floa
     scale = D ** -0.5 if scale is None else scale
     dev = ckvs[0].centroids.device
     cmax = max(c.num_clusters for c in ckvs)
+    q = queries.to(device=dev).view(B, H, G, D)
     if B == 1:
-        cent, sizes, vm = ckvs[0].centroids.unsqueeze(0), ckvs[0].sizes.unsqueeze(0), ckvs[0].vmeans.unsqueeze(0)
-    else:
-        cent = torch.zeros(B, H, cmax, D, dtype=ckvs[0].centroids.dtype, device=dev)
-        vm = torch.zeros(B, H, cmax, D, dtype=ckvs[0].centroids.dtype, device=dev) if estimate else None
+        sizes = ckvs[0].sizes.unsqueeze(0)
+        logits = _bmm(q[0], ckvs[0].centroids.transpose(1, 2)).mul_(scale).unsqueeze(0)
+    else:  # per request (no padded copies of the centroids), into padded logits
         sizes = torch.zeros(B, H, cmax, dtype=torch.int32, device=dev)
+        logits = torch.empty(B, H, G, cmax, dtype=torch.float32, device=dev)
         for b, c in enumerate(ckvs):
-            cent[b, :, :c.num_clusters] = c.centroids
             sizes[b, :, :c.num_clusters] = c.sizes
-            if estimate:
-                vm[b, :, :c.num_clusters] = c.vmeans
-    q = queries.to(device=dev, dtype=torch.float32).view(B, H, G, D)
-    logits = torch.einsum("bhgd,bhcd->bhgc", q, cent.float()) * scale
+            torch.mul(_bmm(q[b], c.centroids.transpose(1, 2)), scale, out=logits[b, :, :, :c.num_clusters])
     empty = sizes == 0
     logits.masked_fill_(empty.unsqueeze(2), float("-inf"))
     mass = torch.softmax(logits, dim=-1).sum(2)
@@ -117,8 +125,15 @@ def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: floa
         lg = (logits + sizes.clamp_min(1).float().log().unsqueeze(2)).masked_fill(rest.unsqueeze(2), float("-inf"))
         lse = torch.logsumexp(lg, -1)                                   # [B, H, G]
         w = torch.softmax(lg, -1).nan_to_num_(0.0)  # rows with every cluster selected: all -inf -> 0
-        out = torch.einsum("bhgc,bhcd->bhgd", w, vm.float())
+        if B == 1:
+            out = _bmm(w[0], ckvs[0].vmeans).unsqueeze(0)
+        else:
+            out = torch.empty(B, H, G, D, dtype=torch.float32, device=dev)
+            for b, c in enumerate(ckvs):
+                out[b] = _bmm(w[b, :, :, :c.num_clusters], c.vmeans)
         est = (out.reshape(B, Hq, D), lse.reshape(B, Hq))
+    if device_out:
+        return Selection(ids, counts, est)
     if no_sync and dev.type == "cuda":
         bound = max(1, min(cmax, max(budget_tokens(budget, c.length) for c in ckvs)))
         ids_h = _pinned_buffer((B, H, bound), ids.dtype)

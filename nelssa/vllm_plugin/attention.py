@@ -43,6 +43,7 @@ class StepPlan:
     failed: dict[str, str] = field(default_factory=dict)
     cache: dict = field(default_factory=dict)  # per-step derived tensors, keyed by purpose
     split: dict = field(default_factory=dict)  # seconds of the forward's thread per part (SPLIT_PARTS)
+    graphs: Any = None              # CUDA: the engine's select_graph.SelectGraphs (config ``graphs``)
 
     def fail(self, req_id: str, msg: str) -> None:
         self.failed.setdefault(req_id, msg)
@@ -123,12 +124,12 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: t
     return out.reshape(n, hq, d), lse.reshape(n, hq)
 
 
-def flash_window(impl, q: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, md: Any, sink: int,
-                 bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Window attention on CUDA with FlashAttention's LSE: sink blocks and recent blocks (from H, which
-    is block aligned) as two paged calls, merged by vLLM's merge_attn_states -> fp32 (out, lse [n, Hq])."""
+def flash_window_parts(impl, q: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, md: Any, sink: int,
+                       bs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Window attention on CUDA with FlashAttention's LSE as partial states: the recent blocks (from H,
+    which is block aligned) and, with a sink, the sink blocks, each a paged call -> [(out [n, Hq, D] in
+    q's dtype, lse [n, Hq] fp32 (a transposed view))]."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
-    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
     dev, n = q.device, q.shape[0]
     key = ("fa",)  # one KV-cache group (asserted by the scheduler): every layer's batch is the same
     if key not in plan.cache:
@@ -150,12 +151,25 @@ def flash_window(impl, q: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, 
                   return_softmax_lse=True, fa_version=impl.vllm_flash_attn_version)
     o2, l2 = flash_attn_varlen_func(**common, max_seqlen_k=c["max_rec"], seqused_k=c["rec_len"],
                                     block_table=c["rec_bt"])
-    if sink == 0:
-        return o2.float(), l2.float().t()
-    o1, l1 = flash_attn_varlen_func(**common, max_seqlen_k=sink, seqused_k=c["sink_len"], block_table=c["sink_bt"])
+    parts = [(o2, l2.t())]
+    if sink:
+        o1, l1 = flash_attn_varlen_func(**common, max_seqlen_k=sink, seqused_k=c["sink_len"],
+                                        block_table=c["sink_bt"])
+        parts.append((o1, l1.t()))
+    return parts
+
+
+def flash_window(impl, q: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, md: Any, sink: int,
+                 bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window parts merged by vLLM's merge_attn_states -> fp32 (out, lse [n, Hq])."""
+    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+    parts = flash_window_parts(impl, q, kv_cache, plan, md, sink, bs)
+    if len(parts) == 1:
+        return parts[0][0].float(), parts[0][1].float()
+    (o2, l2), (o1, l1) = parts
     out = torch.empty_like(o1)
-    lse = torch.empty_like(l1, dtype=torch.float32)
-    merge_attn_states(out, o1, l1.float().contiguous(), o2, l2.float().contiguous(), output_lse=lse)
+    lse = torch.empty(l1.shape[::-1], dtype=torch.float32, device=o1.device)
+    merge_attn_states(out, o1, l1.t().contiguous(), o2, l2.t().contiguous(), output_lse=lse)
     return out.float(), lse.t()
 
 
@@ -200,6 +214,9 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
     base = super(type(self), self).forward
     if plan is None or not plan.rows or attn_metadata is None:
         return base(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+    if plan.graphs is not None and self.nelssa_backend == "flash" and not plan.failed:
+        return _forward_cuda(self, base, layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                             output_block_scale, plan)
     t = time.perf_counter()
     cfg: NelssaConfig = self.nelssa_cfg
     li = layer.nelssa_layer
@@ -277,6 +294,61 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
         out = torch.zeros_like(w_out)
     o = output.view(-1, self.num_heads, self.head_size)
     o.index_copy_(0, tok, out.to(o.dtype))
+    plan.lap("merge", t)
+    return output
+
+
+def _forward_cuda(self, base, layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                  output_block_scale, plan: StepPlan):
+    """The same four steps on CUDA in ~12 launches: the centroid search replayed as a captured graph
+    (select_graph), the host queries copied inside it; the window as partial states; one kernel merges
+    window, estimate and host result into the output rows (merge_kernel). Every row is live."""
+    from nelssa.vllm_plugin.merge_kernel import merge_into
+    t = time.perf_counter()
+    cfg: NelssaConfig = self.nelssa_cfg
+    li, host = layer.nelssa_layer, plan.host
+    q = query.view(-1, self.num_heads, self.head_size)
+    tok = plan.cache.get("tok")
+    if tok is None:
+        tok = plan.cache["tok"] = plan.token_idx.to(q.device)
+    # 1. centroid search (graph replay) and host attention submitted
+    fut = sel = None
+    try:
+        ckvs = [host.layer_kv(r, li) for r in plan.req_ids]
+        target = plan.cache.get("target")
+        if target is None:
+            target = plan.cache["target"] = budget_targets(ckvs, cfg.budget)
+        sel, q_host = plan.graphs.select(li, q, tok, ckvs, cfg.budget, self.scale, cfg.estimate, target, plan)
+        fut = host.submit_attend(q_host, ckvs, sel, self.scale, li, pin_result=True)
+    except Exception as e:  # noqa: BLE001 - any host-tier failure fails these requests, loudly
+        for r in plan.req_ids:
+            plan.fail(r, f"host tier (layer {li}): {type(e).__name__}: {e}")
+    t = plan.lap("select", t)
+    # 2. stock kernel, offloaded rows shrunk to one live token
+    base(layer, query, key, value, kv_cache, shrunk_metadata(plan, attn_metadata, self, "flash"), output,
+         output_scale, output_block_scale)
+    t = plan.lap("stock", t)
+    # 3. window parts
+    q_off = q.index_select(0, tok)
+    parts = flash_window_parts(self, q_off, kv_cache, plan, attn_metadata, cfg.sink, plan.cache["block_size"])
+    t = plan.lap("window", t)
+    # 4. host result, then one merge into the output rows (failed rows: zeros, finished with an error)
+    o = output.view(-1, self.num_heads, self.head_size)
+    ok = False
+    if fut is not None:
+        try:
+            h_out, h_lse = host.wait(fut, li)
+            t = plan.lap("wait", t)
+            if sel.estimate is not None:
+                parts.append(sel.estimate)
+            parts.append((h_out.to(q.device, non_blocking=True), h_lse.to(q.device, non_blocking=True)))
+            merge_into(o, tok, parts)
+            ok = True
+        except Exception as e:  # noqa: BLE001
+            for r in plan.req_ids:
+                plan.fail(r, f"host tier (layer {li}): {type(e).__name__}: {e}")
+    if not ok:
+        o.index_fill_(0, tok, 0.0)
     plan.lap("merge", t)
     return output
 

@@ -61,6 +61,10 @@ class NelssaRunnerMixin:
         self.nelssa_handoff = Handoff(self.nelssa_host, self._nelssa_layers, bs, cfg.sink, read_kv,
                                       on_done=runtime.handoff_done)
         runtime.set_host(self.nelssa_host)
+        self._nelssa_graphs = None
+        if cfg.graphs and self.device.type == "cuda":
+            from nelssa.vllm_plugin.select_graph import SelectGraphs
+            self._nelssa_graphs = SelectGraphs()
         log.info("NELSSA on: T_input=%d budget=%.3f sink=%d recent=%d chunk=%d, %d layers, host pool %d threads",
                  cfg.T_input, cfg.budget, cfg.sink, cfg.recent, cfg.chunk, len(layers), cfg.pool_threads)
 
@@ -151,6 +155,7 @@ class NelssaRunnerMixin:
         plan.failed.update({r: runtime.failed[r] for r in rids if r in runtime.failed})
         plan.cache["block_size"] = self.cache_config.block_size
         plan.cache["dtype"] = self.model_config.dtype
+        plan.graphs = self._nelssa_graphs
         return plan, moves
 
     def _nelssa_submit(self, moves: list[tuple[str, int, int]], plan: StepPlan) -> None:

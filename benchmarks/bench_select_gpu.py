@@ -1,0 +1,99 @@
+"""Where a split-attention layer's device time goes on CUDA: the centroid search (eager and as a
+captured graph) and the host attention it feeds, at the head-of-line scenario's shape (two 100K-token
+requests, Llama-3.1-8B heads: 32 query / 8 KV heads of 128, 8 tokens per cluster, budget 4%).
+
+    python3 benchmarks/bench_select_gpu.py --out DIR [--length 100000] [--batch 2]
+
+Writes select_gpu.json (GPU and host times per call) and select_gpu_ops.txt (the eager search's
+kernels by CUDA time, torch profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from nelssa.sparse import attend, cluster_kv, select_clusters
+from nelssa.sparse.search import budget_targets
+
+
+def gpu_ms(fn, n: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--length", type=int, default=100_000)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--budget", type=float, default=0.04)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    from nelssa.vllm_plugin.select_graph import SelectGraphs
+    H, G, D = 8, 4, 128
+    torch.manual_seed(0)
+    t = time.time()
+    ckvs = [cluster_kv(torch.randn(H, a.length, D, device="cuda", dtype=torch.bfloat16),
+                       torch.randn(H, a.length, D, device="cuda", dtype=torch.bfloat16), seed=b, cluster_size=8)
+            for b in range(a.batch)]
+    res = {"shape": dict(B=a.batch, L=a.length, H=H, G=G, D=D, clusters=ckvs[0].num_clusters, budget=a.budget),
+           "cluster_s": time.time() - t, "device": torch.cuda.get_device_name(0)}
+    q = torch.randn(a.batch + 3, H * G, D, device="cuda", dtype=torch.bfloat16)
+    tok = torch.arange(a.batch, device="cuda") + 1
+    target = budget_targets(ckvs, a.budget)
+    scale = D ** -0.5
+    for est in (True, False):
+        eager = lambda: select_clusters(q[tok], ckvs, a.budget, scale, estimate=est, no_sync=True, target=target)
+        res[f"eager_gpu_ms_est{int(est)}"] = gpu_ms(eager)
+        t = time.perf_counter()
+        for _ in range(20):
+            eager()
+        res[f"eager_cpu_ms_est{int(est)}"] = (time.perf_counter() - t) / 20 * 1e3
+        torch.cuda.synchronize()
+        g = SelectGraphs()
+        for _ in range(2):
+            g.select(0, q, tok, ckvs, a.budget, scale, est, target, None)
+        res[f"graph_gpu_ms_est{int(est)}"] = gpu_ms(lambda: g.select(0, q, tok, ckvs, a.budget, scale, est,
+                                                                      target, None))
+        t = time.perf_counter()
+        for _ in range(20):
+            g.select(0, q, tok, ckvs, a.budget, scale, est, target, None)
+        res[f"graph_cpu_ms_est{int(est)}"] = (time.perf_counter() - t) / 20 * 1e3
+    # the host attention this feeds (the engine's pool: config pool_threads)
+    sel = select_clusters(q[tok], ckvs, a.budget, scale)
+    qh = q[tok].cpu()
+    for _ in range(3):
+        attend(qh, ckvs, sel, scale)
+    t = time.perf_counter()
+    for _ in range(20):
+        attend(qh, ckvs, sel, scale)
+    res["host_attend_ms"] = (time.perf_counter() - t) / 20 * 1e3
+    res["selected_tokens"] = [int(x.sum()) for x in sel.tokens(ckvs)]
+    res["threads"] = torch.get_num_threads()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for _ in range(5):
+            select_clusters(q[tok], ckvs, a.budget, scale, estimate=True, no_sync=True, target=target)
+        torch.cuda.synchronize()
+    with open(os.path.join(a.out, "select_gpu_ops.txt"), "w") as f:
+        f.write(p.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    with open(os.path.join(a.out, "select_gpu.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

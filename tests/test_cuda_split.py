@@ -1,0 +1,98 @@
+"""The CUDA split-attention path's parts against the code they replace: the merge kernel
+(nelssa.vllm_plugin.merge_kernel) against nelssa.sparse.merge_states, and the captured centroid search
+(nelssa.vllm_plugin.select_graph) against select_clusters. On a CPU the merge kernel runs in Triton's
+interpreter (a subprocess: TRITON_INTERPRET is read when kernels are defined); the graphs need CUDA."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nelssa.sparse import cluster_kv, merge_states, select_clusters
+from nelssa.sparse.search import budget_targets
+
+CUDA = torch.cuda.is_available()
+
+
+def merge_case(device: str) -> None:
+    """Four parts (bf16 window parts with [Hq, n] LSEs as a transpose, an estimate with -inf rows, a
+    host part) merged into rows 1 and 4 of a bf16 output; equal to merge_states chained in fp32."""
+    from nelssa.vllm_plugin.merge_kernel import merge_into
+    g = torch.Generator().manual_seed(0)
+    n, hq, d = 2, 6, 64
+
+    def part(dtype=torch.float32, lse_t=False):
+        o = torch.randn(n, hq, d, generator=g).to(dtype)
+        lse = torch.randn(hq, n, generator=g) if lse_t else torch.randn(n, hq, generator=g)
+        return o.to(device), (lse.t() if lse_t else lse).to(device)
+
+    rec, sink = part(torch.bfloat16, True), part(torch.bfloat16, True)
+    est, host = part(), part()
+    est[1][0, :3] = float("-inf")  # every cluster selected for these heads: no estimate
+    out = torch.full((5, hq, d), 7.0, dtype=torch.bfloat16, device=device)
+    tok = torch.tensor([1, 4], device=device)
+    merge_into(out, tok, [rec, sink, est, host])
+    m, m_lse = merge_states(rec[0].float(), rec[1], sink[0].float(), sink[1])
+    m, m_lse = merge_states(m, m_lse, *est)
+    m, _ = merge_states(m, m_lse, *host)
+    assert (out[tok].float() - m).abs().max() < 2e-2  # bf16 output
+    assert (out[[0, 2, 3]] == 7).all()  # other rows untouched
+    one = torch.zeros(5, hq, d, device=device)
+    merge_into(one, tok, [host])  # a single part is itself
+    assert torch.allclose(one[tok], host[0], atol=1e-6)
+    with pytest.raises(ValueError):
+        merge_into(out, tok, [])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_merge_kernel_cuda():
+    merge_case("cuda")
+
+
+@pytest.mark.skipif(CUDA, reason="the CUDA test covers it")
+def test_merge_kernel_interpreted():
+    code = "import sys; sys.path.insert(0, 'tests'); from test_cuda_split import merge_case; merge_case('cpu')"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("estimate", [True, False])
+def test_select_graph_equals_eager(estimate):
+    """Eager (first sight), capture (second), replays (with new queries, and a new step's targets) all
+    give select_clusters' ids, counts and estimate; a commit (new centroid tensors) recaptures."""
+    from nelssa.vllm_plugin.select_graph import SelectGraphs
+    torch.manual_seed(0)
+    H, G, D = 4, 2, 64
+    ckvs = [cluster_kv(torch.randn(H, n, D, device="cuda").half(), torch.randn(H, n, D, device="cuda").half(),
+                       seed=i) for i, n in enumerate((3000, 1900))]
+    graphs = SelectGraphs()
+    tok = torch.tensor([2, 0], device="cuda")
+    for step in range(5):
+        q = torch.randn(3, H * G, D, device="cuda").half()
+        target = budget_targets(ckvs, 0.04)
+        sel, q_host = graphs.select(7, q, tok, ckvs, 0.04, 0.125, estimate, target, object())
+        ref = select_clusters(q[tok], ckvs, 0.04, 0.125, estimate=estimate)
+        if sel.ready is not None:
+            sel.ready.synchronize()
+        assert torch.equal(q_host.cpu(), q[tok].cpu())
+        for b in range(2):
+            k = int(ref.counts[b].max())
+            assert torch.equal(sel.counts[b].cpu(), ref.counts[b])
+            for h in range(H):
+                c = int(ref.counts[b][h])
+                assert torch.equal(sel.ids[b][h, :c].cpu(), ref.ids[b][h, :c]), (step, b, h)
+            assert k <= sel.ids[b].shape[-1]
+        if estimate:
+            for x, y in zip(sel.estimate, ref.estimate):
+                assert torch.allclose(x, y, atol=1e-4, equal_nan=True)
+    assert graphs.captures == 1 and graphs.replays == 3
+    more = torch.randn(H, 500, D, device="cuda").half()
+    ckvs[1].append(more, more)  # new centroid tensors: eager once, then a new capture
+    for _ in range(2):
+        graphs.select(7, q, tok, ckvs, 0.04, 0.125, estimate, budget_targets(ckvs, 0.04), object())
+    assert graphs.captures == 2
