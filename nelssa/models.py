@@ -97,6 +97,40 @@ def prepare_smollm2(force: bool = False) -> Path:
     return dest
 
 
+def prepare_smollm2_cut(layers: int = 8, force: bool = False) -> Path:
+    """SmolLM2 cut to its first ``layers`` decoder layers (its own weights, embeddings, final norm and
+    head; config ``num_hidden_layers`` set), cached beside the whole model.
+
+    For tests of the mechanism (token-exactness against NELSSA_OFF, device blocks, preemption,
+    lifecycle, errors): every layer runs the same code, so a cut model tests it at a fraction of the
+    CPU time; its text is not meant to be good. Accuracy tests use the whole model."""
+    full = prepare_smollm2()
+    dest = cache_dir() / "models" / f"{SMOLLM2_DIR}-{layers}l"
+    if (dest / OK_MARK).exists() and not force:
+        return dest
+    from safetensors.torch import load_file, save_file
+    cfg = json.loads((full / "config.json").read_text())
+    if not 1 <= layers <= cfg["num_hidden_layers"]:
+        raise ValueError(f"layers must be in 1..{cfg['num_hidden_layers']}, got {layers}")
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(full, tmp, ignore=shutil.ignore_patterns("*.safetensors", OK_MARK))
+    keep = {}
+    for k, v in load_file(str(full / "model.safetensors")).items():
+        parts = k.split(".")
+        if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
+            continue
+        keep[k] = v
+    save_file(keep, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    cfg["num_hidden_layers"] = layers
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    (tmp / OK_MARK).write_text(f"first {layers} layers of {full.name}")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    _log(f"cut SmolLM2 to {layers} layers in {dest}")
+    return dest
+
+
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
     "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,

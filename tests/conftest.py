@@ -28,6 +28,14 @@ def model_dir():
     return str(prepare_smollm2())
 
 
+@pytest.fixture(scope="session")
+def cut_model_dir():
+    """SmolLM2's first 8 layers (nelssa.models.prepare_smollm2_cut), for the engine tests of the
+    mechanism rather than of the model's answers."""
+    from nelssa.models import prepare_smollm2_cut
+    return str(prepare_smollm2_cut(8))
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))

@@ -1,10 +1,15 @@
 """NELSSA inside one vLLM 0.26 instance (CPU, SmolLM2, real engine): exactness vs NELSSA_OFF, device
 memory, preemption, lifecycle, errors, accuracy. Each engine runs in a fresh subprocess
-(nelssa.bench.harness)."""
+(nelssa.bench.harness). The mechanism tests run SmolLM2 cut to its first 8 layers
+(nelssa.models.prepare_smollm2_cut: every layer runs the same code, at ~1/4 of the CPU time); the
+needle test runs the whole model."""
 
 import pytest
 
 from harness_util import both, run_harness
+from nelssa.models import prepare_smollm2_cut
+
+CUT = str(prepare_smollm2_cut(8))
 
 NELSSA = {"T_input": 2048, "budget": 1.0, "chunk": 128}
 MIXED = [  # long prompts of real text mixed with short ones, in one batch
@@ -31,7 +36,7 @@ def tokens(res):
 def mixed():
     """fp32, budget 100%, chunked prefill (1024-token chunks), 70 blocks of 128 (8,960 tokens);
     2,048-token k-means segments, so completed segments are staged on the host during prefill."""
-    spec = {"nelssa": {**NELSSA, "segment": 2048, "migrate_watermark": 0.0}, "requests": MIXED,
+    spec = {"model": CUT, "nelssa": {**NELSSA, "segment": 2048, "migrate_watermark": 0.0}, "requests": MIXED,
             "engine": {"num_gpu_blocks_override": 70, "max_num_batched_tokens": 1024}}
     return both(spec)
 
@@ -92,7 +97,7 @@ def test_grown_request_migrates_without_recompute(mixed):
 def test_no_preemption_under_memory_pressure():
     """72 blocks of 128: three 2,900-token requests + 1 short decoding 100 tokens. The baseline must
     preempt; NELSSA gives the middle blocks back and runs all with zero preemptions, same tokens."""
-    spec = {"nelssa": NELSSA, "engine": {"num_gpu_blocks_override": 72, "max_num_batched_tokens": 1024},
+    spec = {"model": CUT, "nelssa": NELSSA, "engine": {"num_gpu_blocks_override": 72, "max_num_batched_tokens": 1024},
             "requests": [{"id": "a", "text_tokens": 2900, "max_tokens": 100},
                          {"id": "b", "text_tokens": 2900, "offset": 30000, "max_tokens": 100},
                          {"id": "c", "text_tokens": 2900, "offset": 60000, "max_tokens": 100},
@@ -109,7 +114,7 @@ def test_preempting_an_offloaded_request():
     """An offloaded long request (low priority) is preempted when two shorts grow; its host KV is
     freed, it is recomputed and offloaded again (its prompt staged again in 1,024-token segments),
     and its tokens still equal the baseline's."""
-    spec = {"nelssa": {**NELSSA, "segment": 1024}, "max_model_len": 3200,
+    spec = {"model": CUT, "nelssa": {**NELSSA, "segment": 1024}, "max_model_len": 3200,
             "engine": {"num_gpu_blocks_override": 210, "block_size": 16, "max_num_batched_tokens": 1024,
                        "scheduling_policy": "priority"},
             "requests": [{"id": "L", "text_tokens": 2900, "max_tokens": 300, "priority": 1},
@@ -125,7 +130,7 @@ def test_prefix_caching_with_freed_blocks():
     """Prefix caching stays on: the same long prompt arrives again while the first copy decodes
     (its middle blocks freed but still cached) and again after it finished. The repeats hit vLLM's
     prefix cache, are offloaded from the hit blocks, and their tokens equal the baseline's."""
-    spec = {"nelssa": NELSSA, "engine": {"num_gpu_blocks_override": 90, "max_num_batched_tokens": 1024,
+    spec = {"model": CUT, "nelssa": NELSSA, "engine": {"num_gpu_blocks_override": 90, "max_num_batched_tokens": 1024,
                                           "enable_prefix_caching": True},
             "requests": [{"id": "a", "text_tokens": 3000, "max_tokens": 32},
                          {"id": "b", "text_tokens": 3000, "max_tokens": 32, "add_at_step": 8},
@@ -143,7 +148,7 @@ def test_host_failure_is_an_error_not_text():
     """With every host attention failing, long requests end with finish_reason 'error' and no tokens
     from the failed step on (the first is the prefill's, the next few come from their device blocks
     while the hand-off runs); short requests in the same batch are unaffected."""
-    spec = {"mode": "on", "nelssa": NELSSA, "requests": MIXED[:5]}
+    spec = {"model": CUT, "mode": "on", "nelssa": NELSSA, "requests": MIXED[:5]}
     res = run_harness(spec, env={"NELSSA_FAULT": "attend"})
     r = res["results"]
     for rid in ("long3k", "long5k", "long7k"):
@@ -156,7 +161,7 @@ def test_host_failure_is_an_error_not_text():
 
 
 def test_request_over_host_capacity_is_rejected():
-    spec = {"mode": "on", "nelssa": {**NELSSA, "host_capacity": "64MiB"},
+    spec = {"model": CUT, "mode": "on", "nelssa": {**NELSSA, "host_capacity": "20MiB"},
             "requests": [{"id": "big", "text_tokens": 3000, "max_tokens": 8}, MIXED[4]]}
     r = run_harness(spec)["results"]
     assert r["big"]["finish_reason"] == "error"
@@ -165,7 +170,7 @@ def test_request_over_host_capacity_is_rejected():
 
 
 def test_unsupported_architecture_is_refused():
-    spec = {"mode": "on", "nelssa": NELSSA, "engine": {"hf_overrides": {"architectures": ["MistralForCausalLM"]}},
+    spec = {"model": CUT, "mode": "on", "nelssa": NELSSA, "engine": {"hf_overrides": {"architectures": ["MistralForCausalLM"]}},
             "requests": [MIXED[4]]}
     with pytest.raises(AssertionError, match="NELSSA supports Llama-family models"):
         run_harness(spec)
