@@ -225,7 +225,8 @@ def analyse(run: dict) -> dict:
         tpot = [1e3 * (r["stamps"][-1] - r["stamps"][0]) / (len(r["stamps"]) - 1) for r in shorts
                 if len(r["stamps"]) > 1 and lo <= r["stamps"][0] and r["stamps"][-1] < hi]
         inside = [t for t in all_stamps if lo <= t < hi]
-        gaps = [b - a for a, b in zip([lo] + inside, inside + [min(hi, all_stamps[-1] if all_stamps else hi)])]
+        end = min(hi, all_stamps[-1] if all_stamps else hi)  # no short token after the last one: no gap
+        gaps = [b - a for a, b in zip([lo] + inside, inside + [end])] if end > lo else []
         out[name] = {"short_ttft_p50_ms": _pct(ttft, 50), "short_ttft_p99_ms": _pct(ttft, 99),
                      "short_itl_p50_ms": _pct(itl, 50), "short_itl_p99_ms": _pct(itl, 99),
                      "short_tpot_p50_ms": _pct(tpot, 50), "short_tpot_p99_ms": _pct(tpot, 99),
