@@ -18,7 +18,8 @@ SET = ["mixed.rates=[2.0]", "mixed.long_fractions=[0.3]", "mixed.n=3", "mixed.ma
 SEED = 3  # this draw: 3.2 min on the 2-core box (the first draft, 6 requests with three long prompts: 5.8 min)
 
 
-def test_mixed_smallest_against_real_servers(tmp_path, model_dir):
+def test_mixed_smallest_against_real_servers(tmp_path, cut_model_dir):
+    model_dir = cut_model_dir  # SmolLM2's first 8 layers: the workload machinery, not the model
     if not os.path.exists(tr.default_trace()):
         pytest.skip("shared Mooncake trace not present")
     preset = wl._override(wl.PRESETS["cpu"], SET)

@@ -35,7 +35,8 @@ def _metric(text: str, name: str) -> float:
 
 
 @pytest.mark.engine
-def test_serve_long_and_short_with_metrics(model_dir, tmp_path):
+def test_serve_long_and_short_with_metrics(cut_model_dir, tmp_path):
+    model_dir = cut_model_dir  # SmolLM2's first 8 layers: the server and its metrics, not the answers
     port = _free_port()
     log = open(tmp_path / "server.log", "w")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -58,19 +59,19 @@ def test_serve_long_and_short_with_metrics(model_dir, tmp_path):
         tok = AutoTokenizer.from_pretrained(model_dir)
         long_prompt = text_of_tokens(tok, 3000, 12345)
         # the prompt's KV goes to the host tier in the background while the request keeps decoding on
-        # the device; 256 tokens leave the hand-off (k-means of ~3K tokens x 30 layers) ample time to
+        # the device; 256 tokens leave the hand-off (k-means of ~3K tokens x 8 layers) ample time to
         # finish, so the request switches to host attention before it ends
         r_long = _post(base + "/v1/completions", {"model": "smol", "prompt": long_prompt, "max_tokens": 256,
                                                   "temperature": 0, "ignore_eos": True})
         r_short = _post(base + "/v1/chat/completions", {"model": "smol", "max_tokens": 16, "temperature": 0,
                                                         "messages": [{"role": "user", "content": "Hi!"}]})
         assert r_long["usage"]["prompt_tokens"] >= 2048 and r_long["usage"]["completion_tokens"] == 256
-        assert r_short["choices"][0]["message"]["content"]
+        assert r_short["usage"]["completion_tokens"] > 0
         time.sleep(2)
         metrics = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
         assert _metric(metrics, "nelssa:long_requests_total") >= 1
         assert _metric(metrics, "nelssa:clustering_seconds_count") >= 1
-        assert _metric(metrics, "nelssa:host_attention_seconds_count") >= 30  # >= one step x 30 layers
+        assert _metric(metrics, "nelssa:host_attention_seconds_count") >= 8  # >= one step x 8 layers
         assert _metric(metrics, "nelssa:moved_tokens_total") >= 2048 - 16 - 64 - 128
         assert _metric(metrics, "nelssa:host_failures_total") == 0
         _metric(metrics, "nelssa:host_bytes")

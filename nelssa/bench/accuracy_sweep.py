@@ -22,17 +22,19 @@ import time
 
 
 def sweep(model_dir: str, lengths, depths, seed: int, budgets: list[float], *, dtype: str | None = None,
-          nelssa: dict | None = None, timeout: float | None = None, max_tokens: int = 12) -> dict:
+          nelssa: dict | None = None, timeout: float | None = None, max_tokens: int = 12,
+          per_haystack: int = 1) -> dict:
     from transformers import AutoTokenizer
 
     from nelssa.bench.accuracy import needle_requests, paired_verdict
     from nelssa.bench.harness import run_subprocess
     from nelssa.cpu import cpu_dtype
     tok = AutoTokenizer.from_pretrained(model_dir)
-    reqs, want = needle_requests(tok, lengths, depths, seed, max_tokens)
+    reqs, want = needle_requests(tok, lengths, depths, seed, max_tokens, per_haystack)
     dtype = dtype or cpu_dtype()
     tokens = sum(len(r["prompt_ids"]) + r["max_tokens"] for r in reqs)
-    spec = {"dtype": dtype, "requests": reqs, "max_model_len": max(len(r["prompt_ids"]) for r in reqs) + 64}
+    spec = {"dtype": dtype, "requests": reqs, "max_model_len": max(len(r["prompt_ids"]) for r in reqs) + 64,
+            "engine": {"enable_prefix_caching": True}}
 
     def score(res: dict) -> tuple[list[bool], dict]:
         ok = [v in res["results"][r["id"]]["text"] for r, v in zip(reqs, want)]

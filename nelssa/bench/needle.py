@@ -41,7 +41,7 @@ def make_prompt(tok, length: int, depth: float, seed: int, haystack: str = "essa
         prefix = f" The special magic number for {key} mentioned in the provided text is"
         return ids + tok.encode(prefix, add_special_tokens=False)
 
-    lo, hi = 1, 4 * length  # binary search on the number of sentences
+    lo, hi = 1, max(2, length // 2)  # sentences of the haystack: each is more than 2 tokens
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if len(encode(mid)) <= length:
@@ -49,6 +49,50 @@ def make_prompt(tok, length: int, depth: float, seed: int, haystack: str = "essa
         else:
             hi = mid - 1
     return encode(lo), value
+
+
+def make_multi_prompts(tok, length: int, depths, seed: int, haystack: str = "essay") -> list[tuple[list[int], str]]:
+    """One haystack of about ``length`` tokens holding a needle (its own key and value) at each of
+    ``depths``, and one prompt per needle asking for its value: [(prompt ids, expected value)]. The
+    prompts share everything up to the question, so a prefix cache prefills the haystack once."""
+    rng = random.Random(seed)
+    keys: list[str] = []
+    while len(keys) < len(depths):
+        k = f"{rng.choice(ADJ)}-{rng.choice(NOUN)}"
+        if k not in keys:
+            keys.append(k)
+    values = [str(rng.randint(1_000_000, 9_999_999)) for _ in depths]
+    head = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+            "I will quiz you about the numbers afterwards.\n")
+    pool = sentences() if haystack == "essay" else NOISE.split(". ")
+    start = rng.randrange(len(pool)) if haystack == "essay" else 0
+
+    def build(n_sent: int) -> str:
+        hay = [pool[(start + i) % len(pool)] for i in range(n_sent)]
+        for d, k, v in sorted(zip(depths, keys, values), reverse=True):  # deepest first: indices stay valid
+            hay.insert(int(round(d * n_sent)), f"One of the special magic numbers for {k} is: {v}.")
+        return " ".join(hay)
+
+    def encode(n_sent: int, k: str) -> list[int]:
+        msg = head + build(n_sent) + "\n" + f"What is the special magic number for {k} mentioned in the provided text?"
+        ids = tok.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        return ids + tok.encode(f" The special magic number for {k} mentioned in the provided text is",
+                                add_special_tokens=False)
+
+    longest = max(keys, key=len)  # searched with the longest key's prompt, then checked for all
+    lo, hi = 1, max(2, length // 2)  # sentences of the haystack: each is more than 2 tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(encode(mid, longest)) <= length:
+            lo = mid
+        else:
+            hi = mid - 1
+    while True:
+        out = [(encode(lo, k), v) for k, v in zip(keys, values)]
+        if lo == 1 or max(len(x) for x, _ in out) <= length:
+            return out
+        lo -= 1
 
 
 def score(outputs: list[str], expected: list[str]) -> float:
