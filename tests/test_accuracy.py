@@ -28,7 +28,7 @@ def test_systematic_loss_fails():
 
 
 def test_multi_needle_prompts_share_their_haystack(model_dir):
-    """The CI set's prompts: 2 needles per haystack, one prompt per needle, all of a haystack's prompts
+    """The "multi2" set's prompts: 2 needles per haystack, one prompt per needle, all of a haystack's prompts
     equal up to the question (so the prefix cache prefills it once) and within the length."""
     import os
 
@@ -36,7 +36,7 @@ def test_multi_needle_prompts_share_their_haystack(model_dir):
 
     from nelssa.bench.accuracy import FOLLOW_UP_STEP, SETS, needle_requests
     tok = AutoTokenizer.from_pretrained(model_dir)
-    s = SETS["ci"]
+    s = SETS["multi2"]
     reqs, want = needle_requests(tok, s["lengths"], s["depths"], s["seed"], 12, s["per_haystack"])
     assert len(reqs) == 32 and len(set(want)) == 32
     k = s["per_haystack"]
