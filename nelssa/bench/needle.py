@@ -18,37 +18,8 @@ NOUN = ["apple", "badger", "canyon", "dolphin", "engine", "forest", "garden", "h
 
 
 def make_prompt(tok, length: int, depth: float, seed: int, haystack: str = "essay") -> tuple[list[int], str]:
-    """(prompt token ids of about `length` tokens, expected value)."""
-    rng = random.Random(seed)
-    key = f"{rng.choice(ADJ)}-{rng.choice(NOUN)}"
-    value = str(rng.randint(1_000_000, 9_999_999))
-    needle = f"One of the special magic numbers for {key} is: {value}."
-    question = (f"What is the special magic number for {key} mentioned in the provided text?")
-    head = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-            "I will quiz you about the numbers afterwards.\n")
-    pool = sentences() if haystack == "essay" else NOISE.split(". ")
-    start = rng.randrange(len(pool)) if haystack == "essay" else 0
-
-    def build(n_sent: int) -> str:
-        hay = [pool[(start + i) % len(pool)] for i in range(n_sent)]
-        hay.insert(int(round(depth * n_sent)), needle)
-        return " ".join(hay)
-
-    def encode(n_sent: int) -> list[int]:
-        msg = head + build(n_sent) + "\n" + question
-        ids = tok.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
-        prefix = f" The special magic number for {key} mentioned in the provided text is"
-        return ids + tok.encode(prefix, add_special_tokens=False)
-
-    lo, hi = 1, max(2, length // 2)  # sentences of the haystack: each is more than 2 tokens
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if len(encode(mid)) <= length:
-            lo = mid
-        else:
-            hi = mid - 1
-    return encode(lo), value
+    """(prompt token ids of about `length` tokens, expected value): one needle at ``depth``."""
+    return make_multi_prompts(tok, length, (depth,), seed, haystack)[0]
 
 
 def make_multi_prompts(tok, length: int, depths, seed: int, haystack: str = "essay") -> list[tuple[list[int], str]]:
