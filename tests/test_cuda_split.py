@@ -76,11 +76,11 @@ def test_select_graph_equals_eager(estimate):
     for step in range(5):
         q = torch.randn(3, H * G, D, device="cuda").half()
         target = budget_targets(ckvs, 0.04)
-        sel, q_host = graphs.select(7, q, tok, ckvs, 0.04, 0.125, estimate, target, object())
+        sel, q_host, q_dev = graphs.select(7, q, tok, ckvs, 0.04, 0.125, estimate, target, object())
         ref = select_clusters(q[tok], ckvs, 0.04, 0.125, estimate=estimate)
         if sel.ready is not None:
             sel.ready.synchronize()
-        assert torch.equal(q_host.cpu(), q[tok].cpu())
+        assert torch.equal(q_host.cpu(), q[tok].cpu()) and torch.equal(q_dev, q[tok])
         for b in range(2):
             k = int(ref.counts[b].max())
             assert torch.equal(sel.counts[b].cpu(), ref.counts[b])

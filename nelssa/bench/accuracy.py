@@ -29,8 +29,8 @@ import re
 import time
 
 # Needle sets: (lengths, depths, seed). "full" is the former CI sweep (32 prompts, ~145K tokens of
-# prefill per mode); "ci" is the test's set (tests/test_vllm_nelssa.py::test_needle_accuracy_at_4_percent).
-# "ci" is the CI test's set (one needle per prompt, ~79K prefill tokens per mode). "multi2" puts 2
+# prefill per mode); "ci" is the test's set (tests/test_vllm_nelssa.py::test_needle_accuracy_at_4_percent,
+# one needle per prompt, ~79K prefill tokens per mode). "multi2" puts 2
 # needles (own keys and values) in each haystack and asks for each in its own prompt: 32 prompts from
 # 16 haystacks, ~40K prefill tokens per mode with vLLM's prefix cache. Measured 2026-12-01 (2-vCPU
 # AVX2 box, fp32) it is not sensitive enough for CI: dense 59.4%, NELSSA with 16-token clusters (a

@@ -208,6 +208,14 @@ def shrunk_metadata(plan: StepPlan, md: Any, impl: Any, backend: str) -> Any:
 
 # ---------------------------------------------------------------- the wrapped impl
 
+def _token_index(plan: StepPlan, device: torch.device) -> torch.Tensor:
+    """The offloaded rows' query-token indices on the device, copied once per step."""
+    tok = plan.cache.get("tok")
+    if tok is None:
+        tok = plan.cache["tok"] = plan.token_idx.to(device)
+    return tok
+
+
 def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
              output_block_scale=None):
     plan = current_plan()
@@ -222,9 +230,7 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
     li = layer.nelssa_layer
     backend = self.nelssa_backend
     q = query.view(-1, self.num_heads, self.head_size)
-    tok = plan.cache.get("tok")
-    if tok is None:
-        tok = plan.cache["tok"] = plan.token_idx.to(q.device)
+    tok = _token_index(plan, q.device)
     q_off = q.index_select(0, tok)
     host, live = plan.host, [r not in plan.failed for r in plan.req_ids]
 
@@ -308,17 +314,17 @@ def _forward_cuda(self, base, layer, query, key, value, kv_cache, attn_metadata,
     cfg: NelssaConfig = self.nelssa_cfg
     li, host = layer.nelssa_layer, plan.host
     q = query.view(-1, self.num_heads, self.head_size)
-    tok = plan.cache.get("tok")
-    if tok is None:
-        tok = plan.cache["tok"] = plan.token_idx.to(q.device)
+    tok = _token_index(plan, q.device)
     # 1. centroid search (graph replay) and host attention submitted
     fut = sel = None
+    q_off = None
     try:
         ckvs = [host.layer_kv(r, li) for r in plan.req_ids]
         target = plan.cache.get("target")
         if target is None:
             target = plan.cache["target"] = budget_targets(ckvs, cfg.budget)
-        sel, q_host = plan.graphs.select(li, q, tok, ckvs, cfg.budget, self.scale, cfg.estimate, target, plan)
+        sel, q_host, q_off = plan.graphs.select(li, q, tok, ckvs, cfg.budget, self.scale, cfg.estimate, target,
+                                                plan)
         fut = host.submit_attend(q_host, ckvs, sel, self.scale, li, pin_result=True)
     except Exception as e:  # noqa: BLE001 - any host-tier failure fails these requests, loudly
         for r in plan.req_ids:
@@ -328,8 +334,9 @@ def _forward_cuda(self, base, layer, query, key, value, kv_cache, attn_metadata,
     base(layer, query, key, value, kv_cache, shrunk_metadata(plan, attn_metadata, self, "flash"), output,
          output_scale, output_block_scale)
     t = plan.lap("stock", t)
-    # 3. window parts
-    q_off = q.index_select(0, tok)
+    # 3. window parts (the search's device rows, or gathered here when it failed)
+    if q_off is None:
+        q_off = q.index_select(0, tok)
     parts = flash_window_parts(self, q_off, kv_cache, plan, attn_metadata, cfg.sink, plan.cache["block_size"])
     t = plan.lap("window", t)
     # 4. host result, then one merge into the output rows (failed rows: zeros, finished with an error)

@@ -64,10 +64,11 @@ class SelectGraphs:
         return s
 
     def select(self, layer: int, q: torch.Tensor, tok: torch.Tensor, ckvs: list, budget: float, scale: float,
-               estimate: bool, target: torch.Tensor, step: object) -> tuple[Selection, torch.Tensor]:
-        """Selection for queries ``q[tok]`` and the queries the host tier reads (pinned host memory
-        once a graph runs; the device rows on an eager run). ``target``: ``budget_targets`` of this
-        step; ``step``: any object identifying the step (the static target is refilled once per step)."""
+               estimate: bool, target: torch.Tensor, step: object) -> tuple[Selection, torch.Tensor, torch.Tensor]:
+        """(selection for queries ``q[tok]``, the queries the host tier reads — pinned host memory once
+        a graph runs, the device rows on an eager run —, the device rows ``q[tok]``: valid until the
+        next call). ``target``: ``budget_targets`` of this step; ``step``: any object identifying the
+        step (the static target is refilled once per step)."""
         B = tok.shape[0]
         cmax = max(c.num_clusters for c in ckvs)
         bound = _bound(budget, ckvs, cmax)
@@ -84,12 +85,13 @@ class SelectGraphs:
             graph.replay()
             out["event"].record()
             self.replays += 1
-            return Selection(out["ids"], out["counts"], out["estimate"], ready=out["event"]), out["q_host"]
+            return (Selection(out["ids"], out["counts"], out["estimate"], ready=out["event"]), out["q_host"],
+                    s["q"])
         q_off = q.index_select(0, tok)
         if self.seen.get(layer) != key:  # first sight of this shape: eager, remembered
             self.seen[layer] = key
             return select_clusters(q_off, ckvs, budget, scale, estimate=estimate, no_sync=True,
-                                   target=target), q_off
+                                   target=target), q_off, q_off
         return self._capture(layer, key, q_off, ckvs, budget, scale, estimate, target, bound, step)
 
     def _capture(self, layer, key, q_off, ckvs, budget, scale, estimate, target, bound, step):
@@ -130,4 +132,4 @@ class SelectGraphs:
                      "id width %d); layers replay their graphs until a request's clusters change", layer, B,
                      max(c.num_clusters for c in ckvs), bound)
         self.captures += 1
-        return Selection(out["ids"], out["counts"], out["estimate"], ready=out["event"]), out["q_host"]
+        return Selection(out["ids"], out["counts"], out["estimate"], ready=out["event"]), out["q_host"], s["q"]
