@@ -62,6 +62,7 @@ def throughput(dummy: str) -> dict:
     reqs = [{"id": f"long{i}", "text_tokens": 16000, "offset": 37000 * i, "max_tokens": 64} for i in range(4)]
     reqs += [{"id": f"short{i}", "text_tokens": 1000, "offset": 11000 * i + 500, "max_tokens": 64} for i in range(16)]
     spec = {"cuda": True, "model": dummy, "dtype": "bfloat16", "requests": reqs, "max_model_len": 20000,
+            "sync_handoff": False,  # hand-offs in the background, as when serving
             "nelssa": {"T_input": 8192, "budget": 0.04, "segment": 4096},
             "engine": {"load_format": "dummy", "gpu_memory_utilization": 0.5, "max_num_batched_tokens": 8192}}
     res = {}

@@ -44,6 +44,23 @@ def test_migrated_request_anchor():
     assert p.goal(a, 1920 + 64 + 256) == 1920 + 256
 
 
+def test_device_only_opt_out():
+    """extra_args nelssa_offload false keeps a request of any length on the device (anchor 0, even
+    with a migration anchor); malformed values are errors, not guesses."""
+    from types import SimpleNamespace as NS
+
+    from nelssa.vllm_plugin.policy import device_only
+    p = Policy(T_input=2048, sink=16, recent=64, chunk=256, block_size=128)
+    assert p.anchor(5000, device_only=True) == 0 and p.anchor(1950, 2100, True) == 0
+    assert not p.is_long(5000, True) and p.is_long(5000)
+    for v, want in ((False, True), (0, True), ("off", True), ("False", True), (True, False), ("1", False)):
+        assert device_only(NS(extra_args={"nelssa_offload": v})) is want, v
+    assert not device_only(NS(extra_args=None)) and not device_only(NS(extra_args={"other": 1}))
+    for v in ("maybe", 2, 0.5, None):
+        with pytest.raises(ValueError, match="nelssa_offload"):
+            device_only(NS(extra_args={"nelssa_offload": v}))
+
+
 def test_long_prefill_chunk_keeps_step_cost_flat():
     from types import SimpleNamespace as NS
     llama8b = NS(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,

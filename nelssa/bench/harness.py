@@ -10,7 +10,9 @@ Spec "sync_handoff" (default true): after each step wait for NELSSA's background
 switch to host attention comes at deterministic steps (a run of `nelssa bench hol` keeps them
 asynchronous, as in serving).
 A request: {"id", "prompt_ids" | "text_tokens": n (+ "offset") | "chat": str, "max_tokens",
-"abort_at_step"?, "abort_on_migrate"?, "add_at_step"?, "priority"?}. "abort_on_migrate": aborted after
+"abort_at_step"?, "abort_on_migrate"?, "add_at_step"?, "after"?, "extra_args"?, "priority"?}. "after":
+the id of an earlier request; added in the step after that one finished. "extra_args": the request's
+SamplingParams.extra_args (e.g. {"nelssa_offload": false}). "abort_on_migrate": aborted after
 the first step in which NELSSA's scheduler is migrating it (anchor set, not yet switched); listed in
 the output's "aborted_migrating".
 """
@@ -31,7 +33,9 @@ def _rss_mb() -> int:
 
 def _engine(spec: dict):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_space_gib", 3)))  # CPU default: most of RAM
+    if "kv_space_gib" in spec:  # CPU KV cache size; vLLM's CPU default is most of RAM
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(spec["kv_space_gib"])
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "3")
     if spec["mode"] == "off":
         os.environ["NELSSA_OFF"] = "1"
     from vllm import LLM
@@ -76,7 +80,10 @@ def run(spec: dict) -> dict:
 
     reqs = spec["requests"]
     ids = {r["id"]: _prompt_ids(tok, r) for r in reqs}
-    pending = sorted(reqs, key=lambda r: r.get("add_at_step", 0))
+    pending = list(reqs)
+    for i, r in enumerate(reqs):
+        if "after" in r and r["after"] not in {x["id"] for x in reqs[:i]}:
+            raise ValueError(f"request {r['id']!r}: 'after' must name an earlier request, not {r['after']!r}")
     internal: dict[str, str] = {}  # our id -> scheduler id
     seen: dict[str, Any] = {}
     results: dict[str, dict] = {}
@@ -85,10 +92,10 @@ def run(spec: dict) -> dict:
     t0 = time.time()
     step = 0
     while step < spec.get("max_steps", 100000):
-        while pending and pending[0].get("add_at_step", 0) <= step:
-            r = pending.pop(0)
+        for r in [r for r in pending if r.get("add_at_step", 0) <= step and r.get("after", "") in (*results, "")]:
+            pending.remove(r)
             sp = SamplingParams(temperature=0, max_tokens=r.get("max_tokens", 16), ignore_eos=True,
-                                logprobs=spec.get("logprobs"))
+                                logprobs=spec.get("logprobs"), extra_args=r.get("extra_args"))
             internal[r["id"]] = eng.add_request(r["id"], {"prompt_token_ids": ids[r["id"]]}, sp,
                                                 priority=r.get("priority", 0))
         for r in reqs:
@@ -99,8 +106,13 @@ def run(spec: dict) -> dict:
                 eng.abort_request([r["id"]])
             if r.get("abort_at_step") == step and r["id"] not in results:
                 eng.abort_request([r["id"]])
-        if not pending and not sched.has_requests():  # as EngineCore: one more step flushes finished ids
-            break
+        if not sched.has_requests():
+            if not pending:  # as EngineCore: one more step flushes finished ids
+                break
+            waiting = {x["id"] for x in pending}
+            if all(r.get("after") in internal and r["after"] not in results and r["after"] not in waiting
+                   for r in pending):
+                raise RuntimeError(f"requests {sorted(waiting)} wait for requests that ended without a result")
         outs = eng.step()
         if sync_handoff:  # deterministic switch points for tests: each move done before the next step
             runner.nelssa_handoff.wait_all()

@@ -25,7 +25,7 @@ import grpc
 import torch
 
 from nelssa.config import NelssaConfig
-from nelssa.node.local import HostError, HostStats
+from nelssa.node.local import HostError, HostStats, pin_if, stage_queries
 from nelssa.node.proto import nelssa_node_pb2 as pb
 from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
 from nelssa.node.server import is_loopback
@@ -385,14 +385,7 @@ class NodeHostTier:
                       layer: int, pin_result: bool | None = None) -> Future:
         """One decode job for all requests of ``ckvs`` (queries [n, Hq, D]); a future of fp32
         (out [n, Hq, D], lse [n, Hq]) on the host."""
-        ready, pinned = sel.ready, q.is_cuda if pin_result is None else pin_result  # pinned: for a device copy
-        if q.is_cuda:
-            q_cpu = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
-            q_cpu.copy_(q.detach(), non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        else:
-            q_cpu = q.detach()
+        q_cpu, ready, pinned = stage_queries(q, sel, pin_result)
         req_ids = [c.req_id for c in ckvs]
         lengths = [c.length for c in ckvs]
         for c in ckvs:
@@ -420,9 +413,7 @@ class NodeHostTier:
             except ValueError as e:
                 raise HostError(f"nelssa-node result (layer {layer}): {e}") from None
             self.stats.add(attn_s=time.perf_counter() - t)
-            if pinned:
-                out, lse = out.pin_memory(), lse.pin_memory()
-            return out, lse
+            return pin_if((out, lse), pinned)
 
         return self._pool.submit(run)
 

@@ -70,6 +70,27 @@ class HostStats:
                 self.totals[k] = self.totals.get(k, 0) + v
 
 
+def stage_queries(q: torch.Tensor, sel: Selection, pin_result: bool | None):
+    """The caller's side of a host attention job, shared by both tiers -> (q on the host, event the
+    job's thread waits for or None, whether to pin the result). Device queries: a pinned
+    non-blocking copy and an event recorded after it (and after the selection's copies on the same
+    stream), so the caller's thread never waits; host queries are used as they are (the kernel takes
+    the KV dtype or fp32). ``pin_result`` None: pin when the queries are on the device (the caller
+    copies the result back without waiting for its stream)."""
+    pinned = q.is_cuda if pin_result is None else pin_result
+    if not q.is_cuda:
+        return q.detach(), sel.ready, pinned
+    q_cpu = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
+    q_cpu.copy_(q.detach(), non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return q_cpu, ready, pinned
+
+
+def pin_if(out: tuple[torch.Tensor, torch.Tensor], pinned: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(x.pin_memory() for x in out) if pinned else out
+
+
 class LocalHostTier:
     def __init__(self, cfg: NelssaConfig, num_layers: int):
         self.cfg = cfg
@@ -151,14 +172,7 @@ class LocalHostTier:
                       layer: int, pin_result: bool | None = None) -> Future:
         """Start host attention of q [n, Hq, D] over the selected clusters; returns a future of
         fp32 (out [n, Hq, D], lse [n, Hq]) on the host."""
-        ready, pinned = sel.ready, q.is_cuda if pin_result is None else pin_result  # pinned: for a device copy
-        if q.is_cuda:  # no wait on the caller's thread: pinned copy, the pool thread waits for the event
-            q_cpu = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
-            q_cpu.copy_(q.detach(), non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()  # after the selection's copies on the same stream: covers them too
-        else:
-            q_cpu = q.detach()  # the kernel takes q in the KV dtype or fp32
+        q_cpu, ready, pinned = stage_queries(q, sel, pin_result)
         fault = self.cfg.fault
 
         def run():
@@ -172,9 +186,7 @@ class LocalHostTier:
             # checked here, off the step's thread (which only collects the result)
             if not (torch.isfinite(out[0]).all() and not torch.isnan(out[1]).any()):
                 raise HostError(f"host attention of layer {layer} returned non-finite values")
-            if pinned:  # the caller copies it to the device without waiting for its stream
-                out = tuple(x.pin_memory() for x in out)
-            return out
+            return pin_if(out, pinned)
 
         return self._pool.submit(run)
 

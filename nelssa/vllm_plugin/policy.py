@@ -41,12 +41,14 @@ class Policy:
             raise ValueError(f"nelssa T_input ({self.T_input}) must be >= sink + recent + 2 * block_size "
                              f"({self.sink} + {self.recent} + 2 * {self.block_size})")
 
-    def is_long(self, prompt_len: int) -> bool:
-        return prompt_len >= self.T_input
+    def is_long(self, prompt_len: int, device_only: bool = False) -> bool:
+        return not device_only and prompt_len >= self.T_input
 
-    def anchor(self, prompt_len: int, migrated: int = 0) -> int:
+    def anchor(self, prompt_len: int, migrated: int = 0, device_only: bool = False) -> int:
         """A: ``migrated`` (the anchor the scheduler gave a migrating request) or a long prompt's length;
-        0: the request stays on the device."""
+        0: the request stays on the device (always for a ``device_only`` request)."""
+        if device_only:
+            return 0
         return migrated or (prompt_len if self.is_long(prompt_len) else 0)
 
     def goal(self, anchor: int, n: int) -> int:
@@ -64,6 +66,26 @@ class Policy:
     def freed_blocks(self, h: int) -> tuple[int, int]:
         """Device block range [first, last) that is on the host when [sink, h) is (empty if first >= last)."""
         return -(-self.sink // self.block_size), h // self.block_size
+
+
+OPT_OUT_KEY = "nelssa_offload"
+_FALSE, _TRUE = ("0", "false", "off", "no"), ("1", "true", "on", "yes")
+
+
+def device_only(sampling_params) -> bool:
+    """Whether a request opted out of the host tier: ``SamplingParams(extra_args={"nelssa_offload":
+    False})`` (OpenAI API: ``"vllm_xargs": {"nelssa_offload": 0}``). Such a request keeps all its KV
+    on the device and exact attention at any length, and never migrates. ValueError on a value that
+    is neither a boolean, 0/1 nor one of off/false/no/on/true/yes."""
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    if OPT_OUT_KEY not in extra:
+        return False
+    v = extra[OPT_OUT_KEY]
+    if isinstance(v, (bool, int)) and v in (0, 1):
+        return not v
+    if isinstance(v, str) and v.strip().lower() in _FALSE + _TRUE:
+        return v.strip().lower() in _FALSE
+    raise ValueError(f"{OPT_OUT_KEY} must be a boolean, 0/1 or one of {_FALSE + _TRUE}, not {v!r}")
 
 
 def prefill_chunk(budget: int, done: int, l_eq: float, block_size: int) -> int:

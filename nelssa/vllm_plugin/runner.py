@@ -25,7 +25,7 @@ from nelssa.vllm_plugin import runtime
 from nelssa.vllm_plugin.attention import StepPlan, read_kv, set_plan
 from nelssa.vllm_plugin.connector import step_anchors, step_host_ends
 from nelssa.vllm_plugin.handoff import Handoff
-from nelssa.vllm_plugin.policy import Policy
+from nelssa.vllm_plugin.policy import Policy, device_only
 
 log = logging.getLogger("vllm.nelssa")
 
@@ -128,7 +128,7 @@ class NelssaRunnerMixin:
             rid = ib.req_ids[i]
             s = so.num_scheduled_tokens[rid]
             prompt = self.requests[rid].num_prompt_tokens
-            a = pol.anchor(prompt, anchors.get(rid, 0))  # 0: on the device
+            a = pol.anchor(prompt, anchors.get(rid, 0), device_only(self.requests[rid].sampling_params))  # 0: device
             if a:
                 failed = rid in runtime.failed
                 c = int(ib.num_computed_tokens_cpu[i])

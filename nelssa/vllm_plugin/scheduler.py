@@ -32,6 +32,8 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
 * Errors: requests the worker reports failed (host-tier exception, timeout, missing KV) are finished
   with FINISHED_ERROR *before* this step's tokens are emitted, so no token computed from a failed
   attention reaches the client.
+* Opt-out: a request with ``extra_args={"nelssa_offload": False}`` (policy.device_only) is a short
+  request at any length: device KV, exact attention, never migrated; a malformed value is rejected.
 Reservations are released when a request finishes (preemption keeps it: the request comes back).
 """
 
@@ -47,7 +49,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from nelssa.config import mem_available, vllm_nelssa_config
 from nelssa.vllm_plugin.connector import find_connector, nelssa_worker_meta
-from nelssa.vllm_plugin.policy import attention_balance, host_bytes, prefill_chunk
+from nelssa.vllm_plugin.policy import attention_balance, device_only, host_bytes, prefill_chunk
 from nelssa.vllm_plugin.spec import NelssaSpec
 
 log = logging.getLogger("vllm.nelssa")
@@ -97,16 +99,21 @@ class NelssaScheduler(Scheduler):
         return host_bytes(request.num_prompt_tokens + request.max_tokens, *self._bytes_per)
 
     def add_request(self, request: Request) -> None:
-        if self.nelssa is None or not self.nelssa_policy.is_long(request.num_prompt_tokens) \
-                or request.request_id in self.requests:
+        if self.nelssa is None or request.request_id in self.requests:
+            return super().add_request(request)
+        msg = None
+        try:
+            long = self._long(request)
+        except ValueError as e:  # a malformed nelssa_offload: refused, not guessed
+            long, msg = True, f"nelssa: {e}"
+        if not long:
             return super().add_request(request)
         need = self._need(request)
-        msg = None
-        if need > self.host_capacity:
+        if msg is None and need > self.host_capacity:
             msg = (f"nelssa: request needs {need / 2**30:.2f} GiB of host-tier memory for "
                    f"{request.num_prompt_tokens} prompt + {request.max_tokens} max tokens; the host tier "
                    f"holds {self.host_capacity / 2**30:.2f} GiB (NELSSA_HOST_CAPACITY)")
-        elif self._blocks(request.num_prompt_tokens) > self.kv_cache_manager.block_pool.num_gpu_blocks - 1:
+        elif msg is None and self._blocks(request.num_prompt_tokens) > self.kv_cache_manager.block_pool.num_gpu_blocks - 1:
             msg = (f"nelssa: the {request.num_prompt_tokens}-token prompt needs more device KV blocks for its "
                    "prefill than the instance has")
         if msg is not None:
@@ -124,8 +131,12 @@ class NelssaScheduler(Scheduler):
         """Admitted long requests that still hold (or will hold) their whole prompt on the device."""
         return sum(1 for rid in self._reserved if rid in self.requests and not self._host_end.get(rid))
 
+    def _long(self, r: Request) -> bool:
+        return self.nelssa_policy.is_long(r.num_prompt_tokens, device_only(r.sampling_params))
+
     def _anchor_of(self, r: Request) -> int:
-        return self.nelssa_policy.anchor(r.num_prompt_tokens, self._anchor.get(r.request_id, 0))
+        return self.nelssa_policy.anchor(r.num_prompt_tokens, self._anchor.get(r.request_id, 0),
+                                         device_only(r.sampling_params))
 
     def _switch(self) -> None:
         """Set H for host-backed requests whose completed hand-offs now cover their anchor's range."""
@@ -153,7 +164,8 @@ class NelssaScheduler(Scheduler):
         if 1.0 - pool.get_num_free_blocks() / total < cfg.migrate_watermark:
             return
         cands = [r for r in self.running if r.status == RequestStatus.RUNNING and r.request_id not in self._anchor
-                 and not pol.is_long(r.num_prompt_tokens) and r.num_computed_tokens >= r.num_prompt_tokens
+                 and not pol.is_long(r.num_prompt_tokens) and not device_only(r.sampling_params)
+                 and r.num_computed_tokens >= r.num_prompt_tokens
                  and r.num_computed_tokens >= pol.T_input]
         if not cands:
             return
@@ -236,7 +248,7 @@ class NelssaScheduler(Scheduler):
             return thr
         done, short_decoding = None, False
         for r in self.running:
-            if pol.is_long(r.num_prompt_tokens):
+            if self._long(r):
                 if r.num_computed_tokens < r.num_prompt_tokens:
                     done = max(done or 0, r.num_computed_tokens)
             elif r.num_computed_tokens >= r.num_prompt_tokens:
