@@ -40,15 +40,12 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
-def _start(devices: int, cores: int, memory: str, ingest: int = 0,
-           switch_us: int | None = None) -> tuple[subprocess.Popen, int]:
+def _start(devices: int, cores: int, memory: str, ingest: int = 0) -> tuple[subprocess.Popen, int]:
     """A node whose devices share ``cores`` - ``ingest`` cores of this process's affinity; ``ingest``
     > 0: the last ones handle stores (--ingest-cores)."""
     avail = sorted(os.sched_getaffinity(0))
     per = max(1, (cores - ingest) // devices)
     extra = ["--ingest-cores", ",".join(str(c) for c in avail[-ingest:])] if ingest else []
-    if switch_us is not None:
-        extra += ["--gil-switch-us", str(switch_us)]
     p = subprocess.Popen([sys.executable, "-m", "nelssa.node", "--port", "0", "--devices", str(devices),
                           "--cores-per-device", str(per), "--device-memory", memory, "--log-level", "WARNING",
                           *extra],
@@ -159,7 +156,6 @@ def main() -> None:
     ap.add_argument("--fuzz", type=int, default=0,
                     help="also send this many malformed jobs per plane (nelssa.node.fuzz) and check the node's RSS")
     ap.add_argument("--ingest-cores", type=int, default=0, help="cores kept for the node's store handling")
-    ap.add_argument("--gil-switch-us", type=int, default=None, help="the node's --gil-switch-us (default: its own)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
@@ -167,7 +163,7 @@ def main() -> None:
     scale = D ** -0.5
     report = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": cores},
               "shape": dict(tokens=n, batch=a.batch, heads=H, qheads=Hq, dim=D, budget=a.budget),
-              "node": {"ingest_cores": a.ingest_cores, "gil_switch_us": a.gil_switch_us}, "cases": []}
+              "node": {"ingest_cores": a.ingest_cores}, "cases": []}
     try:
         from nelssa.cpu import cpu_model
         report["machine"]["cpu"] = cpu_model()
@@ -178,7 +174,7 @@ def main() -> None:
     vals = [torch.randn(H, n, D, generator=g) for _ in range(a.batch)]
     q = torch.randn(a.batch, Hq, D, generator=g)
     for nd in [int(x) for x in a.devices.split(",")]:
-        proc, port = _start(nd, cores, a.device_memory, a.ingest_cores, a.gil_switch_us)
+        proc, port = _start(nd, cores, a.device_memory, a.ingest_cores)
         try:
             for plane in a.planes.split(","):
                 cfg = NelssaConfig(engine="node", node_address=f"127.0.0.1:{port}", node_transport=plane,

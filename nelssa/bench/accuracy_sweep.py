@@ -23,7 +23,7 @@ import time
 
 def sweep(model_dir: str, lengths, depths, seed: int, budgets: list[float], *, dtype: str | None = None,
           nelssa: dict | None = None, timeout: float | None = None, max_tokens: int = 12,
-          per_haystack: int = 1) -> dict:
+          per_haystack: int = 1, T_input: int = 2048) -> dict:
     from transformers import AutoTokenizer
 
     from nelssa.bench.accuracy import needle_requests, paired_verdict
@@ -51,7 +51,7 @@ def sweep(model_dir: str, lengths, depths, seed: int, budgets: list[float], *, d
            "dense": {"accuracy": sum(dense_ok) / len(reqs), "by_length": dense_len, "wall_s": time.time() - t,
                      "tok_s": tokens / (time.time() - t)}, "budgets": {}}
     for b in budgets:
-        section = {"T_input": 2048, **(nelssa or {}), "budget": b}
+        section = {"T_input": T_input, **(nelssa or {}), "budget": b}
         print(f"[accuracy] NELSSA budget {b:g}", file=sys.stderr, flush=True)
         t = time.time()
         on = run_subprocess({**spec, "mode": "on", "nelssa": section}, timeout=timeout)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     out = a.out or os.path.join("results", time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-accuracy")
     os.makedirs(out, exist_ok=True)
     res = sweep(model, s["lengths"], s["depths"], s["seed"], [float(x) for x in a.budgets.split(",")], dtype=a.dtype,
-                timeout=a.timeout)
+                timeout=a.timeout, **{k: s[k] for k in ("per_haystack", "T_input") if k in s})
     res.update(command="nelssa bench accuracy " + " ".join(argv if argv is not None else sys.argv[1:]),
                time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), model=model)
     with open(os.path.join(out, "accuracy.json"), "w") as f:

@@ -61,9 +61,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lease-max-s", type=float, default=600.0)
     p.add_argument("--max-message-bytes", default="8MiB", help="largest message / shared-memory slot")
     p.add_argument("--poll-spin-us", type=int, default=2000)
-    p.add_argument("--gil-switch-us", type=int, default=200,
-                   help="Python's thread switch interval: how long a decode job's thread can wait for the GIL "
-                        "behind a store handler (Python's default is 5000)")
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (-1: off, 0: any)")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
@@ -73,10 +70,6 @@ def main(argv: list[str] | None = None) -> None:
     if a.token_file:
         with open(a.token_file) as f:
             token = f.read().strip()
-    # A device thread re-takes the GIL a few times per job (kernel call, result); behind a CPU-bound
-    # store handler each wait lasts up to the switch interval: with Python's 5 ms, decode jobs took
-    # 25-30 ms instead of 0.7 during a concurrent 100K-token store on the H200 host (bench_node).
-    sys.setswitchinterval(a.gil_switch_us * 1e-6)
     cores = _device_cores(a.device_cores, a.devices, a.cores_per_device)
     threads = a.threads_per_device or (len(cores[0]) if cores else 1)
     _omp_wait_policy(cores)
