@@ -14,7 +14,8 @@ def test_vllm_greedy_matches_transformers(model_dir):
     from nelssa.models import greedy_answer
 
     dtype = cpu_dtype()
-    llm = LLM(model=model_dir, enforce_eager=True, max_model_len=2048, dtype=dtype, seed=0)
+    # short chat prompts: 512-token steps (vLLM's CPU warm-up runs one forward of this size; 4096 by default)
+    llm = LLM(model=model_dir, enforce_eager=True, max_model_len=2048, max_num_batched_tokens=512, dtype=dtype, seed=0)
     tok = llm.get_tokenizer()
     try:
         for prompt in PROMPTS:
