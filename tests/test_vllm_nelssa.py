@@ -153,7 +153,8 @@ def test_host_failure_is_an_error_not_text():
     """With every host attention failing, long requests end with finish_reason 'error' and no tokens
     from the failed step on (the first is the prefill's, the next few come from their device blocks
     while the hand-off runs); short requests in the same batch are unaffected."""
-    spec = {"model": CUT, "mode": "on", "nelssa": NELSSA, "requests": MIXED[:5], "engine": {"max_num_batched_tokens": 1024}}
+    spec = {"model": CUT, "mode": "on", "nelssa": NELSSA, "requests": MIXED[:5],
+            "engine": {"max_num_batched_tokens": 1024}}
     res = run_harness(spec, env={"NELSSA_FAULT": "attend"})
     r = res["results"]
     for rid in ("long3k", "long5k", "long7k"):
@@ -168,7 +169,8 @@ def test_host_failure_is_an_error_not_text():
 def test_request_over_host_capacity_is_rejected():
     """A long request that cannot fit the host tier is rejected with the reason; the same prompt opted
     out of the host tier (nelssa_offload false) runs on the device; a malformed opt-out is rejected."""
-    spec = {"model": CUT, "mode": "on", "nelssa": {**NELSSA, "host_capacity": "20MiB"}, "engine": {"max_num_batched_tokens": 1024},
+    spec = {"model": CUT, "mode": "on", "nelssa": {**NELSSA, "host_capacity": "20MiB"},
+            "engine": {"max_num_batched_tokens": 1024},
             "requests": [{"id": "big", "text_tokens": 3000, "max_tokens": 8}, MIXED[4],
                          {"id": "big_device", "text_tokens": 3000, "max_tokens": 8,
                           "extra_args": {"nelssa_offload": False}},

@@ -80,10 +80,11 @@ def run(spec: dict) -> dict:
 
     reqs = spec["requests"]
     ids = {r["id"]: _prompt_ids(tok, r) for r in reqs}
-    pending = list(reqs)
-    for i, r in enumerate(reqs):
-        if "after" in r and r["after"] not in {x["id"] for x in reqs[:i]}:
+    pending, earlier = list(reqs), set()
+    for r in reqs:
+        if "after" in r and r["after"] not in earlier:
             raise ValueError(f"request {r['id']!r}: 'after' must name an earlier request, not {r['after']!r}")
+        earlier.add(r["id"])
     internal: dict[str, str] = {}  # our id -> scheduler id
     seen: dict[str, Any] = {}
     results: dict[str, dict] = {}
@@ -92,7 +93,8 @@ def run(spec: dict) -> dict:
     t0 = time.time()
     step = 0
     while step < spec.get("max_steps", 100000):
-        for r in [r for r in pending if r.get("add_at_step", 0) <= step and r.get("after", "") in (*results, "")]:
+        due = [r for r in pending if r.get("add_at_step", 0) <= step and ("after" not in r or r["after"] in results)]
+        for r in due:
             pending.remove(r)
             sp = SamplingParams(temperature=0, max_tokens=r.get("max_tokens", 16), ignore_eos=True,
                                 logprobs=spec.get("logprobs"), extra_args=r.get("extra_args"))
@@ -109,10 +111,10 @@ def run(spec: dict) -> dict:
         if not sched.has_requests():
             if not pending:  # as EngineCore: one more step flushes finished ids
                 break
-            waiting = {x["id"] for x in pending}
-            if all(r.get("after") in internal and r["after"] not in results and r["after"] not in waiting
-                   for r in pending):
-                raise RuntimeError(f"requests {sorted(waiting)} wait for requests that ended without a result")
+            # an 'after' target was added (so it is earlier and not pending) and has no result: never due
+            if all(r.get("after") in internal and r["after"] not in results for r in pending):
+                raise RuntimeError(f"requests {[r['id'] for r in pending]} wait for requests that ended "
+                                   "without a result")
         outs = eng.step()
         if sync_handoff:  # deterministic switch points for tests: each move done before the next step
             runner.nelssa_handoff.wait_all()

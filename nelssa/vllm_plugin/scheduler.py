@@ -101,28 +101,29 @@ class NelssaScheduler(Scheduler):
     def add_request(self, request: Request) -> None:
         if self.nelssa is None or request.request_id in self.requests:
             return super().add_request(request)
-        msg = None
         try:
             long = self._long(request)
         except ValueError as e:  # a malformed nelssa_offload: refused, not guessed
-            long, msg = True, f"nelssa: {e}"
+            return self._reject(request, f"nelssa: {e}")
         if not long:
             return super().add_request(request)
         need = self._need(request)
-        if msg is None and need > self.host_capacity:
-            msg = (f"nelssa: request needs {need / 2**30:.2f} GiB of host-tier memory for "
-                   f"{request.num_prompt_tokens} prompt + {request.max_tokens} max tokens; the host tier "
-                   f"holds {self.host_capacity / 2**30:.2f} GiB (NELSSA_HOST_CAPACITY)")
-        elif msg is None and self._blocks(request.num_prompt_tokens) > self.kv_cache_manager.block_pool.num_gpu_blocks - 1:
-            msg = (f"nelssa: the {request.num_prompt_tokens}-token prompt needs more device KV blocks for its "
-                   "prefill than the instance has")
-        if msg is not None:
-            log.error("rejecting request %s: %s", request.request_id, msg)
-            request.status = RequestStatus.FINISHED_ERROR
-            self._rejected.append((request, msg))
-            return
+        if need > self.host_capacity:
+            return self._reject(request, (
+                f"nelssa: request needs {need / 2**30:.2f} GiB of host-tier memory for "
+                f"{request.num_prompt_tokens} prompt + {request.max_tokens} max tokens; the host tier "
+                f"holds {self.host_capacity / 2**30:.2f} GiB (NELSSA_HOST_CAPACITY)"))
+        if self._blocks(request.num_prompt_tokens) > self.kv_cache_manager.block_pool.num_gpu_blocks - 1:
+            return self._reject(request, (f"nelssa: the {request.num_prompt_tokens}-token prompt needs more "
+                                          "device KV blocks for its prefill than the instance has"))
         self._held.append(request)
         self._admit_held()
+
+    def _reject(self, request: Request, msg: str) -> None:
+        """Finish ``request`` with an error result saying ``msg`` (emitted with the next step's outputs)."""
+        log.error("rejecting request %s: %s", request.request_id, msg)
+        request.status = RequestStatus.FINISHED_ERROR
+        self._rejected.append((request, msg))
 
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
