@@ -70,16 +70,25 @@ def test_serve_defaults_to_the_cpu_dtype(monkeypatch):
     assert cmd.count("--dtype") == 1 and cmd[cmd.index("--dtype") + 1] == "float16"
 
 
-def _engine_processes() -> set[int]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return {int(line.split()[0]) for line in out.splitlines()[1:] if "-m nelssa.bench.harness" in line}
+def _session_processes(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                out.append(int(d))
+    return out
 
 
 def test_engine_run_past_its_limit_fails_clearly():
     """A run past its limit raises EngineTimeout naming the run, the time, the CPU's flags and the
     hint, and leaves no engine process behind."""
     from nelssa.bench.harness import EngineTimeout, run_subprocess
-    before = _engine_processes()
     spec = {"mode": "on", "dtype": "bfloat16", "nelssa": {"budget": 0.04},
             "requests": [{"id": "x", "text_tokens": 3000, "max_tokens": 4}]}
     t0 = time.monotonic()
@@ -90,8 +99,9 @@ def test_engine_run_past_its_limit_fails_clearly():
     assert "2 s limit" in msg and "mode='on'" in msg and "dtype='bfloat16'" in msg and "~3000 prompt tokens" in msg
     assert "flags:" in msg and "engine dtype" in msg and "cpu_dtype()" in msg and "OMP_NUM_THREADS" in msg
     assert isinstance(ei.value, RuntimeError)  # callers that catch harness failures see it too
+    assert ei.value.pid > 0
     time.sleep(0.5)
-    assert _engine_processes() <= before
+    assert _session_processes(ei.value.pid) == []
 
 
 def test_cpu_module_runs():

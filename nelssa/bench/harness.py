@@ -1,6 +1,6 @@
 """Run a vLLM engine in-process (NELSSA on or off), step by step, and record what happened.
 
-Used by the integration tests (in a fresh subprocess each) and by the memory/accuracy reports:
+Used by the integration tests (in a fresh process each, forked from a server with vLLM imported) and by the memory/accuracy reports:
 per step and request the device blocks held, free blocks, host-tier bytes; at the end the outputs
 (token ids, logprobs, finish reasons), preemptions, aborts. Prints one JSON object.
 
@@ -158,6 +158,10 @@ def run(spec: dict) -> dict:
 class EngineTimeout(RuntimeError):
     """An engine run in run_subprocess exceeded its time limit (its process group was killed)."""
 
+    def __init__(self, msg: str, pid: int = 0):
+        super().__init__(msg)
+        self.pid = pid  # the run's process (its session id)
+
 
 def _describe_run(spec: dict) -> str:
     reqs = spec.get("requests", [])
@@ -166,41 +170,93 @@ def _describe_run(spec: dict) -> str:
             f"{len(reqs)} requests, ~{toks} prompt tokens")
 
 
+# Imported once by the fork server (vLLM's import is ~15 s of a run on a 2-vCPU box); each run is a
+# fresh process forked from it, so no engine state is shared between runs.
+_PRELOAD = ["vllm", "vllm.v1.engine.core", "vllm.v1.engine.llm_engine", "vllm.model_executor.models.llama",
+            "nelssa.vllm_plugin.model", "nelssa.vllm_plugin.scheduler", "nelssa.vllm_plugin.connector",
+            "nelssa.vllm_plugin.runner", "nelssa.bench.harness"]
+_ctx = None
+
+
+def _context():
+    global _ctx
+    if _ctx is None:
+        import multiprocessing as mp
+        _ctx = mp.get_context("forkserver")
+        _ctx.set_forkserver_preload(_PRELOAD)
+    return _ctx
+
+
+def _child(spec_json: str, env: dict, out_path: str) -> None:
+    """A run in a process forked from the fork server: own session (killable as a group), the caller's
+    environment, stdout/stderr to ``out_path + '.log'``, the result as JSON in ``out_path``."""
+    os.setsid()
+    fd = os.open(out_path + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1), os.dup2(fd, 2)
+    os.environ.clear()
+    os.environ.update(env)
+    res = run(json.loads(spec_json))
+    with open(out_path + ".tmp", "w") as f:
+        json.dump(res, f)
+    os.replace(out_path + ".tmp", out_path)
+    sys.stdout.flush(), sys.stderr.flush()
+
+
 def run_subprocess(spec: dict, env: dict | None = None, timeout: float | None = None) -> dict:
     """Run the harness in a fresh process (clean vLLM state) and return its JSON. NELSSA_OFF is not
     inherited: spec["mode"] decides; ``env`` adds to the environment. RuntimeError on failure;
     EngineTimeout (a RuntimeError) past ``timeout`` seconds, after killing the child's process group,
-    naming the run, the time, the CPU's relevant flags and what to change."""
+    naming the run, the time, the CPU's relevant flags and what to change.
+
+    The process is forked from a fork server that has vLLM imported (multiprocessing's "forkserver"
+    with a preload): a run starts at the engine, not at ``import vllm``."""
     import signal
-    import subprocess
+    import tempfile
     e = {k: v for k, v in os.environ.items() if k != "NELSSA_OFF"}
     e.update(env or {})
     t0 = time.monotonic()
-    p = subprocess.Popen([sys.executable, "-m", "nelssa.bench.harness"], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e, start_new_session=True)
-    try:
-        out, err = p.communicate(json.dumps(spec), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)  # the engine and anything it started
-        out, err = p.communicate()
-        from nelssa.cpu import describe
-        dt = time.monotonic() - t0
-        raise EngineTimeout(
-            f"engine run exceeded its {timeout:.0f} s limit and was killed after {dt:.0f} s: {_describe_run(spec)}.\n"
-            f"{describe()}.\n"
-            "Hint: an engine in bfloat16 on a CPU without avx512_bf16/amx_bf16 runs emulated bf16 GEMMs "
-            "(several times slower): use nelssa.cpu.cpu_dtype() for the dtype; check the threads vLLM "
-            "uses (VLLM_CPU_OMP_THREADS_BIND, OMP_NUM_THREADS) against the usable cores; else shrink "
-            f"the workload or raise the limit.\nlast stderr of the run:\n{(err or '')[-3000:]}") from None
-    except BaseException:
-        os.killpg(p.pid, signal.SIGKILL)  # e.g. KeyboardInterrupt: leave no engine behind
-        p.wait()
-        raise
-    for line in out.splitlines():
-        if line.startswith("HARNESS_JSON "):
-            return json.loads(line[len("HARNESS_JSON "):])
-    raise RuntimeError(f"harness failed (rc={p.returncode}, {time.monotonic() - t0:.0f} s, {_describe_run(spec)}):\n"
+    with tempfile.TemporaryDirectory(prefix="nelssa-harness-") as d:
+        out_path = os.path.join(d, "result.json")
+        p = _context().Process(target=_child, args=(json.dumps(spec), e, out_path), daemon=False)
+        p.start()
+        try:
+            p.join(timeout)
+        except BaseException:
+            _killpg(p.pid, signal.SIGKILL)  # e.g. KeyboardInterrupt: leave no engine behind
+            p.join()
+            raise
+        err = ""
+        if os.path.exists(out_path + ".log"):
+            with open(out_path + ".log", errors="replace") as f:
+                err = f.read()
+        if p.is_alive():
+            _killpg(p.pid, signal.SIGKILL)  # the engine and anything it started
+            p.join()
+            from nelssa.cpu import describe
+            dt = time.monotonic() - t0
+            raise EngineTimeout(
+                f"engine run exceeded its {timeout:.0f} s limit and was killed after {dt:.0f} s: {_describe_run(spec)}.\n"
+                f"{describe()}.\n"
+                "Hint: an engine in bfloat16 on a CPU without avx512_bf16/amx_bf16 runs emulated bf16 GEMMs "
+                "(several times slower): use nelssa.cpu.cpu_dtype() for the dtype; check the threads vLLM "
+                "uses (VLLM_CPU_OMP_THREADS_BIND, OMP_NUM_THREADS) against the usable cores; else shrink "
+                f"the workload or raise the limit.\nlast output of the run:\n{err[-3000:]}", pid=p.pid) from None
+        if p.exitcode == 0 and os.path.exists(out_path):
+            with open(out_path) as f:
+                return json.load(f)
+    raise RuntimeError(f"harness failed (rc={p.exitcode}, {time.monotonic() - t0:.0f} s, {_describe_run(spec)}):\n"
                        f"{err[-6000:]}")
+
+
+def _killpg(pid: int, sig: int) -> None:
+    """The run's process group (it is its own session leader), or the process if it has none yet."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def equal_prefix(a: list, b: list) -> int:
