@@ -83,6 +83,11 @@ class NelssaConfig:
     budget: float = 0.04          # fraction of a long request's tokens attended on the host tier
     estimate: bool = True         # approximate the unselected clusters by their centroids (device)
     graphs: bool = True           # CUDA: centroid search replayed as captured graphs, one merge kernel
+    lane: bool = False            # long lane (vllm_plugin/lane.py): offloaded requests decode apart from the
+                                  # step, so short rows never wait for the host tier
+    lane_switch_us: int = 200     # with the lane: Python's GIL switch interval (us) in the worker
+    lane_gather_ms: float = 50.0  # the lane waits up to this long for the long requests it reported to
+                                  # come back, so they run as one batch
     sink: int = 16                # first tokens kept on the device
     recent: int = 64              # last tokens kept on the device
     chunk: int = 1024             # generated tokens clustered and appended to the host tier at once
@@ -158,6 +163,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_BUDGET": ("budget", float),
     "NELSSA_ESTIMATE": ("estimate", _bool),
     "NELSSA_GRAPHS": ("graphs", _bool),
+    "NELSSA_LANE": ("lane", _bool),
     "NELSSA_SINK": ("sink", int),
     "NELSSA_RECENT": ("recent", int),
     "NELSSA_CHUNK": ("chunk", int),

@@ -35,8 +35,11 @@ def tokens(res):
 @pytest.fixture(scope="module")
 def mixed():
     """fp32, budget 100%, chunked prefill (1024-token chunks), 70 blocks of 128 (8,960 tokens);
-    2,048-token k-means segments, so completed segments are staged on the host during prefill."""
-    spec = {"model": CUT, "nelssa": {**NELSSA, "segment": 2048, "migrate_watermark": 0.0}, "requests": MIXED,
+    2,048-token k-means segments, so completed segments are staged on the host during prefill.
+    With the long lane (lane.py): offloaded requests decode apart from the step after their first
+    offloaded step, the aborted ones are dropped from it (the other tests run without it)."""
+    spec = {"model": CUT, "nelssa": {**NELSSA, "segment": 2048, "migrate_watermark": 0.0, "lane": True},
+            "requests": MIXED,
             "engine": {"num_gpu_blocks_override": 70, "max_num_batched_tokens": 1024}}
     return both(spec)
 
@@ -47,6 +50,8 @@ def test_exact_mixed_batch_chunked_prefill(mixed):
     for rid, ids in tokens(off).items():
         assert len(ids) == MAX_TOKENS[rid]
         assert tokens(on)[rid] == ids, rid
+    # the long lane computed most offloaded tokens (each long request's first offloaded step is a split step)
+    assert on["host_totals"]["lane_rows"] >= 3 * 20, on["host_totals"]
 
 
 def test_device_blocks_given_back(mixed):

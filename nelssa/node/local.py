@@ -43,6 +43,10 @@ class HostStats:
         self.offload_decode_step_s: list[float] = []  # the same, of such forwards without prefill chunks
         self.host_wait_s: list[float] = []     # per such step: time the forward's thread waited for host results
         self.offload_split_s: dict[str, float] = {}  # such steps' forward-thread seconds per part (summed)
+        self.lane_batch_s: list[float] = []    # long lane: wall time of each batch of jobs (one position each)
+        self.lane_rows = 0                     # long lane: rows computed
+        self.lane_step_s: list[float] = []     # forward wall time of steps with lane rows (no host wait)
+        self.lane_split_s: dict[str, float] = {}  # long lane: its thread's seconds per part (summed)
 
     def take(self) -> dict:
         with self._lock:
@@ -50,7 +54,9 @@ class HostStats:
                  "moved_tokens": self.moved_tokens, "failures": self.failures,
                  "handoff_wait_s": self.handoff_wait_s, "offload_step_s": self.offload_step_s,
                  "offload_decode_step_s": self.offload_decode_step_s,
-                 "host_wait_s": self.host_wait_s, "offload_split_s": self.offload_split_s}
+                 "host_wait_s": self.host_wait_s, "offload_split_s": self.offload_split_s,
+                 "lane_batch_s": self.lane_batch_s, "lane_rows": self.lane_rows, "lane_step_s": self.lane_step_s,
+                 "lane_split_s": self.lane_split_s}
             self.reset()
         return d
 

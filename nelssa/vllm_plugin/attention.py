@@ -44,6 +44,8 @@ class StepPlan:
     cache: dict = field(default_factory=dict)  # per-step derived tensors, keyed by purpose
     split: dict = field(default_factory=dict)  # seconds of the forward's thread per part (SPLIT_PARTS)
     graphs: Any = None              # CUDA: the engine's select_graph.SelectGraphs (config ``graphs``)
+    lane_rows: list[int] = field(default_factory=list)  # batch rows whose hidden state the lane computed
+    lane_tokens: list[int] = field(default_factory=list)  # their token indices in the flat batch
 
     def fail(self, req_id: str, msg: str) -> None:
         self.failed.setdefault(req_id, msg)
@@ -182,7 +184,7 @@ def shrunk_metadata(plan: StepPlan, md: Any, impl: Any, backend: str) -> Any:
     if key in plan.cache:
         return plan.cache[key]
     m = copy.copy(md)
-    rows = torch.tensor(plan.rows, dtype=torch.long, device=md.seq_lens.device)
+    rows = torch.tensor(plan.rows + plan.lane_rows, dtype=torch.long, device=md.seq_lens.device)
     seq = md.seq_lens.clone()
     bt = md.block_table.clone()
     bs = plan.cache["block_size"]
@@ -190,6 +192,8 @@ def shrunk_metadata(plan: StepPlan, md: Any, impl: Any, backend: str) -> Any:
     bt[rows, 0] = last_blk
     seq[rows] = 1
     m.seq_lens, m.block_table = seq, bt
+    if plan.lane_tokens and getattr(md, "slot_mapping", None) is not None:  # a backend writing KV in forward
+        m.slot_mapping = lane_masked_slots(plan, md.slot_mapping)
     if backend == "cpu":
         from vllm import _custom_ops as ops
         from vllm import envs
@@ -220,16 +224,54 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
              output_block_scale=None):
     plan = current_plan()
     base = super(type(self), self).forward
-    if plan is None or not plan.rows or attn_metadata is None:
+    if plan is None or not (plan.rows or plan.lane_rows) or attn_metadata is None:
         return base(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+
+    def stock():  # offloaded and lane rows shrunk to one live token
+        base(layer, query, key, value, kv_cache, shrunk_metadata(plan, attn_metadata, self, self.nelssa_backend),
+             output, output_scale, output_block_scale)
+
+    if not plan.rows:  # lane rows only: their hidden states are replaced before the logits
+        t = time.perf_counter()
+        stock()
+        plan.lap("stock", t)
+        return output
+    q = query.view(-1, self.num_heads, self.head_size)
+    split_attention(self, layer, q, kv_cache, attn_metadata, output.view(-1, self.num_heads, self.head_size), plan,
+                    stock)
+    return output
+
+
+def lane_masked_slots(plan: StepPlan, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The step's slot mapping with the lane rows' tokens set to -1 (vLLM's pad slot: not written)."""
+    key = ("slots", id(slot_mapping))
+    m = plan.cache.get(key)
+    if m is None:
+        m = slot_mapping.clone()
+        m[torch.tensor(plan.lane_tokens, dtype=torch.long, device=m.device)] = -1
+        plan.cache[key] = m
+    return m
+
+
+def _kv_update(self, layer, key, value, kv_cache, slot_mapping):
+    """vLLM's KV write, without the lane rows' tokens (the lane wrote their positions)."""
+    plan = current_plan()
+    if plan is not None and plan.lane_tokens:
+        slot_mapping = lane_masked_slots(plan, slot_mapping)
+    return super(type(self), self).do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+
+def split_attention(self, layer, q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any, o: torch.Tensor,
+                    plan: StepPlan, stock=None) -> None:
+    """Steps 1-4 for the plan's offloaded rows: q / o [T, Hq, D] (rows at ``plan.token_idx``);
+    ``attn_metadata.block_table`` rows at ``plan.rows``; ``stock`` (step 2) runs the stock kernel for the
+    whole batch (None in the lane, whose rows are all offloaded)."""
     if plan.graphs is not None and self.nelssa_backend == "flash" and not plan.failed:
-        return _forward_cuda(self, base, layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                             output_block_scale, plan)
+        return _forward_cuda(self, layer, q, kv_cache, attn_metadata, o, plan, stock)
     t = time.perf_counter()
     cfg: NelssaConfig = self.nelssa_cfg
     li = layer.nelssa_layer
     backend = self.nelssa_backend
-    q = query.view(-1, self.num_heads, self.head_size)
     tok = _token_index(plan, q.device)
     q_off = q.index_select(0, tok)
     host, live = plan.host, [r not in plan.failed for r in plan.req_ids]
@@ -254,9 +296,9 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
     t = plan.lap("select", t)
 
     # 2. stock kernel for every row, offloaded rows shrunk to one live token
-    md = shrunk_metadata(plan, attn_metadata, self, backend)
-    base(layer, query, key, value, kv_cache, md, output, output_scale, output_block_scale)
-    t = plan.lap("stock", t)
+    if stock is not None:
+        stock()
+        t = plan.lap("stock", t)
 
     # 3. window attention of the offloaded rows
     bs = plan.cache["block_size"]
@@ -298,14 +340,11 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
                 plan.fail(plan.req_ids[i], f"host tier (layer {li}): {type(e).__name__}: {e}")
     if out is None:
         out = torch.zeros_like(w_out)
-    o = output.view(-1, self.num_heads, self.head_size)
     o.index_copy_(0, tok, out.to(o.dtype))
     plan.lap("merge", t)
-    return output
 
 
-def _forward_cuda(self, base, layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                  output_block_scale, plan: StepPlan):
+def _forward_cuda(self, layer, q, kv_cache, attn_metadata, o, plan: StepPlan, stock):
     """The same four steps on CUDA in ~12 launches: the centroid search replayed as a captured graph
     (select_graph), the host queries copied inside it; the window as partial states; one kernel merges
     window, estimate and host result into the output rows (merge_kernel). Every row is live."""
@@ -313,7 +352,6 @@ def _forward_cuda(self, base, layer, query, key, value, kv_cache, attn_metadata,
     t = time.perf_counter()
     cfg: NelssaConfig = self.nelssa_cfg
     li, host = layer.nelssa_layer, plan.host
-    q = query.view(-1, self.num_heads, self.head_size)
     tok = _token_index(plan, q.device)
     # 1. centroid search (graph replay) and host attention submitted
     fut = sel = None
@@ -331,16 +369,15 @@ def _forward_cuda(self, base, layer, query, key, value, kv_cache, attn_metadata,
             plan.fail(r, f"host tier (layer {li}): {type(e).__name__}: {e}")
     t = plan.lap("select", t)
     # 2. stock kernel, offloaded rows shrunk to one live token
-    base(layer, query, key, value, kv_cache, shrunk_metadata(plan, attn_metadata, self, "flash"), output,
-         output_scale, output_block_scale)
-    t = plan.lap("stock", t)
+    if stock is not None:
+        stock()
+        t = plan.lap("stock", t)
     # 3. window parts (the search's device rows, or gathered here when it failed)
     if q_off is None:
         q_off = q.index_select(0, tok)
     parts = flash_window_parts(self, q_off, kv_cache, plan, attn_metadata, cfg.sink, plan.cache["block_size"])
     t = plan.lap("window", t)
     # 4. host result, then one merge into the output rows (failed rows: zeros, finished with an error)
-    o = output.view(-1, self.num_heads, self.head_size)
     ok = False
     if fut is not None:
         try:
@@ -357,7 +394,6 @@ def _forward_cuda(self, base, layer, query, key, value, kv_cache, attn_metadata,
     if not ok:
         o.index_fill_(0, tok, 0.0)
     plan.lap("merge", t)
-    return output
 
 
 def wrap_impl(layer, cfg: NelssaConfig) -> None:
@@ -374,7 +410,7 @@ def wrap_impl(layer, cfg: NelssaConfig) -> None:
         backend = "flash"
     else:
         raise ValueError(f"NELSSA supports the CPU_ATTN and FLASH_ATTN backends, not {name}")
-    cls = type(f"Nelssa{name}", (type(impl),), {"forward": _forward})
+    cls = type(f"Nelssa{name}", (type(impl),), {"forward": _forward, "do_kv_cache_update": _kv_update})
     impl.__class__ = cls
     impl.nelssa_cfg = cfg
     impl.nelssa_backend = backend

@@ -9,7 +9,8 @@ It moves no KV itself (in P/D it runs beside NixlConnector in a MultiConnector).
   * worker -> scheduler, each step (NelssaWorkerMeta): ``handoffs``, the ends of hand-offs completed
     since the last report (with the request's preemption count, so a stale report is ignored), and
     ``failed``, requests whose host-tier work failed (finished with an error before any token of
-    theirs from that step is emitted).
+    theirs from that step is emitted); ``lane``, the requests whose next position the long lane
+    computed (lane.py: the scheduler may schedule them again).
   * worker: the host tier's counters (KVConnectorStats) reach the API process, where
     build_prom_metrics exports them on /metrics.
 """
@@ -39,9 +40,11 @@ class NelssaConnectorMetadata(KVConnectorMetadata):
 class NelssaWorkerMeta(KVConnectorWorkerMetadata):
     failed: dict[str, str] = field(default_factory=dict)
     handoffs: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (end, generation)
+    lane: dict[str, int] = field(default_factory=dict)  # request -> position the lane computed (lane.py)
 
     def aggregate(self, other: "NelssaWorkerMeta") -> "NelssaWorkerMeta":
-        return NelssaWorkerMeta({**self.failed, **other.failed}, {**self.handoffs, **other.handoffs})
+        return NelssaWorkerMeta({**self.failed, **other.failed}, {**self.handoffs, **other.handoffs},
+                                {**self.lane, **other.lane})
 
 
 def _ours(obj, cls, children: str):
@@ -145,6 +148,12 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
             "offload_decode_step_s": per_engine(h(name="nelssa:offload_decode_step_seconds", labelnames=labelnames,
                                                   buckets=buckets, documentation="Forward wall time of steps with "
                                                   "offloaded rows and no prefill chunk")),
+            "lane_batch_s": per_engine(h(name="nelssa:lane_batch_seconds", labelnames=labelnames, buckets=buckets,
+                                         documentation="Long lane: one batch of offloaded rows (one token each)")),
+            "lane_rows": per_engine(c(name="nelssa:lane_rows", labelnames=labelnames,
+                                      documentation="Long lane: offloaded rows computed (tokens of long requests)")),
+            "lane_step_s": per_engine(h(name="nelssa:lane_step_seconds", labelnames=labelnames, buckets=buckets,
+                                        documentation="Forward wall time of steps with lane rows")),
             "host_wait_s": per_engine(h(name="nelssa:host_wait_seconds", labelnames=labelnames, buckets=buckets,
                                         documentation="Per step with offloaded rows: time waiting for host results")),
         }
@@ -152,11 +161,16 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
         self._split = c(name="nelssa:offload_split_seconds", labelnames=[*labelnames, "part"],
                         documentation="Steps with offloaded rows: forward-thread seconds per part of the split-batch "
                                       "layers (select, stock, window, wait, merge)")
+        self._lane_split = c(name="nelssa:lane_split_seconds", labelnames=[*labelnames, "part"],
+                             documentation="Long lane: its thread's seconds per part of the split attention "
+                                           "(select, window, wait, merge)")
         self._labels = per_engine_labelvalues
 
     def observe(self, data: dict[str, Any], engine_idx: int = 0):
         for part, x in data.get("offload_split_s", {}).items():
             self._split.labels(*self._labels[engine_idx], part).inc(x)
+        for part, x in data.get("lane_split_s", {}).items():
+            self._lane_split.labels(*self._labels[engine_idx], part).inc(x)
         for k, v in data.items():
             m = self.m.get(k)
             if m is None:
@@ -207,7 +221,9 @@ class NelssaConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self):
         new, done = runtime.take_new_failures(), runtime.take_handoffs()
-        return NelssaWorkerMeta(new, done) if new or done else None
+        lane = runtime.lane()
+        ln = lane.take_reports() if lane is not None else {}
+        return NelssaWorkerMeta(new, done, ln) if new or done or ln else None
 
     def get_kv_connector_stats(self):
         if self._role == KVConnectorRole.SCHEDULER:

@@ -52,6 +52,7 @@ class NelssaLlamaForCausalLM(LlamaForCausalLM):
         if vllm_config.speculative_config is not None:
             raise ValueError("NELSSA does not support speculative decoding (decode rows of long requests "
                              "must carry one query token)")
+        self.nelssa_inject = None  # (rows, hidden): the lane's hidden states for this step's lane rows
         for module in self.modules():
             if type(module) is Attention:
                 # our own model's layers become the NELSSA subclass (same state, extra behaviour)
@@ -59,3 +60,11 @@ class NelssaLlamaForCausalLM(LlamaForCausalLM):
                 module.nelssa_cfg = cfg
                 module.nelssa_layer = layer_index(module.layer_name)
                 wrap_impl(module, cfg)
+
+    def compute_logits(self, hidden_states, *args, **kwargs):
+        inj = getattr(self, "nelssa_inject", None)
+        if inj is not None:  # lane rows (lane.py): their hidden states come from the lane
+            self.nelssa_inject = None
+            rows, h = inj
+            hidden_states = hidden_states.index_copy(0, rows, h.to(hidden_states.dtype))
+        return super().compute_logits(hidden_states, *args, **kwargs)

@@ -9,12 +9,16 @@ Per step:
     k-means segments while it prefills, the rest of the prompt once processed, each filled chunk of
     generated tokens) are handed off in the background (handoff.Handoff.submit); completions go to
     the scheduler through the connector, which switches the request to them in a later step.
+  * with the long lane (config ``lane``, lane.py): an offloaded row whose next position the lane
+    computed is a lane row (its hidden state injected before the logits); after the sampling every
+    offloaded row of the step queues the lane job of its next position.
 Failures are collected per request and reported through the NELSSA KV connector.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import torch
@@ -38,7 +42,9 @@ class NelssaRunnerMixin:
         self.nelssa_cfg = vllm_nelssa_config(self.vllm_config.additional_config)
         self.nelssa_host: LocalHostTier | None = None
         self.nelssa_handoff: Handoff | None = None
+        self.nelssa_lane = None
         self._nelssa_so = None
+        self._nelssa_jobs: list[tuple[str, int, int, int]] = []  # this step's lane jobs: (request, row, pos, H)
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -65,6 +71,14 @@ class NelssaRunnerMixin:
         if cfg.graphs and self.device.type == "cuda":
             from nelssa.vllm_plugin.select_graph import SelectGraphs
             self._nelssa_graphs = SelectGraphs()
+        if cfg.lane:
+            from nelssa.vllm_plugin.lane import Lane
+            self.nelssa_lane = Lane(model, self._nelssa_layers, self.nelssa_host, cfg, bs, self.model_config.dtype,
+                                    self.device)
+            runtime.set_lane(self.nelssa_lane)
+            # the lane thread launches between host results; the step thread must get the GIL back
+            # within a fraction of a decode step, not Python's 5 ms
+            sys.setswitchinterval(min(sys.getswitchinterval(), cfg.lane_switch_us * 1e-6))
         log.info("NELSSA on: T_input=%d budget=%.3f sink=%d recent=%d chunk=%d, %d layers, host pool %d threads",
                  cfg.T_input, cfg.budget, cfg.sink, cfg.recent, cfg.chunk, len(layers), cfg.pool_threads)
 
@@ -82,6 +96,11 @@ class NelssaRunnerMixin:
         if host is None:
             return super().execute_model(scheduler_output, intermediate_tensors)
         preempted = scheduler_output.preempted_req_ids or set()
+        lane = self.nelssa_lane
+        if lane is not None:  # before this step may reuse their blocks (lane.py, 5)
+            lane.drop(scheduler_output.finished_req_ids | preempted)
+            if not scheduler_output.total_num_scheduled_tokens:
+                lane.wait_any(0.002)  # nothing to run but busy lane rows: do not spin against the lane
         for rid in scheduler_output.finished_req_ids | preempted:
             self.nelssa_handoff.drop(rid, preempted=rid in preempted)
             host.free(rid)
@@ -98,11 +117,23 @@ class NelssaRunnerMixin:
             return super()._model_forward(*args, **kwargs)
         plan, moves = self._nelssa_plan(so)
         set_plan(plan)
+        if plan.lane_rows:
+            dev = self.device
+            self.get_model().nelssa_inject = (
+                torch.tensor(plan.lane_rows, dtype=torch.long).to(dev, non_blocking=True),
+                torch.stack([self.nelssa_lane.take(r) for r in plan.cache["lane_rids"]]))
         t = time.perf_counter()
+        lock = self.nelssa_lane.dense_lock if self.nelssa_lane is not None else None
         try:
-            out = super()._model_forward(*args, **kwargs)
+            if lock is not None:
+                with lock:  # CPU: the lane's dense parts wait (lane.py, 5)
+                    out = super()._model_forward(*args, **kwargs)
+            else:
+                out = super()._model_forward(*args, **kwargs)
         finally:
             set_plan(None)
+        if plan.lane_rows:
+            self.nelssa_host.stats.add(lane_step_s=time.perf_counter() - t)
         if plan.rows:
             dt = time.perf_counter() - t
             self.nelssa_host.stats.add(offload_step_s=dt, host_wait_s=plan.split.get("wait", 0.0),
@@ -122,6 +153,7 @@ class NelssaRunnerMixin:
         in_use = step_host_ends(so.kv_connector_metadata)
         anchors = step_anchors(so.kv_connector_metadata)
         rows, rids, tok, hend, seqs, moves = [], [], [], [], [], []
+        lane, lrows, ltok, lrids, jobs = self.nelssa_lane, [], [], [], []
         bad: dict[str, str] = {}
         qpos = 0
         for i in range(ib.num_reqs):
@@ -135,12 +167,17 @@ class NelssaRunnerMixin:
                 n = c + s  # tokens with KV after this step
                 h = in_use.get(rid, 0)
                 if h:
-                    rows.append(i), rids.append(rid), tok.append(qpos), hend.append(h), seqs.append(n)
+                    if lane is not None and s == 1 and not failed and lane.ready(rid, c):
+                        lrows.append(i), ltok.append(qpos), lrids.append(rid)  # computed by the lane
+                    else:
+                        rows.append(i), rids.append(rid), tok.append(qpos), hend.append(h), seqs.append(n)
                     if s != 1:
                         bad[rid] = f"offloaded request scheduled {s} tokens in one step (1 supported)"
                     elif not failed:
                         try:
                             ho.ready(rid, h)
+                            if lane is not None:
+                                jobs.append((rid, i, n, h))  # its next position, after the sampling
                         except Exception as e:  # noqa: BLE001 - this request fails loudly; others go on
                             bad[rid] = f"hand-off of tokens up to {h} to the host tier: {type(e).__name__}: {e}"
                 # what should be on the host once this step has run: completed segments while a long
@@ -156,7 +193,34 @@ class NelssaRunnerMixin:
         plan.cache["block_size"] = self.cache_config.block_size
         plan.cache["dtype"] = self.model_config.dtype
         plan.graphs = self._nelssa_graphs
+        plan.lane_rows, plan.lane_tokens, plan.cache["lane_rids"] = lrows, ltok, lrids
+        self._nelssa_jobs = [j for j in jobs if j[0] not in bad]
         return plan, moves
+
+    def _sample(self, *args, **kwargs):
+        out = super()._sample(*args, **kwargs)
+        jobs, self._nelssa_jobs = self._nelssa_jobs, []
+        if jobs and self.nelssa_lane is not None:
+            self._nelssa_lane_submit(jobs, out.sampled_token_ids)
+        return out
+
+    def _nelssa_lane_submit(self, jobs, sampled: torch.Tensor) -> None:
+        """Queue the lane jobs of this step's offloaded rows (lane.py, 2): their sampled tokens as input."""
+        from nelssa.vllm_plugin.lane import Job
+        ev = None
+        if sampled.is_cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+        bt = self.input_batch.block_table[0].block_table.gpu
+        bs = self.cache_config.block_size
+        out = []
+        for rid, row, pos, h in jobs:
+            if rid in runtime.failed:
+                continue
+            out.append(Job(rid, pos, h, sampled[row, :1].clone(), bt[row, :pos // bs + 1].clone(), ev))
+        if ev is not None and out:  # the clones above ran on this stream: record after them
+            ev.record()
+        self.nelssa_lane.submit(out)
 
     def _nelssa_submit(self, moves: list[tuple[str, int, int]], plan: StepPlan) -> None:
         """Hand off the new ranges in the background (after this step's forward was launched)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 _host = None
+_lane = None
 _lock = threading.Lock()
 failed: dict[str, str] = {}   # request id -> why it failed; kept until the request is freed
 _reported: set[str] = set()
@@ -18,6 +19,16 @@ def set_host(host) -> None:
 
 def host():
     return _host
+
+
+def set_lane(lane) -> None:
+    global _lane
+    _lane = lane
+
+
+def lane():
+    """This worker's lane.Lane (config ``lane``), or None."""
+    return _lane
 
 
 def fail(req_id: str, msg: str) -> None:

@@ -32,6 +32,10 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
 * Errors: requests the worker reports failed (host-tier exception, timeout, missing KV) are finished
   with FINISHED_ERROR *before* this step's tokens are emitted, so no token computed from a failed
   attention reaches the client.
+* Long lane (config ``lane``, lane.py): a request scheduled with H > 0 is busy until the worker
+  reports the lane computed its next position; busy requests are left out of vLLM's running list
+  while it schedules (they keep their place), and their H does not move. vLLM allocates one slot
+  ahead for every request (num_lookahead_tokens >= 1) for the position the lane writes.
 * Opt-out: a request with ``extra_args={"nelssa_offload": False}`` (policy.device_only) is a short
   request at any length: device KV, exact attention, never migrated; a malformed value is rejected.
 Reservations are released when a request finishes (preemption keeps it: the request comes back).
@@ -71,8 +75,11 @@ class NelssaScheduler(Scheduler):
         self._done: dict[str, int] = {}      # request -> end of its completed hand-offs
         self._host_end: dict[str, int] = {}  # request -> H in use (shared with the manager and connector)
         self._anchor: dict[str, int] = {}    # migrating/migrated request -> anchor (shared with the connector)
+        self._busy: set[str] = set()         # lane: requests whose next position the lane computes
         if cfg is None:
             return
+        if cfg.lane:
+            self.num_lookahead_tokens = max(self.num_lookahead_tokens, 1)
         groups = self.kv_cache_config.kv_cache_groups
         specs = [g.kv_cache_spec for g in groups]
         if len(groups) != 1 or not isinstance(specs[0], NelssaSpec):
@@ -143,6 +150,8 @@ class NelssaScheduler(Scheduler):
         """Set H for host-backed requests whose completed hand-offs now cover their anchor's range."""
         pol = self.nelssa_policy
         for rid, done in self._done.items():
+            if rid in self._busy:
+                continue  # the lane reads its blocks from H on: H moves when it is scheduled
             r = self.requests.get(rid)
             a = self._anchor_of(r) if r is not None else 0
             if a and r.num_computed_tokens >= a:
@@ -183,6 +192,7 @@ class NelssaScheduler(Scheduler):
     def _preempt_request(self, request: Request, timestamp: float) -> None:
         rid = request.request_id
         self._done.pop(rid, None)
+        self._busy.discard(rid)
         self._host_end.pop(rid, None)
         if self._anchor.pop(rid, None) is not None:  # it comes back as a short request
             self._reserved.pop(rid, None)
@@ -236,10 +246,20 @@ class NelssaScheduler(Scheduler):
         base, thr = kvm.watermark_blocks, sc.long_prefill_token_threshold
         kvm.watermark_blocks = base + self._prefill_reserve()
         sc.long_prefill_token_threshold = self._long_chunk(thr)
+        hidden = [r for r in self.running if r.request_id in self._busy]
+        if hidden:  # in the lane: not scheduled (nor preempted) in this step
+            order = {id(r): i for i, r in enumerate(self.running)}
+            self.running = [r for r in self.running if r.request_id not in self._busy]
         try:
-            return super().schedule(*args, **kwargs)
+            out = super().schedule(*args, **kwargs)
         finally:
             kvm.watermark_blocks, sc.long_prefill_token_threshold = base, thr
+            if hidden:
+                n = len(order)
+                self.running = sorted(self.running + hidden, key=lambda r: order.get(id(r), n))
+        if self.nelssa.lane:
+            self._busy.update(r for r in out.num_scheduled_tokens if self._host_end.get(r))
+        return out
 
     def _long_chunk(self, thr: int) -> int:
         """This step's cap on a prefill chunk: policy.prefill_chunk at the deepest running long
@@ -260,6 +280,7 @@ class NelssaScheduler(Scheduler):
         return min(c, thr) if thr > 0 else c
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
+        self._busy.discard(request.request_id)
         self._reserved.pop(request.request_id, None)
         self._done.pop(request.request_id, None)
         self._host_end.pop(request.request_id, None)
@@ -285,6 +306,8 @@ class NelssaScheduler(Scheduler):
         kvo = model_runner_output.kv_connector_output
         meta = nelssa_worker_meta(kvo.kv_connector_worker_meta) if kvo is not None else None
         failed = getattr(meta, "failed", None)
+        for rid in getattr(meta, "lane", None) or {}:
+            self._busy.discard(rid)
         for rid, (end, gen) in (getattr(meta, "handoffs", None) or {}).items():
             r = self.requests.get(rid)
             if r is not None and gen == r.num_preemptions:  # else a report from before a preemption

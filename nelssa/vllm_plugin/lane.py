@@ -1,0 +1,262 @@
+"""The long lane: offloaded requests decode apart from the step, so short requests never wait for the
+host tier (config ``lane``; the paper's "the long request rejoins the next available batch").
+
+Without it a step that carries an offloaded row waits, layer by layer, for that row's host attention,
+and every short row of the step waits with it. With it:
+
+  1. Scheduler (NelssaScheduler): a request scheduled with its host range in use (H > 0) enters the
+     lane after that step and is not scheduled again until the worker reports its next position
+     computed (``busy``). vLLM allocates one slot ahead for every request (``num_lookahead_tokens``
+     >= 1), so the slot of the lane's position exists when the lane writes it. H of a busy request
+     does not move, so the KV-cache manager frees none of the blocks the lane reads.
+  2. Worker, after the step's sampling (runner ``_sample``): for each such row a job (request,
+     position p = its tokens with KV after the step, input token = the step's sampled token on the
+     device, its block-table row, H) is queued here; the step itself does not wait.
+  3. Lane thread (its own CUDA stream; waits for the sampling by an event): batches the queued jobs
+     (waiting up to ``lane_gather_ms`` for requests it reported to come back, so the long requests
+     stay in one batch: one host submission per layer, one captured centroid search) and runs the decoder layers for their rows with vLLM's modules: norm -> qkv -> rope -> KV write
+     at p's slot -> split attention (window on the device + the host tier over the selected
+     clusters, ``attention.split_attention``, the same code as a split step) -> o_proj -> MLP; the
+     final norm gives each row's hidden state. After the stream is done: reported (request -> p)
+     through the NELSSA connector; the scheduler clears ``busy``.
+  4. The step that schedules a request at the reported position is a "lane row": its KV write is
+     skipped (the lane wrote p), its attention is shrunk to one live token, and its hidden state is
+     replaced by the lane's before the logits (NelssaLlamaForCausalLM.compute_logits), so vLLM
+     samples it like any row (sampling parameters, logprobs, stop conditions). Then 2 again.
+  5. CPU: vLLM's CPU linear layers keep per-layer oneDNN handles that are not safe to use from two
+     threads at once, so the lane's dense parts and the step's forward take turns (``dense_lock``;
+     CUDA needs none).
+  6. A request finished or preempted while its job runs: the runner cancels the job and waits for it
+     (at most one layer) before the step that may reuse its blocks. A failing job fails its requests
+     (runtime.fail): they finish with an error, never with text from a failed attention.
+The first offloaded step of a request (H just switched) is a split step (attention.py); the lane
+takes over after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nelssa.vllm_plugin import runtime
+from nelssa.vllm_plugin.attention import StepPlan, split_attention
+
+log = logging.getLogger("vllm.nelssa")
+
+
+@dataclass
+class Job:
+    req_id: str
+    pos: int                 # the position the lane computes (its input token's)
+    host_end: int            # H: the host holds [sink, H) for this job
+    token: torch.Tensor      # [1] input token id (device; valid after ``event``)
+    blocks: torch.Tensor     # [nb] the request's block-table row (device)
+    event: Any = None        # CUDA event after the step's sampling (None on CPU)
+
+
+class _Window:
+    """The attention metadata the split attention reads for lane rows: their block tables."""
+
+    def __init__(self, block_table: torch.Tensor):
+        self.block_table = block_table
+
+
+def _call(m, *args):
+    """A vLLM CustomOp's fused CUDA path where it has one (eager calls of forward_native would launch
+    each elementwise op), else the module."""
+    f = getattr(m, "forward_cuda", None)
+    if f is not None and args[-1].is_cuda:
+        return f(*args)
+    return m(*args)
+
+
+class Lane:
+    def __init__(self, model, attn_layers: list, host, cfg, block_size: int, dtype, device: torch.device):
+        self.model, self.layers, self.host, self.cfg = model, attn_layers, host, cfg
+        self.decoder = list(model.model.layers)
+        if len(self.decoder) != len(attn_layers):
+            raise ValueError("the lane needs one NELSSA attention layer per decoder layer")
+        self.bs, self.dtype, self.device = block_size, dtype, device
+        self.cuda = device.type == "cuda"
+        # held by the step's forward and the lane's dense parts on CPU (5); a no-op lock on CUDA
+        self.dense_lock = threading.Lock() if not self.cuda else _null()
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.graphs = None
+        if self.cuda and cfg.graphs:
+            from nelssa.vllm_plugin.select_graph import SelectGraphs
+            self.graphs = SelectGraphs()  # its own: the step's split layers replay theirs concurrently
+        self._cv = threading.Condition()
+        self._queue: list[Job] = []
+        self._running: set[str] = set()
+        self._cancel: set[str] = set()
+        self._ready: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (pos, final hidden [H])
+        self._reported: dict[str, int] = {}
+        self._awaiting: set[str] = set()  # reported, their next job not yet queued
+        self._gather_s = cfg.lane_gather_ms / 1e3
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="nelssa-lane", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ step thread
+    def submit(self, jobs: list[Job]) -> None:
+        if not jobs:
+            return
+        with self._cv:
+            for j in jobs:
+                self._ready.pop(j.req_id, None)
+                self._awaiting.discard(j.req_id)
+            self._queue.extend(jobs)
+            self._cv.notify_all()
+
+    def ready(self, req_id: str, pos: int) -> bool:
+        with self._cv:
+            r = self._ready.get(req_id)
+        return r is not None and r[0] == pos
+
+    def busy(self, req_id: str) -> bool:
+        with self._cv:
+            return req_id in self._running or any(j.req_id == req_id for j in self._queue)
+
+    def take(self, req_id: str) -> torch.Tensor:
+        with self._cv:
+            return self._ready.pop(req_id)[1]
+
+    def drop(self, req_ids) -> None:
+        """Forget these requests (finished or preempted): queued jobs removed, a running job cancelled
+        and waited for, so nothing of the lane writes their blocks after this returns."""
+        ids = set(req_ids)
+        if not ids:
+            return
+        with self._cv:
+            self._queue = [j for j in self._queue if j.req_id not in ids]
+            for r in ids:
+                self._ready.pop(r, None)
+                self._reported.pop(r, None)
+            self._awaiting -= ids
+            self._cancel |= ids & self._running
+            while self._running & ids:
+                self._cv.wait(0.1)
+            self._cancel -= ids
+
+    def wait_any(self, timeout: float) -> None:
+        """Block (without the GIL) until a job ends or ``timeout`` passes: an engine step with nothing
+        to schedule but busy requests does not spin against the lane thread."""
+        with self._cv:
+            if self._queue or self._running:
+                self._cv.wait(timeout)
+
+    def take_reports(self) -> dict[str, int]:
+        with self._cv:
+            out, self._reported = self._reported, {}
+        return out
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------ lane thread
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                end = time.monotonic() + self._gather_s
+                while self._awaiting and not self._stop and time.monotonic() < end:
+                    self._cv.wait(max(0.0, end - time.monotonic()))
+                if self._stop:
+                    return
+                jobs, self._queue = self._queue, []
+                self._running = {j.req_id for j in jobs}
+            t0 = time.perf_counter()
+            try:
+                hidden, failed = self._run(jobs)
+            except Exception as e:  # noqa: BLE001 - these requests fail loudly; the lane goes on
+                log.exception("NELSSA lane: a job batch failed")
+                hidden, failed = None, {j.req_id: f"lane: {type(e).__name__}: {e}" for j in jobs}
+            dt = time.perf_counter() - t0
+            with self._cv:
+                for i, j in enumerate(jobs):
+                    if j.req_id in self._cancel:
+                        continue
+                    if j.req_id in failed:
+                        runtime.fail(j.req_id, failed[j.req_id])
+                    elif hidden is not None:
+                        self._ready[j.req_id] = (j.pos, hidden[i])
+                        self._reported[j.req_id] = j.pos
+                        self._awaiting.add(j.req_id)
+                self._running = set()
+                self._cv.notify_all()
+            self.host.stats.add(lane_batch_s=dt, lane_rows=len(jobs))
+
+    def _run(self, jobs: list[Job]) -> tuple[torch.Tensor | None, dict[str, str]]:
+        n, dev = len(jobs), self.device
+        with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.cuda else _null()):
+            if self.cuda:
+                for j in jobs:
+                    if j.event is not None:
+                        self.stream.wait_event(j.event)
+            ids = torch.cat([j.token.reshape(1) for j in jobs]).long()
+            pos = torch.tensor([j.pos for j in jobs], dtype=torch.long, device=dev)
+            nb = max(int(j.blocks.shape[0]) for j in jobs)
+            bt = torch.zeros(n, nb, dtype=jobs[0].blocks.dtype, device=dev)
+            for i, j in enumerate(jobs):
+                bt[i, :j.blocks.shape[0]] = j.blocks
+            slots = (bt.gather(1, (pos // self.bs).unsqueeze(1)).squeeze(1).long() * self.bs + pos % self.bs)
+            md = _Window(bt)
+            plan = StepPlan(self.host, [j.req_id for j in jobs], list(range(n)),
+                            torch.arange(n, dtype=torch.long), [j.host_end for j in jobs], [j.pos + 1 for j in jobs])
+            plan.cache["block_size"], plan.cache["dtype"] = self.bs, self.dtype
+            plan.graphs = self.graphs
+            with self.dense_lock:
+                h = self.model.model.embed_input_ids(ids)
+            residual = None
+            for layer, attn in zip(self.decoder, self.layers):
+                if self._cancel >= set(plan.req_ids):
+                    return None, {}
+                h, residual = self._layer(layer, attn, pos, h, residual, slots, md, plan)
+            with self.dense_lock:
+                h, _ = _call(self.model.model.norm, h, residual)
+            if self.cuda:
+                self.stream.synchronize()
+        self.host.stats.add(lane_split_s=plan.split)
+        return h, dict(plan.failed)
+
+    def _layer(self, layer, attn, pos, h, residual, slots, md, plan):
+        """One decoder layer for the lane rows (vLLM's LlamaDecoderLayer with the split attention)."""
+        sa, impl = layer.self_attn, attn.impl
+        with self.dense_lock:
+            if residual is None:
+                residual = h
+                h = _call(layer.input_layernorm, h)
+            else:
+                h, residual = _call(layer.input_layernorm, h, residual)
+            qkv, _ = sa.qkv_proj(h)
+            q, k, v = qkv.split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
+            q, k = _call(sa.rotary_emb, pos, q, k)
+            n = q.shape[0]
+            impl.do_kv_cache_update(attn, k.reshape(n, impl.num_kv_heads, impl.head_size),
+                                    v.reshape(n, impl.num_kv_heads, impl.head_size), attn.kv_cache, slots)
+        out = torch.empty(n, impl.num_heads, impl.head_size, dtype=q.dtype, device=q.device)
+        split_attention(impl, attn, q.reshape(n, impl.num_heads, impl.head_size), attn.kv_cache, md, out, plan,
+                        stock=None)
+        with self.dense_lock:
+            h, _ = sa.o_proj(out.reshape(n, -1))
+            h, residual = _call(layer.post_attention_layernorm, h, residual)
+            h = layer.mlp(h)
+        return h, residual
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
