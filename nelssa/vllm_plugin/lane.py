@@ -187,6 +187,7 @@ class Lane:
                     if j.req_id in self._cancel:
                         continue
                     if j.req_id in failed:
+                        log.error("NELSSA: request %s fails in the lane: %s", j.req_id, failed[j.req_id])
                         runtime.fail(j.req_id, failed[j.req_id])
                     elif hidden is not None:
                         self._ready[j.req_id] = (j.pos, hidden[i])
