@@ -1,8 +1,9 @@
 """The head-of-line benchmark (nelssa bench hol) end to end on the CPU: SmolLM2, the scaled-down
 preset (short requests at a Poisson rate, one long prompt injected mid-run, 28 KV blocks of 128), NELSSA and
-NELSSA_OFF as two AsyncLLM engines of one invocation. Asserts the run is well-formed, every request
-finished normally and, at budget 1.0 in fp32, both modes produce the same tokens. Performance is
-judged on the H200 only (README, docs/results.md)."""
+NELSSA_OFF as two AsyncLLM engines of one invocation, NELSSA with the long lane (lane.py) so the lane
+runs under vLLM's serving front end. Asserts the run is well-formed, every request finished normally
+and, at budget 1.0 in fp32, both modes produce the same tokens. Performance is judged on the H200 only
+(README, docs/results.md)."""
 
 import json
 import os
@@ -14,9 +15,11 @@ pytestmark = pytest.mark.engine
 
 def test_hol_cpu_preset_is_well_formed_and_exact(tmp_path, cut_model_dir):
     model_dir = cut_model_dir  # SmolLM2's first 8 layers: the benchmark's machinery, not the model
-    from nelssa.bench.hol import main
+    from nelssa.bench.hol import PRESETS, main
     out = tmp_path / "hol"
-    assert main(["--preset", "cpu", "--model", model_dir, "--out", str(out), "--timeout", "900"]) == 0
+    lane = json.dumps({**PRESETS["cpu"]["nelssa"], "lane": True})
+    assert main(["--preset", "cpu", "--model", model_dir, "--out", str(out), "--timeout", "900",
+                 "--set", f"nelssa={lane}"]) == 0
     s = json.loads((out / "hol.json").read_text())
     assert os.path.getsize(out / "hol.png") > 10_000
     for mode in ("on", "off"):
@@ -32,4 +35,5 @@ def test_hol_cpu_preset_is_well_formed_and_exact(tmp_path, cut_model_dir):
     nel = s["on"]["nelssa"]  # the NELSSA connector's metrics reached the AsyncLLM front end
     assert nel.get("nelssa:moved_tokens_total", 0) >= s["scenario"]["long_len"] - 200, nel
     assert nel.get("nelssa:long_requests_total", 0) == 1, nel
+    assert nel.get("nelssa:lane_rows_total", 0) >= 10, nel  # the long request's tokens came from the lane
     assert set(s["targets"]) >= {"before_tpot_within_5pct", "prefill_max_gap_le_1s", "long_tpot_le_50ms"}

@@ -6,7 +6,8 @@ and every short row of the step waits with it. With it:
 
   1. Scheduler (NelssaScheduler): a request scheduled with its host range in use (H > 0) enters the
      lane after that step and is not scheduled again until the worker reports its next position
-     computed (``busy``). vLLM allocates one slot ahead for every request (``num_lookahead_tokens``
+     computed (``busy``). A busy request is not a preemption candidate either (it holds only its
+     window; vLLM picks among the others), also under priority scheduling. vLLM allocates one slot ahead for every request (``num_lookahead_tokens``
      >= 1), so the slot of the lane's position exists when the lane writes it. H of a busy request
      does not move, so the KV-cache manager frees none of the blocks the lane reads.
   2. Worker, after the step's sampling (runner ``_sample``): for each such row a job (request,
