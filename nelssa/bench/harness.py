@@ -1,8 +1,9 @@
 """Run a vLLM engine in-process (NELSSA on or off), step by step, and record what happened.
 
-Used by the integration tests (in a fresh process each, forked from a server with vLLM imported) and by the memory/accuracy reports:
-per step and request the device blocks held, free blocks, host-tier bytes; at the end the outputs
-(token ids, logprobs, finish reasons), preemptions, aborts. Prints one JSON object.
+Used by the integration tests (in a fresh process each, forked from a server with vLLM imported) and
+by the memory/accuracy reports: per step and request the device blocks held, free blocks, host-tier
+bytes; at the end the outputs (token ids, logprobs, finish reasons), preemptions, aborts. Prints one
+JSON object.
 
     python -m nelssa.bench.harness '{"mode": "on", "nelssa": {"budget": 1.0}, "requests": [...]}'
 

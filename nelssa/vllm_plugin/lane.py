@@ -7,16 +7,18 @@ and every short row of the step waits with it. With it:
   1. Scheduler (NelssaScheduler): a request scheduled with its host range in use (H > 0) enters the
      lane after that step and is not scheduled again until the worker reports its next position
      computed (``busy``). A busy request is not a preemption candidate either (it holds only its
-     window; vLLM picks among the others), also under priority scheduling. vLLM allocates one slot ahead for every request (``num_lookahead_tokens``
-     >= 1), so the slot of the lane's position exists when the lane writes it. H of a busy request
-     does not move, so the KV-cache manager frees none of the blocks the lane reads.
+     window; vLLM picks among the others), also under priority scheduling. vLLM allocates one slot
+     ahead for every request (``num_lookahead_tokens`` >= 1), so the slot of the lane's position
+     exists when the lane writes it. H of a busy request does not move, so the KV-cache manager
+     frees none of the blocks the lane reads.
   2. Worker, after the step's sampling (runner ``_sample``): for each such row a job (request,
      position p = its tokens with KV after the step, input token = the step's sampled token on the
      device, its block-table row, H) is queued here; the step itself does not wait.
   3. Lane thread (its own CUDA stream; waits for the sampling by an event): batches the queued jobs
      (waiting up to ``lane_gather_ms`` for requests it reported to come back, so the long requests
-     stay in one batch: one host submission per layer, one captured centroid search) and runs the decoder layers for their rows with vLLM's modules: norm -> qkv -> rope -> KV write
-     at p's slot -> split attention (window on the device + the host tier over the selected
+     stay in one batch: one host submission per layer, one captured centroid search) and runs the
+     decoder layers for their rows with vLLM's modules: norm -> qkv -> rope -> KV write at p's
+     slot -> split attention (window on the device + the host tier over the selected
      clusters, ``attention.split_attention``, the same code as a split step) -> o_proj -> MLP; the
      final norm gives each row's hidden state. After the stream is done: reported (request -> p)
      through the NELSSA connector; the scheduler clears ``busy``.
@@ -36,6 +38,7 @@ takes over after it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -85,7 +88,7 @@ class Lane:
         self.bs, self.dtype, self.device = block_size, dtype, device
         self.cuda = device.type == "cuda"
         # held by the step's forward and the lane's dense parts on CPU (5); a no-op lock on CUDA
-        self.dense_lock = threading.Lock() if not self.cuda else _null()
+        self.dense_lock = threading.Lock() if not self.cuda else contextlib.nullcontext()
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.graphs = None
         if self.cuda and cfg.graphs:
@@ -99,7 +102,6 @@ class Lane:
         self._reported: dict[str, int] = {}
         self._awaiting: set[str] = set()  # reported, their next job not yet queued
         self._gather_s = cfg.lane_gather_ms / 1e3
-        self._stop = False
         self._thread = threading.Thread(target=self._loop, name="nelssa-lane", daemon=True)
         self._thread.start()
 
@@ -118,10 +120,6 @@ class Lane:
         with self._cv:
             r = self._ready.get(req_id)
         return r is not None and r[0] == pos
-
-    def busy(self, req_id: str) -> bool:
-        with self._cv:
-            return req_id in self._running or any(j.req_id == req_id for j in self._queue)
 
     def take(self, req_id: str) -> torch.Tensor:
         with self._cv:
@@ -156,24 +154,15 @@ class Lane:
             out, self._reported = self._reported, {}
         return out
 
-    def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-
     # ------------------------------------------------------------ lane thread
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._stop:
+                while not self._queue:
                     self._cv.wait()
-                if self._stop:
-                    return
                 end = time.monotonic() + self._gather_s
-                while self._awaiting and not self._stop and time.monotonic() < end:
+                while self._awaiting and time.monotonic() < end:
                     self._cv.wait(max(0.0, end - time.monotonic()))
-                if self._stop:
-                    return
                 jobs, self._queue = self._queue, []
                 self._running = {j.req_id for j in jobs}
             t0 = time.perf_counter()
@@ -200,7 +189,7 @@ class Lane:
 
     def _run(self, jobs: list[Job]) -> tuple[torch.Tensor | None, dict[str, str]]:
         n, dev = len(jobs), self.device
-        with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.cuda else _null()):
+        with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()):
             if self.cuda:
                 for j in jobs:
                     if j.event is not None:
@@ -255,10 +244,3 @@ class Lane:
             h = layer.mlp(h)
         return h, residual
 
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False

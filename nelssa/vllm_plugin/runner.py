@@ -17,6 +17,7 @@ Failures are collected per request and reported through the NELSSA KV connector.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -123,12 +124,10 @@ class NelssaRunnerMixin:
                 torch.tensor(plan.lane_rows, dtype=torch.long).to(dev, non_blocking=True),
                 torch.stack([self.nelssa_lane.take(r) for r in plan.cache["lane_rids"]]))
         t = time.perf_counter()
-        lock = self.nelssa_lane.dense_lock if self.nelssa_lane is not None else None
+        # CPU: the lane's dense parts wait while the step's forward runs (lane.py, 5)
+        lock = self.nelssa_lane.dense_lock if self.nelssa_lane is not None else contextlib.nullcontext()
         try:
-            if lock is not None:
-                with lock:  # CPU: the lane's dense parts wait (lane.py, 5)
-                    out = super()._model_forward(*args, **kwargs)
-            else:
+            with lock:
                 out = super()._model_forward(*args, **kwargs)
         finally:
             set_plan(None)
@@ -207,10 +206,7 @@ class NelssaRunnerMixin:
     def _nelssa_lane_submit(self, jobs, sampled: torch.Tensor) -> None:
         """Queue the lane jobs of this step's offloaded rows (lane.py, 2): their sampled tokens as input."""
         from nelssa.vllm_plugin.lane import Job
-        ev = None
-        if sampled.is_cuda:
-            ev = torch.cuda.Event()
-            ev.record()
+        ev = torch.cuda.Event() if sampled.is_cuda else None
         bt = self.input_batch.block_table[0].block_table.gpu
         bs = self.cache_config.block_size
         out = []
