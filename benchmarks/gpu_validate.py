@@ -37,7 +37,7 @@ def compare(on: dict, off: dict) -> dict:
     return out
 
 
-def exact(model: str, dummy: bool = False) -> dict:
+def exact(model: str, dummy: bool = False, logs: str | None = None) -> dict:
     reqs = [{"id": "long3k", "text_tokens": 3000, "max_tokens": 48},
             {"id": "short200", "text_tokens": 200, "offset": 5000, "max_tokens": 48},
             {"id": "long5k", "text_tokens": 5000, "offset": 20000, "max_tokens": 48},
@@ -48,8 +48,8 @@ def exact(model: str, dummy: bool = False) -> dict:
             "engine": {"gpu_memory_utilization": 0.3, "max_num_batched_tokens": 2048}}
     if dummy:
         spec["engine"]["load_format"] = "dummy"
-    on = run_subprocess({**spec, "mode": "on"}, timeout=900)
-    off = run_subprocess({**spec, "mode": "off"}, timeout=900)
+    on = run_subprocess({**spec, "mode": "on"}, timeout=900, log_path=logs and os.path.join(logs, "exact_on.log"))
+    off = run_subprocess({**spec, "mode": "off"}, timeout=900, log_path=logs and os.path.join(logs, "exact_off.log"))
     held = [s["blocks"].get("long7k") for s in on["steps"] if "long7k" in s["blocks"]]
     held_off = [s["blocks"].get("long7k") for s in off["steps"] if "long7k" in s["blocks"]]
     return {"compare": compare(on, off), "long7k_blocks_on_last": held[-1], "long7k_blocks_off_last": held_off[-1],
@@ -91,7 +91,7 @@ def main() -> None:
         res["device"] = torch.cuda.get_device_name(0)
     except Exception as e:  # noqa: BLE001
         res["device"] = repr(e)
-    for name, fn in (("exact", lambda: exact(a.model, dummy=True) if a.model else exact(str(prepare_smollm2()))),
+    for name, fn in (("exact", lambda: exact(a.model, True, a.out) if a.model else exact(str(prepare_smollm2()), logs=a.out)),
                      ("throughput", lambda: throughput(a.model or str(make_dummy_model())))):
         if a.only and a.only != name:
             continue

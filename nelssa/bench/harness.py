@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Any
@@ -203,9 +204,11 @@ def _child(spec_json: str, env: dict, out_path: str) -> None:
     sys.stdout.flush(), sys.stderr.flush()
 
 
-def run_subprocess(spec: dict, env: dict | None = None, timeout: float | None = None) -> dict:
+def run_subprocess(spec: dict, env: dict | None = None, timeout: float | None = None,
+                   log_path: str | None = None) -> dict:
     """Run the harness in a fresh process (clean vLLM state) and return its JSON. NELSSA_OFF is not
-    inherited: spec["mode"] decides; ``env`` adds to the environment. RuntimeError on failure;
+    inherited: spec["mode"] decides; ``env`` adds to the environment; ``log_path``: where to keep the
+    run's output (stdout and stderr), whatever the outcome. RuntimeError on failure;
     EngineTimeout (a RuntimeError) past ``timeout`` seconds, after killing the child's process group,
     naming the run, the time, the CPU's relevant flags and what to change.
 
@@ -230,6 +233,8 @@ def run_subprocess(spec: dict, env: dict | None = None, timeout: float | None = 
         if os.path.exists(out_path + ".log"):
             with open(out_path + ".log", errors="replace") as f:
                 err = f.read()
+            if log_path:
+                shutil.copyfile(out_path + ".log", log_path)
         if p.is_alive():
             _killpg(p.pid, signal.SIGKILL)  # the engine and anything it started
             p.join()

@@ -49,6 +49,7 @@ import torch
 
 from nelssa.vllm_plugin import runtime
 from nelssa.vllm_plugin.attention import StepPlan, split_attention
+from nelssa.vllm_plugin.lane_graphs import CaptureFailed, DenseGraphs, call_op as _call
 
 log = logging.getLogger("vllm.nelssa")
 
@@ -70,15 +71,6 @@ class _Window:
         self.block_table = block_table
 
 
-def _call(m, *args):
-    """A vLLM CustomOp's fused CUDA path where it has one (eager calls of forward_native would launch
-    each elementwise op), else the module."""
-    f = getattr(m, "forward_cuda", None)
-    if f is not None and args[-1].is_cuda:
-        return f(*args)
-    return m(*args)
-
-
 class Lane:
     def __init__(self, model, attn_layers: list, host, cfg, block_size: int, dtype, device: torch.device):
         self.model, self.layers, self.host, self.cfg = model, attn_layers, host, cfg
@@ -90,10 +82,11 @@ class Lane:
         # held by the step's forward and the lane's dense parts on CPU (5); a no-op lock on CUDA
         self.dense_lock = threading.Lock() if not self.cuda else contextlib.nullcontext()
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.graphs = None
+        self.graphs = self.dense = None
         if self.cuda and cfg.graphs:
             from nelssa.vllm_plugin.select_graph import SelectGraphs
             self.graphs = SelectGraphs()  # its own: the step's split layers replay theirs concurrently
+            self.dense = DenseGraphs(model, self.decoder, attn_layers)  # lane_graphs.py
         self._cv = threading.Condition()
         self._queue: list[Job] = []
         self._running: set[str] = set()
@@ -206,19 +199,43 @@ class Lane:
                             torch.arange(n, dtype=torch.long), [j.host_end for j in jobs], [j.pos + 1 for j in jobs])
             plan.cache["block_size"], plan.cache["dtype"] = self.bs, self.dtype
             plan.graphs = self.graphs
-            with self.dense_lock:
-                h = self.model.model.embed_input_ids(ids)
-            residual = None
-            for layer, attn in zip(self.decoder, self.layers):
-                if self._cancel >= set(plan.req_ids):
+            t0 = time.perf_counter()
+            h = None
+            if self.dense is not None and self.dense.use(n):
+                def attend(i, q, out):
+                    impl = self.layers[i].impl
+                    split_attention(impl, self.layers[i], q.reshape(n, impl.num_heads, impl.head_size),
+                                    self.layers[i].kv_cache, md, out, plan, stock=None)
+                try:
+                    h = self.dense.run(ids, pos, slots, attend, lambda: self._cancel >= set(plan.req_ids))
+                    if h is None:
+                        return None, {}
+                except CaptureFailed:  # logged; this size runs eagerly from now on (lane_graphs.py, 5)
+                    plan.split.clear()
+                    h = None
+            if h is None:
+                h = self._eager(ids, pos, slots, md, plan)
+                if h is None:
                     return None, {}
-                h, residual = self._layer(layer, attn, pos, h, residual, slots, md, plan)
-            with self.dense_lock:
-                h, _ = _call(self.model.model.norm, h, residual)
+            plan.split["dense"] = max(0.0, time.perf_counter() - t0 - sum(plan.split.values()))
             if self.cuda:
                 self.stream.synchronize()
         self.host.stats.add(lane_split_s=plan.split)
         return h, dict(plan.failed)
+
+    def _eager(self, ids, pos, slots, md, plan) -> torch.Tensor | None:
+        """The batch through vLLM's modules one by one (CPU, graphs off, a size's first run); None when
+        its requests were cancelled meanwhile."""
+        with self.dense_lock:
+            h = self.model.model.embed_input_ids(ids)
+        residual = None
+        for layer, attn in zip(self.decoder, self.layers):
+            if self._cancel >= set(plan.req_ids):
+                return None
+            h, residual = self._layer(layer, attn, pos, h, residual, slots, md, plan)
+        with self.dense_lock:
+            h, _ = _call(self.model.model.norm, h, residual)
+        return h
 
     def _layer(self, layer, attn, pos, h, residual, slots, md, plan):
         """One decoder layer for the lane rows (vLLM's LlamaDecoderLayer with the split attention)."""
