@@ -493,7 +493,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
     const std::vector<at::Tensor>& csize,        // [B] of int32 [Hkv, C_b]: tokens of the cluster
     const std::vector<at::Tensor>& sel,          // [B] of int64 [Hkv, S_b]: selected cluster ids
     const std::vector<at::Tensor>& nsel,         // [B] of int64 [Hkv]: valid ids per head
-    double scale, int64_t work_tokens, bool touch_only, int64_t prefetch_rows, int64_t prefetch_hint) {
+    double scale, int64_t work_tokens, bool touch_only, int64_t prefetch_rows, int64_t prefetch_hint,
+    bool pin_out) {                              // outputs in pinned memory (CUDA builds of torch: the caller
+                                                 // copies them to the device without a staging copy)
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(),
               "q must be a contiguous CPU [B, Hq, D] tensor (fp32, or the KV dtype)");
   const int B = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), D = static_cast<int>(q.size(2));
@@ -587,8 +589,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
                                                                 : &run_item<scalar_t, 0, HINT>;
     });
   });
-  at::Tensor out = at::empty({B, Hq, D}, q.options().dtype(at::kFloat));
-  at::Tensor lse = at::empty({B, Hq}, q.options().dtype(at::kFloat));
+  const auto oopt = q.options().dtype(at::kFloat).pinned_memory(pin_out);
+  at::Tensor out = at::empty({B, Hq, D}, oopt);
+  at::Tensor lse = at::empty({B, Hq}, oopt);
   float* o = out.data_ptr<float>();
   float* ls = lse.data_ptr<float>();
 
@@ -720,6 +723,12 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
   }
   for (int bh = 0; bh < BH && failed; ++bh)
     TORCH_CHECK(!bad[bh], "request ", bh / Hkv, " kv head ", bh % Hkv, ": selection out of range of its cluster table");
+  // the results are checked here, not by the caller (torch ops on its Python thread cost GIL hand-offs):
+  // NaN/Inf in an output, or a NaN LSE (-inf is an empty selection), is an error, never an answer
+  bool bad_out = !touch_only && any_nonfinite(reinterpret_cast<const uint32_t*>(o), static_cast<int64_t>(B) * Hq * D,
+                                              0x7f800000u);
+  for (int64_t i = 0; !touch_only && i < static_cast<int64_t>(B) * Hq && !bad_out; ++i) bad_out = std::isnan(ls[i]);
+  TORCH_CHECK_VALUE(!bad_out, "host attention returned non-finite values");
   return {out, lse};
 }
 

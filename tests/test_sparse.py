@@ -104,6 +104,21 @@ def test_queries_in_kv_dtype_or_fp32_and_nan_checked(cpp, use_cpp):
                 attend(q, ckvs[:B], sel)
 
 
+@pytest.mark.parametrize("cpp", [True, False])
+def test_non_finite_results_raise(cpp, use_cpp):
+    """Host KV holding Inf (corrupted memory, an overflowed value) gives non-finite results: attend
+    raises ValueError on both paths (the C++ kernel checks its outputs), never returns them."""
+    from nelssa.sparse import attend
+    use_cpp(cpp)
+    ckv = cluster_kv(*rand_kv(2, 600, 64, torch.bfloat16, seed=3))
+    q = torch.randn(1, 8, 64).to(torch.bfloat16)
+    sel = select_clusters(q, [ckv], 1.0)
+    assert torch.isfinite(attend(q, [ckv], sel)[0]).all()
+    ckv.parts[0].kv[1, :, 1, 5] = float("inf")  # V of kv head 1, every token
+    with pytest.raises(ValueError, match="non-finite"):
+        attend(q, [ckv], sel)
+
+
 def test_cpp_splits_large_clusters_into_work_items(use_cpp):
     """Clusters far larger than a work item (512 tokens vs 16-row items) are cut and recombined by
     LSE: still exact at budget 100%."""

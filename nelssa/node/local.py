@@ -187,12 +187,12 @@ class LocalHostTier:
             t = time.perf_counter()
             if fault == "attend":
                 raise HostError("injected host-tier fault (NELSSA_FAULT=attend)")
-            out = attend(q_cpu, ckvs, sel, scale)
+            try:  # NaN/Inf in the queries or the results are checked by attend (in C++: no torch ops here)
+                out = attend(q_cpu, ckvs, sel, scale, pin=pinned)
+            except ValueError as e:
+                raise HostError(f"host attention of layer {layer}: {e}") from None
             self.stats.add(attn_s=time.perf_counter() - t)
-            # checked here, off the step's thread (which only collects the result)
-            if not (torch.isfinite(out[0]).all() and not torch.isnan(out[1]).any()):
-                raise HostError(f"host attention of layer {layer} returned non-finite values")
-            return pin_if(out, pinned)
+            return out
 
         return self._pool.submit(run)
 

@@ -72,11 +72,14 @@ def _attend_torch(q: torch.Tensor, ckv: ClusteredKV, ids: torch.Tensor, n: torch
 
 
 def attend(queries: torch.Tensor, ckvs: Sequence[ClusteredKV], sel: Selection,
-           scale: float | None = None, touch_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           scale: float | None = None, touch_only: bool = False,
+           pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Host-tier attention of queries [B, Hq, D] over the selected clusters -> fp32 ([B, Hq, D], [B, Hq]).
 
     Uses the fused C++ kernel (GIL released) or the torch reference path (config use_cpp / no extension).
     touch_only (benchmark probe, C++ only): read the selected rows the same way, compute nothing.
+    pin: results in pinned memory (CUDA builds of torch). ValueError when the queries or the results
+    hold NaN/Inf (an LSE of -inf, an empty selection, is valid).
     """
     q = queries.detach()
     if q.device.type != "cpu" or not q.is_contiguous():
@@ -85,19 +88,22 @@ def attend(queries: torch.Tensor, ckvs: Sequence[ClusteredKV], sel: Selection,
     mod, cfg = ext(), get_config()
     if mod is not None:
         # No torch ops on this path (each costs microseconds per layer call): the kernel takes q in
-        # fp32 or the KV dtype and raises ValueError on NaN/Inf itself. Work items: <= work_tokens
-        # rows, fewer when needed for ~16 per pool thread (sized in C++).
+        # fp32 or the KV dtype, checks queries and results for NaN/Inf and pins the results itself.
+        # Work items: <= work_tokens rows, fewer when needed for ~16 per pool thread (sized in C++).
         return mod.sparse_attention(
             q, [[p.kv for p in c.parts] for c in ckvs], [c.cpart for c in ckvs], [c.cstart for c in ckvs],
             [c.csize for c in ckvs], sel.ids, sel.counts, scale, cfg.work_tokens,
-            touch_only, cfg.prefetch_rows, PREFETCH_HINTS[cfg.prefetch])
+            touch_only, cfg.prefetch_rows, PREFETCH_HINTS[cfg.prefetch], pin)
     if touch_only:
         raise RuntimeError("touch_only needs the C++ extension")
     q = q.float()
     if not torch.isfinite(q).all():
         raise ValueError("queries contain NaN or Inf")
     outs = [_attend_torch(q[b], c, sel.ids[b], sel.counts[b], scale) for b, c in enumerate(ckvs)]
-    return torch.stack([o for o, _ in outs]), torch.stack([s for _, s in outs])
+    out, lse = torch.stack([o for o, _ in outs]), torch.stack([s for _, s in outs])
+    if not (torch.isfinite(out).all() and not torch.isnan(lse).any()):
+        raise ValueError("host attention returned non-finite values")
+    return (out.pin_memory(), lse.pin_memory()) if pin else (out, lse)
 
 
 def sparse_attention(queries, ckv, budget: float = 0.04, *, scale: float | None = None):

@@ -128,9 +128,10 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: t
 
 def flash_window_parts(impl, q: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, md: Any, sink: int,
                        bs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Window attention on CUDA with FlashAttention's LSE as partial states: the recent blocks (from H,
-    which is block aligned) and, with a sink, the sink blocks, each a paged call -> [(out [n, Hq, D] in
-    q's dtype, lse [n, Hq] fp32 (a transposed view))]."""
+    """Window attention on CUDA with FlashAttention's LSE as partial states -> [(out [n, Hq, D] in q's
+    dtype, lse [n, Hq] fp32 (a transposed view))]. One paged call over the sink blocks followed by the
+    recent blocks (from H, block aligned) when the sink is whole blocks that every row keeps (the usual
+    case: attention of one query does not depend on the order of its keys); else a call each."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
     dev, n = q.device, q.shape[0]
     key = ("fa",)  # one KV-cache group (asserted by the scheduler): every layer's batch is the same
@@ -141,23 +142,27 @@ def flash_window_parts(impl, q: torch.Tensor, kv_cache: torch.Tensor, plan: Step
         rlen = [s - h for s, h in zip(plan.seq_lens, plan.host_end)]
         nrb = -(-max(rlen) // bs)
         ridx = (hb[:, None] + torch.arange(nrb, device=dev)[None]).clamp_max(bt.shape[1] - 1)
-        plan.cache[key] = dict(
-            cu=torch.arange(n + 1, dtype=torch.int32, device=dev),
-            sink_bt=bt[:, :max(1, -(-sink // bs))].contiguous(),
-            sink_len=torch.tensor([min(sink, h) for h in plan.host_end], dtype=torch.int32, device=dev),
-            rec_bt=bt.gather(1, ridx).contiguous(), rec_len=torch.tensor(rlen, dtype=torch.int32, device=dev),
-            max_rec=max(rlen))
+        rec_bt = bt.gather(1, ridx)
+        c = dict(cu=torch.arange(n + 1, dtype=torch.int32, device=dev))
+        if sink % bs == 0 and all(h >= sink for h in plan.host_end):  # one call: sink blocks + recent
+            sb = sink // bs
+            c["calls"] = [(torch.cat([bt[:, :sb], rec_bt], 1).contiguous(),
+                           torch.tensor([sink + r for r in rlen], dtype=torch.int32, device=dev), sink + max(rlen))]
+        else:
+            c["calls"] = [(rec_bt.contiguous(), torch.tensor(rlen, dtype=torch.int32, device=dev), max(rlen))]
+            if sink:
+                c["calls"].append((bt[:, :max(1, -(-sink // bs))].contiguous(),
+                                   torch.tensor([min(sink, h) for h in plan.host_end], dtype=torch.int32,
+                                                device=dev), sink))
+        plan.cache[key] = c
     c = plan.cache[key]
     kc, vc = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
     common = dict(q=q, k=kc, v=vc, max_seqlen_q=1, cu_seqlens_q=c["cu"], softmax_scale=impl.scale, causal=False,
                   return_softmax_lse=True, fa_version=impl.vllm_flash_attn_version)
-    o2, l2 = flash_attn_varlen_func(**common, max_seqlen_k=c["max_rec"], seqused_k=c["rec_len"],
-                                    block_table=c["rec_bt"])
-    parts = [(o2, l2.t())]
-    if sink:
-        o1, l1 = flash_attn_varlen_func(**common, max_seqlen_k=sink, seqused_k=c["sink_len"],
-                                        block_table=c["sink_bt"])
-        parts.append((o1, l1.t()))
+    parts = []
+    for bt, lens, mx in c["calls"]:
+        o, lse = flash_attn_varlen_func(**common, max_seqlen_k=mx, seqused_k=lens, block_table=bt)
+        parts.append((o, lse.t()))
     return parts
 
 

@@ -81,7 +81,9 @@ class Lane:
         self.cuda = device.type == "cuda"
         # held by the step's forward and the lane's dense parts on CPU (5); a no-op lock on CUDA
         self.dense_lock = threading.Lock() if not self.cuda else contextlib.nullcontext()
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        # high priority: the lane's few kernels per layer go ahead of the step's queued blocks, so the host
+        # tier gets each layer's queries sooner
+        self.stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         self.graphs = self.dense = None
         if self.cuda and cfg.graphs:
             from nelssa.vllm_plugin.select_graph import SelectGraphs
