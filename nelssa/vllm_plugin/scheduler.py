@@ -264,7 +264,7 @@ class NelssaScheduler(Scheduler):
     def _long_chunk(self, thr: int) -> int:
         """This step's cap on a prefill chunk: policy.prefill_chunk at the deepest running long
         prefill's context while a short request decodes; else vLLM's threshold ``thr``."""
-        budget, pol = self.nelssa.long_chunk, self.nelssa_policy
+        budget = self.nelssa.long_chunk
         if not budget:
             return thr
         done, short_decoding = None, False
