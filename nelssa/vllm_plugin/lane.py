@@ -49,7 +49,7 @@ import torch
 
 from nelssa.vllm_plugin import runtime
 from nelssa.vllm_plugin.attention import StepPlan, split_attention
-from nelssa.vllm_plugin.lane_graphs import CaptureFailed, DenseGraphs, call_op as _call
+from nelssa.vllm_plugin.lane_graphs import CaptureFailed, DenseGraphs, call_op, post_attention, pre_attention
 
 log = logging.getLogger("vllm.nelssa")
 
@@ -204,12 +204,10 @@ class Lane:
             t0 = time.perf_counter()
             h = None
             if self.dense is not None and self.dense.use(n):
-                def attend(i, q, out):
-                    impl = self.layers[i].impl
-                    split_attention(impl, self.layers[i], q.reshape(n, impl.num_heads, impl.head_size),
-                                    self.layers[i].kv_cache, md, out, plan, stock=None)
                 try:
-                    h = self.dense.run(ids, pos, slots, attend, lambda: self._cancel >= set(plan.req_ids))
+                    h = self.dense.run(ids, pos, slots,
+                                       lambda i, q, out: self._attend(self.layers[i], q, out, md, plan),
+                                       lambda: self._cancel >= set(plan.req_ids))
                     if h is None:
                         return None, {}
                 except CaptureFailed:  # logged; this size runs eagerly from now on (lane_graphs.py, 5)
@@ -236,30 +234,22 @@ class Lane:
                 return None
             h, residual = self._layer(layer, attn, pos, h, residual, slots, md, plan)
         with self.dense_lock:
-            h, _ = _call(self.model.model.norm, h, residual)
+            h, _ = call_op(self.model.model.norm, h, residual)
         return h
 
     def _layer(self, layer, attn, pos, h, residual, slots, md, plan):
         """One decoder layer for the lane rows (vLLM's LlamaDecoderLayer with the split attention)."""
-        sa, impl = layer.self_attn, attn.impl
         with self.dense_lock:
-            if residual is None:
-                residual = h
-                h = _call(layer.input_layernorm, h)
-            else:
-                h, residual = _call(layer.input_layernorm, h, residual)
-            qkv, _ = sa.qkv_proj(h)
-            q, k, v = qkv.split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
-            q, k = _call(sa.rotary_emb, pos, q, k)
-            n = q.shape[0]
-            impl.do_kv_cache_update(attn, k.reshape(n, impl.num_kv_heads, impl.head_size),
-                                    v.reshape(n, impl.num_kv_heads, impl.head_size), attn.kv_cache, slots)
-        out = torch.empty(n, impl.num_heads, impl.head_size, dtype=q.dtype, device=q.device)
-        split_attention(impl, attn, q.reshape(n, impl.num_heads, impl.head_size), attn.kv_cache, md, out, plan,
-                        stock=None)
+            q, residual = pre_attention(layer, attn, h, residual, pos, slots)
+        impl = attn.impl
+        out = torch.empty(q.shape[0], impl.num_heads, impl.head_size, dtype=q.dtype, device=q.device)
+        self._attend(attn, q, out, md, plan)
         with self.dense_lock:
-            h, _ = sa.o_proj(out.reshape(n, -1))
-            h, residual = _call(layer.post_attention_layernorm, h, residual)
-            h = layer.mlp(h)
-        return h, residual
+            return post_attention(layer, out, residual)
 
+    @staticmethod
+    def _attend(attn, q, out, md, plan) -> None:
+        """The split attention of lane rows: q [n, q_size] -> out [n, Hq, D]."""
+        impl = attn.impl
+        split_attention(impl, attn, q.reshape(q.shape[0], impl.num_heads, impl.head_size), attn.kv_cache, md, out,
+                        plan, stock=None)

@@ -23,8 +23,9 @@ graph replay:
   5. A capture that fails raises ``CaptureFailed`` after logging the error; the size is not tried
      again and the lane reruns the batch eagerly from its embedding (the KV writes it repeats carry
      the same values). A replay failure is an error of the batch like any other.
-The graphs run the same kernels as the eager path (vLLM's CustomOp CUDA paths through ``_call``), so
-the lane's results do not depend on which path ran.
+The graphs run the same code as the eager path (``pre_attention`` and ``post_attention``, shared with
+the eager lane; vLLM's CustomOp CUDA paths through ``call_op``), so the lane's results do not depend
+on which path ran.
 """
 
 from __future__ import annotations
@@ -49,6 +50,32 @@ def call_op(m, *args):
     if f is not None and args[-1].is_cuda:
         return f(*args)
     return m(*args)
+
+
+def pre_attention(layer, attn, h: torch.Tensor, r, pos: torch.Tensor, slots: torch.Tensor):
+    """vLLM's LlamaDecoderLayer up to its attention, for lane rows: input norm (with the residual add
+    unless ``r`` is None: the first layer) -> qkv -> rotary -> KV write at ``slots`` -> (q [n, q_size],
+    residual). The eager lane and the graphs (``_segment``) run this same code."""
+    sa, impl = layer.self_attn, attn.impl
+    if r is None:
+        r, x = h, call_op(layer.input_layernorm, h)
+    else:
+        x, r = call_op(layer.input_layernorm, h, r)
+    qkv, _ = sa.qkv_proj(x)
+    q, k, v = qkv.split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
+    q, k = call_op(sa.rotary_emb, pos, q, k)
+    n = q.shape[0]
+    impl.do_kv_cache_update(attn, k.reshape(n, impl.num_kv_heads, impl.head_size),
+                            v.reshape(n, impl.num_kv_heads, impl.head_size), attn.kv_cache, slots)
+    return q, r
+
+
+def post_attention(layer, o: torch.Tensor, r: torch.Tensor):
+    """The rest of the layer: o_proj of the attention output o [n, Hq, D] -> post-attention norm (with
+    the residual add) -> MLP -> (hidden, residual)."""
+    h, _ = layer.self_attn.o_proj(o.reshape(o.shape[0], -1))
+    h, r = call_op(layer.post_attention_layernorm, h, r)
+    return layer.mlp(h), r
 
 
 @dataclass
@@ -130,27 +157,12 @@ class DenseGraphs:
 
     def _segment(self, s: _Size, i: int) -> None:
         """What graph i runs (1)."""
-        n, nl = s.ids.shape[0], len(self.decoder)
         if i == 0:
             h, r = self.model.model.embed_input_ids(s.ids), None
         else:
-            layer = self.decoder[i - 1]
-            h, _ = layer.self_attn.o_proj(s.attn.reshape(n, -1))
-            h, r = call_op(layer.post_attention_layernorm, h, s.res)
-            h = layer.mlp(h)
-        if i == nl:
+            h, r = post_attention(self.decoder[i - 1], s.attn, s.res)
+        if i == len(self.decoder):
             s.out, _ = call_op(self.model.model.norm, h, r)
             return
-        layer, attn = self.decoder[i], self.layers[i]
-        sa, impl = layer.self_attn, attn.impl
-        if r is None:
-            r, x = h, call_op(layer.input_layernorm, h)
-        else:
-            x, r = call_op(layer.input_layernorm, h, r)
-        qkv, _ = sa.qkv_proj(x)
-        q, k, v = qkv.split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
-        q, k = call_op(sa.rotary_emb, s.pos, q, k)
-        impl.do_kv_cache_update(attn, k.reshape(n, impl.num_kv_heads, impl.head_size),
-                                v.reshape(n, impl.num_kv_heads, impl.head_size), attn.kv_cache, s.slots)
-        s.res = r
+        q, s.res = pre_attention(self.decoder[i], self.layers[i], h, r, s.pos, s.slots)
         s.q.append(q)
