@@ -22,10 +22,13 @@ and every short row of the step waits with it. With it:
      clusters, ``attention.split_attention``, the same code as a split step) -> o_proj -> MLP; the
      final norm gives each row's hidden state. After the stream is done: reported (request -> p)
      through the NELSSA connector; the scheduler clears ``busy``.
-  4. The step that schedules a request at the reported position is a "lane row": its KV write is
-     skipped (the lane wrote p), its attention is shrunk to one live token, and its hidden state is
-     replaced by the lane's before the logits (NelssaLlamaForCausalLM.compute_logits), so vLLM
-     samples it like any row (sampling parameters, logprobs, stop conditions). Then 2 again.
+  4. The step that schedules a request at the reported position is a "lane row", shrunk where vLLM
+     prepares the step's inputs (runner ``_prepare_inputs``): its sequence length is 1 (it attends a
+     live block's first token, no work proportional to its length) and its token's KV slot is the
+     pad slot -1 (the lane wrote p), so the step runs like any decode step — on its full CUDA graph
+     when no row of it is split. Its hidden state is replaced by the lane's before the logits
+     (NelssaLlamaForCausalLM.compute_logits), so vLLM samples it like any row (sampling parameters,
+     logprobs, stop conditions). Then 2 again.
   5. CPU: vLLM's CPU linear layers keep per-layer oneDNN handles that are not safe to use from two
      threads at once, so the lane's dense parts and the step's forward take turns (``dense_lock``;
      CUDA needs none).

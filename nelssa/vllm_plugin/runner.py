@@ -45,6 +45,7 @@ class NelssaRunnerMixin:
         self.nelssa_handoff: Handoff | None = None
         self.nelssa_lane = None
         self._nelssa_so = None
+        self._nelssa_step = None  # (plan, moves) of the step, from _prepare_inputs to _model_forward
         self._nelssa_jobs: list[tuple[str, int, int, int]] = []  # this step's lane jobs: (request, row, pos, H)
 
     def load_model(self, *args, **kwargs):
@@ -110,13 +111,37 @@ class NelssaRunnerMixin:
         try:
             return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
-            self._nelssa_so = None
+            self._nelssa_so = self._nelssa_step = None
+
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        """vLLM's input preparation, then the step's plan (which rows are split, which the lane computed)
+        and the lane rows shrunk in vLLM's own buffers (lane.py, 4): the step's graphs and attention
+        metadata, built after this, see them as rows of one token that write no KV."""
+        out = super()._prepare_inputs(scheduler_output, *args, **kwargs)
+        if self.nelssa_host is not None and scheduler_output is self._nelssa_so:
+            self._nelssa_step = self._nelssa_plan(scheduler_output)
+            self._nelssa_shrink_lane_rows(self._nelssa_step[0])
+        return out
+
+    def _nelssa_shrink_lane_rows(self, plan: StepPlan) -> None:
+        """Lane rows attend one token (their first block's first: a live block, no work proportional to
+        their length; their output is replaced before the logits) and their token's KV slot is vLLM's
+        pad slot -1 (the lane wrote that position: the step must not overwrite it)."""
+        if not plan.lane_rows:
+            return
+        dev = self.seq_lens.device
+        rows = torch.tensor(plan.lane_rows, dtype=torch.long)
+        self.seq_lens.index_fill_(0, rows.to(dev, non_blocking=True), 1)
+        self.optimistic_seq_lens_cpu.index_fill_(0, rows, 1)  # max_seq_len and the CPU-side schedules
+        toks = torch.tensor(plan.lane_tokens, dtype=torch.long).to(dev, non_blocking=True)
+        self.input_batch.block_table[0].slot_mapping.gpu.index_fill_(0, toks, -1)
 
     def _model_forward(self, *args, **kwargs):
-        so = self._nelssa_so
-        if self.nelssa_host is None or so is None:  # stock, or a warm-up/profile run
+        so, step = self._nelssa_so, self._nelssa_step
+        if self.nelssa_host is None or so is None or step is None:  # stock, or a warm-up/profile run
             return super()._model_forward(*args, **kwargs)
-        plan, moves = self._nelssa_plan(so)
+        self._nelssa_step = None
+        plan, moves = step
         set_plan(plan)
         if plan.lane_rows:
             dev = self.device
