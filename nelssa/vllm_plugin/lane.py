@@ -56,6 +56,8 @@ from nelssa.vllm_plugin.lane_graphs import CaptureFailed, DenseGraphs, call_op a
 
 log = logging.getLogger("vllm.nelssa")
 
+WARM_SIZES = (1, 2, 3, 4)  # lane batch sizes whose dense graphs are captured at engine start (CUDA)
+
 
 @dataclass
 class Job:
@@ -102,6 +104,18 @@ class Lane:
         self._gather_s = cfg.lane_gather_ms / 1e3
         self._thread = threading.Thread(target=self._loop, name="nelssa-lane", daemon=True)
         self._thread.start()
+
+    def warm(self) -> None:
+        """CUDA: capture the dense graphs of small batches now, with the engine's own graphs
+        (lane_graphs.py, 4), so the first lane batches of a long request do not capture."""
+        if self.dense is None:
+            return
+        t = time.perf_counter()
+        with torch.inference_mode(), torch.cuda.stream(self.stream):
+            self.dense.warm(WARM_SIZES, self.device)
+        self.stream.synchronize()
+        log.info("NELSSA lane: dense graphs for %s rows captured in %.2f s", list(WARM_SIZES),
+                 time.perf_counter() - t)
 
     # ------------------------------------------------------------ step thread
     def submit(self, jobs: list[Job]) -> None:

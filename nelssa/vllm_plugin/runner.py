@@ -84,6 +84,13 @@ class NelssaRunnerMixin:
         log.info("NELSSA on: T_input=%d budget=%.3f sink=%d recent=%d chunk=%d, %d layers, host pool %d threads",
                  cfg.T_input, cfg.budget, cfg.sink, cfg.recent, cfg.chunk, len(layers), cfg.pool_threads)
 
+    def capture_model(self, *args, **kwargs):
+        """vLLM's CUDA-graph capture, then the lane's (lane.warm): nothing is captured while serving."""
+        out = super().capture_model(*args, **kwargs)
+        if getattr(self, "nelssa_lane", None) is not None:
+            self.nelssa_lane.warm()
+        return out
+
     def initialize_kv_cache(self, *args, **kwargs):
         super().initialize_kv_cache(*args, **kwargs)
         from nelssa.vllm_plugin.connector import find_connector
