@@ -4,6 +4,11 @@ host tier (config ``lane``; the paper's "the long request rejoins the next avail
 Without it a step that carries an offloaded row waits, layer by layer, for that row's host attention,
 and every short row of the step waits with it. With it:
 
+  0. The switch (NelssaScheduler, with the lane): a request's first host range H is sent as
+     ``switching`` for one step. It keeps its device blocks and that step computes it like any row;
+     after the step's sampling its first job is queued (2) with H, and H is in use (the blocks
+     below it freed) from the next scheduling on. So the switch is not a split step: no step of the
+     engine waits for the host tier.
   1. Scheduler (NelssaScheduler): a request scheduled with its host range in use (H > 0) enters the
      lane after that step and is not scheduled again until the worker reports its next position
      computed (``busy``). A busy request is not a preemption candidate either (it holds only its
@@ -35,8 +40,7 @@ and every short row of the step waits with it. With it:
   6. A request finished or preempted while its job runs: the runner cancels the job and waits for it
      (at most one layer) before the step that may reuse its blocks. A failing job fails its requests
      (runtime.fail): they finish with an error, never with text from a failed attention.
-The first offloaded step of a request (H just switched) is a split step (attention.py); the lane
-takes over after it.
+Without the lane the switch step and every later one are split steps (attention.py).
 """
 
 from __future__ import annotations

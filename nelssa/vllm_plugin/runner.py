@@ -28,7 +28,7 @@ from nelssa.config import set_config, vllm_nelssa_config
 from nelssa.node import LocalHostTier, host_tier
 from nelssa.vllm_plugin import runtime
 from nelssa.vllm_plugin.attention import StepPlan, read_kv, set_plan
-from nelssa.vllm_plugin.connector import step_anchors, step_host_ends
+from nelssa.vllm_plugin.connector import step_anchors, step_host_ends, step_switching
 from nelssa.vllm_plugin.handoff import Handoff
 from nelssa.vllm_plugin.policy import Policy, device_only
 
@@ -183,6 +183,7 @@ class NelssaRunnerMixin:
         pol, ib, seg, ho = self._nelssa_policy, self.input_batch, self.nelssa_cfg.segment, self.nelssa_handoff
         in_use = step_host_ends(so.kv_connector_metadata)
         anchors = step_anchors(so.kv_connector_metadata)
+        switching = step_switching(so.kv_connector_metadata)
         rows, rids, tok, hend, seqs, moves = [], [], [], [], [], []
         lane, lrows, ltok, lrids, jobs = self.nelssa_lane, [], [], [], []
         bad: dict[str, str] = {}
@@ -211,6 +212,18 @@ class NelssaRunnerMixin:
                                 jobs.append((rid, i, n, h))  # its next position, after the sampling
                         except Exception as e:  # noqa: BLE001 - this request fails loudly; others go on
                             bad[rid] = f"hand-off of tokens up to {h} to the host tier: {type(e).__name__}: {e}"
+                elif rid in switching and lane is not None and not failed:
+                    # its switch step (lane.py, 0): a device row, blocks still held; the lane computes
+                    # its next position with the host range [sink, H)
+                    hs = switching[rid]
+                    if s != 1:
+                        bad[rid] = f"switching request scheduled {s} tokens in one step (1 supported)"
+                    else:
+                        try:
+                            ho.ready(rid, hs)
+                            jobs.append((rid, i, n, hs))
+                        except Exception as e:  # noqa: BLE001
+                            bad[rid] = f"hand-off of tokens up to {hs} to the host tier: {type(e).__name__}: {e}"
                 # what should be on the host once this step has run: completed segments while a long
                 # prompt prefills, then the policy's goal
                 want = (pol.goal(a, n) if n >= a
