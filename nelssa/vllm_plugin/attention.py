@@ -189,7 +189,7 @@ def shrunk_metadata(plan: StepPlan, md: Any, impl: Any, backend: str) -> Any:
     if key in plan.cache:
         return plan.cache[key]
     m = copy.copy(md)
-    rows = torch.tensor(plan.rows + plan.lane_rows, dtype=torch.long, device=md.seq_lens.device)
+    rows = torch.tensor(plan.rows, dtype=torch.long, device=md.seq_lens.device)  # lane rows: shrunk already
     seq = md.seq_lens.clone()
     bt = md.block_table.clone()
     bs = plan.cache["block_size"]
@@ -197,8 +197,6 @@ def shrunk_metadata(plan: StepPlan, md: Any, impl: Any, backend: str) -> Any:
     bt[rows, 0] = last_blk
     seq[rows] = 1
     m.seq_lens, m.block_table = seq, bt
-    if plan.lane_tokens and getattr(md, "slot_mapping", None) is not None:  # a backend writing KV in forward
-        m.slot_mapping = lane_masked_slots(plan, md.slot_mapping)
     if backend == "cpu":
         from vllm import _custom_ops as ops
         from vllm import envs
@@ -229,41 +227,16 @@ def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ou
              output_block_scale=None):
     plan = current_plan()
     base = super(type(self), self).forward
-    if plan is None or not (plan.rows or plan.lane_rows) or attn_metadata is None:
+    if plan is None or not plan.rows or attn_metadata is None:  # lane rows: shrunk in the step's inputs
         return base(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
 
-    def stock():  # offloaded and lane rows shrunk to one live token
+    def stock():  # offloaded rows shrunk to one live token
         base(layer, query, key, value, kv_cache, shrunk_metadata(plan, attn_metadata, self, self.nelssa_backend),
              output, output_scale, output_block_scale)
-
-    if not plan.rows:  # lane rows only: their hidden states are replaced before the logits
-        t = time.perf_counter()
-        stock()
-        plan.lap("stock", t)
-        return output
     q = query.view(-1, self.num_heads, self.head_size)
     split_attention(self, layer, q, kv_cache, attn_metadata, output.view(-1, self.num_heads, self.head_size), plan,
                     stock)
     return output
-
-
-def lane_masked_slots(plan: StepPlan, slot_mapping: torch.Tensor) -> torch.Tensor:
-    """The step's slot mapping with the lane rows' tokens set to -1 (vLLM's pad slot: not written)."""
-    key = ("slots", id(slot_mapping))
-    m = plan.cache.get(key)
-    if m is None:
-        m = slot_mapping.clone()
-        m[torch.tensor(plan.lane_tokens, dtype=torch.long, device=m.device)] = -1
-        plan.cache[key] = m
-    return m
-
-
-def _kv_update(self, layer, key, value, kv_cache, slot_mapping):
-    """vLLM's KV write, without the lane rows' tokens (the lane wrote their positions)."""
-    plan = current_plan()
-    if plan is not None and plan.lane_tokens:
-        slot_mapping = lane_masked_slots(plan, slot_mapping)
-    return super(type(self), self).do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
 
 def split_attention(self, layer, q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any, o: torch.Tensor,
@@ -415,7 +388,7 @@ def wrap_impl(layer, cfg: NelssaConfig) -> None:
         backend = "flash"
     else:
         raise ValueError(f"NELSSA supports the CPU_ATTN and FLASH_ATTN backends, not {name}")
-    cls = type(f"Nelssa{name}", (type(impl),), {"forward": _forward, "do_kv_cache_update": _kv_update})
+    cls = type(f"Nelssa{name}", (type(impl),), {"forward": _forward})
     impl.__class__ = cls
     impl.nelssa_cfg = cfg
     impl.nelssa_backend = backend

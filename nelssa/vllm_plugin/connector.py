@@ -5,7 +5,9 @@ It moves no KV itself (in P/D it runs beside NixlConnector in a MultiConnector).
     each scheduled long request uses in this step (NelssaScheduler decides it; the KV-cache manager
     frees the blocks below it in the same step's scheduling); ``anchors``, the policy anchor of each
     scheduled request that is migrating or migrated (a long prompt's anchor is its length, derived
-    by each side).
+    by each side); ``switching`` (with the long lane), the host range [sink, H) of each scheduled request
+    that switches in this step: it still holds its blocks below H and is computed on the device, and
+    the lane computes its next position with H (the blocks are freed once H is in use, lane.py 0).
   * worker -> scheduler, each step (NelssaWorkerMeta): ``handoffs``, the ends of hand-offs completed
     since the last report (with the request's preemption count, so a stale report is ignored), and
     ``failed``, requests whose host-tier work failed (finished with an error before any token of
@@ -34,6 +36,7 @@ CONNECTOR = {"kv_connector": "NelssaConnector", "kv_connector_module_path": "nel
 class NelssaConnectorMetadata(KVConnectorMetadata):
     host_ends: dict[str, int] = field(default_factory=dict)
     anchors: dict[str, int] = field(default_factory=dict)
+    switching: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -64,6 +67,12 @@ def step_host_ends(meta) -> dict[str, int]:
     """This step's host ranges from the scheduler output's connector metadata."""
     m = _ours(meta, NelssaConnectorMetadata, "metadata")
     return m.host_ends if m is not None else {}
+
+
+def step_switching(meta) -> dict[str, int]:
+    """This step's switching requests (lane): request -> the H its lane job uses."""
+    m = _ours(meta, NelssaConnectorMetadata, "metadata")
+    return m.switching if m is not None else {}
 
 
 def step_anchors(meta) -> dict[str, int]:
@@ -190,6 +199,7 @@ class NelssaConnector(KVConnectorBase_V1):
         self.sched_stats: dict[str, Any] = {}  # filled by NelssaScheduler (scheduler role)
         self.host_ends: dict[str, int] = {}    # set by NelssaScheduler (scheduler role): request -> H in use
         self.anchors: dict[str, int] = {}      # set by NelssaScheduler: migrated request -> anchor
+        self.switching: dict[str, int] = {}    # set by NelssaScheduler (lane): switching request -> H
 
     # ---- scheduler side: nothing to load, nothing to send
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -201,7 +211,8 @@ class NelssaConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output):
         sched = scheduler_output.num_scheduled_tokens
         return NelssaConnectorMetadata({r: h for r, h in self.host_ends.items() if r in sched},
-                                       {r: a for r, a in self.anchors.items() if r in sched})
+                                       {r: a for r, a in self.anchors.items() if r in sched},
+                                       {r: h for r, h in self.switching.items() if r in sched})
 
     def request_finished(self, request, block_ids):
         return False, None

@@ -4,6 +4,11 @@ host tier (config ``lane``; the paper's "the long request rejoins the next avail
 Without it a step that carries an offloaded row waits, layer by layer, for that row's host attention,
 and every short row of the step waits with it. With it:
 
+  0. The switch (NelssaScheduler, with the lane): a request's first host range H is sent as
+     ``switching`` for one step. It keeps its device blocks and that step computes it like any row;
+     after the step's sampling its first job is queued (2) with H, and H is in use (the blocks
+     below it freed) from the next scheduling on. So the switch is not a split step: no step of the
+     engine waits for the host tier.
   1. Scheduler (NelssaScheduler): a request scheduled with its host range in use (H > 0) enters the
      lane after that step and is not scheduled again until the worker reports its next position
      computed (``busy``). A busy request is not a preemption candidate either (it holds only its
@@ -22,18 +27,20 @@ and every short row of the step waits with it. With it:
      clusters, ``attention.split_attention``, the same code as a split step) -> o_proj -> MLP; the
      final norm gives each row's hidden state. After the stream is done: reported (request -> p)
      through the NELSSA connector; the scheduler clears ``busy``.
-  4. The step that schedules a request at the reported position is a "lane row": its KV write is
-     skipped (the lane wrote p), its attention is shrunk to one live token, and its hidden state is
-     replaced by the lane's before the logits (NelssaLlamaForCausalLM.compute_logits), so vLLM
-     samples it like any row (sampling parameters, logprobs, stop conditions). Then 2 again.
+  4. The step that schedules a request at the reported position is a "lane row", shrunk where vLLM
+     prepares the step's inputs (runner ``_prepare_inputs``): its sequence length is 1 (it attends a
+     live block's first token, no work proportional to its length) and its token's KV slot is the
+     pad slot -1 (the lane wrote p), so the step runs like any decode step — on its full CUDA graph
+     when no row of it is split. Its hidden state is replaced by the lane's before the logits
+     (NelssaLlamaForCausalLM.compute_logits), so vLLM samples it like any row (sampling parameters,
+     logprobs, stop conditions). Then 2 again.
   5. CPU: vLLM's CPU linear layers keep per-layer oneDNN handles that are not safe to use from two
      threads at once, so the lane's dense parts and the step's forward take turns (``dense_lock``;
      CUDA needs none).
   6. A request finished or preempted while its job runs: the runner cancels the job and waits for it
      (at most one layer) before the step that may reuse its blocks. A failing job fails its requests
      (runtime.fail): they finish with an error, never with text from a failed attention.
-The first offloaded step of a request (H just switched) is a split step (attention.py); the lane
-takes over after it.
+Without the lane the switch step and every later one are split steps (attention.py).
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ from nelssa.vllm_plugin.attention import StepPlan, split_attention
 from nelssa.vllm_plugin.lane_graphs import CaptureFailed, DenseGraphs, call_op, post_attention, pre_attention
 
 log = logging.getLogger("vllm.nelssa")
+
+WARM_SIZES = (1, 2, 3, 4)  # lane batch sizes whose dense graphs are captured at engine start (CUDA)
 
 
 @dataclass
@@ -99,6 +108,18 @@ class Lane:
         self._gather_s = cfg.lane_gather_ms / 1e3
         self._thread = threading.Thread(target=self._loop, name="nelssa-lane", daemon=True)
         self._thread.start()
+
+    def warm(self) -> None:
+        """CUDA: capture the dense graphs of small batches now, with the engine's own graphs
+        (lane_graphs.py, 4), so the first lane batches of a long request do not capture."""
+        if self.dense is None:
+            return
+        t = time.perf_counter()
+        with torch.inference_mode(), torch.cuda.stream(self.stream):
+            self.dense.warm(WARM_SIZES, self.device)
+        self.stream.synchronize()
+        log.info("NELSSA lane: dense graphs for %s rows captured in %.2f s", list(WARM_SIZES),
+                 time.perf_counter() - t)
 
     # ------------------------------------------------------------ step thread
     def submit(self, jobs: list[Job]) -> None:

@@ -16,10 +16,12 @@ graph replay:
   3. Static per n: the token ids, positions and KV slots (copied in by ``run``), the attention output;
      the hidden states and residuals the graphs pass on are tensors of the size's graph pool kept alive
      here, so graph i + 1 reads what graph i wrote. The graphs of a size replay in capture order.
-  4. A size is captured the second time it is seen (the lane runs it eagerly the first time): lazy
+  4. Small sizes are captured when the engine captures its own graphs (``warm``, on dummy rows whose
+     KV slot is vLLM's pad slot -1, so nothing is written), not while serving; another size is
+     captured the second time it is seen (the lane runs it eagerly the first time). Either way lazy
      state of vLLM's modules (e.g. the rotary cos/sin cache converted to the query's dtype on first
-     use, a cuBLAS workspace for the lane's stream) is made outside any capture. Each graph is replayed
-     right after its capture, so the capturing batch is computed too.
+     use, a cuBLAS workspace for the lane's stream) is made by an eager pass outside any capture.
+     Each graph is replayed right after its capture, so the capturing batch is computed too.
   5. A capture that fails raises ``CaptureFailed`` after logging the error; the size is not tried
      again and the lane reruns the batch eagerly from its embedding (the KV writes it repeats carry
      the same values). A replay failure is an error of the batch like any other.
@@ -108,6 +110,26 @@ class DenseGraphs:
             return True
         self._seen.add(n)
         return False
+
+    def warm(self, sizes, device: torch.device) -> None:
+        """Capture the graphs of these batch sizes now (4): an eager pass, then the capture, on dummy
+        rows (token 0 at position 0, KV slot -1). On the lane's stream (the caller's current)."""
+        for n in sizes:
+            if n in self._sizes or n in self._broken:
+                continue
+            ids = torch.zeros(n, dtype=torch.long, device=device)
+            pos = torch.zeros(n, dtype=torch.long, device=device)
+            slots = torch.full((n,), -1, dtype=torch.long, device=device)
+            impl = self.layers[0].impl
+            eager = _Size(ids, pos, slots, torch.zeros(n, impl.num_heads, impl.head_size,
+                                                       dtype=self.model.model.norm.weight.dtype, device=device))
+            for i in range(len(self.decoder) + 1):
+                self._segment(eager, i)
+            self._seen.add(n)
+            try:
+                self.run(ids, pos, slots, lambda i, q, out: None, lambda: False)
+            except CaptureFailed:  # logged; this size runs eagerly
+                pass
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
             attend: Callable[[int, torch.Tensor, torch.Tensor], None],

@@ -28,7 +28,7 @@ from nelssa.config import set_config, vllm_nelssa_config
 from nelssa.node import LocalHostTier, host_tier
 from nelssa.vllm_plugin import runtime
 from nelssa.vllm_plugin.attention import StepPlan, read_kv, set_plan
-from nelssa.vllm_plugin.connector import step_anchors, step_host_ends
+from nelssa.vllm_plugin.connector import step_anchors, step_host_ends, step_switching
 from nelssa.vllm_plugin.handoff import Handoff
 from nelssa.vllm_plugin.policy import Policy, device_only
 
@@ -45,6 +45,7 @@ class NelssaRunnerMixin:
         self.nelssa_handoff: Handoff | None = None
         self.nelssa_lane = None
         self._nelssa_so = None
+        self._nelssa_step = None  # (plan, moves) of the step, from _prepare_inputs to _model_forward
         self._nelssa_jobs: list[tuple[str, int, int, int]] = []  # this step's lane jobs: (request, row, pos, H)
 
     def load_model(self, *args, **kwargs):
@@ -83,6 +84,13 @@ class NelssaRunnerMixin:
         log.info("NELSSA on: T_input=%d budget=%.3f sink=%d recent=%d chunk=%d, %d layers, host pool %d threads",
                  cfg.T_input, cfg.budget, cfg.sink, cfg.recent, cfg.chunk, len(layers), cfg.pool_threads)
 
+    def capture_model(self, *args, **kwargs):
+        """vLLM's CUDA-graph capture, then the lane's (lane.warm): nothing is captured while serving."""
+        out = super().capture_model(*args, **kwargs)
+        if getattr(self, "nelssa_lane", None) is not None:
+            self.nelssa_lane.warm()
+        return out
+
     def initialize_kv_cache(self, *args, **kwargs):
         super().initialize_kv_cache(*args, **kwargs)
         from nelssa.vllm_plugin.connector import find_connector
@@ -110,13 +118,37 @@ class NelssaRunnerMixin:
         try:
             return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
-            self._nelssa_so = None
+            self._nelssa_so = self._nelssa_step = None
+
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        """vLLM's input preparation, then the step's plan (which rows are split, which the lane computed)
+        and the lane rows shrunk in vLLM's own buffers (lane.py, 4): the step's graphs and attention
+        metadata, built after this, see them as rows of one token that write no KV."""
+        out = super()._prepare_inputs(scheduler_output, *args, **kwargs)
+        if self.nelssa_host is not None and scheduler_output is self._nelssa_so:
+            self._nelssa_step = self._nelssa_plan(scheduler_output)
+            self._nelssa_shrink_lane_rows(self._nelssa_step[0])
+        return out
+
+    def _nelssa_shrink_lane_rows(self, plan: StepPlan) -> None:
+        """Lane rows attend one token (their first block's first: a live block, no work proportional to
+        their length; their output is replaced before the logits) and their token's KV slot is vLLM's
+        pad slot -1 (the lane wrote that position: the step must not overwrite it)."""
+        if not plan.lane_rows:
+            return
+        dev = self.seq_lens.device
+        rows = torch.tensor(plan.lane_rows, dtype=torch.long)
+        self.seq_lens.index_fill_(0, rows.to(dev, non_blocking=True), 1)
+        self.optimistic_seq_lens_cpu.index_fill_(0, rows, 1)  # max_seq_len and the CPU-side schedules
+        toks = torch.tensor(plan.lane_tokens, dtype=torch.long).to(dev, non_blocking=True)
+        self.input_batch.block_table[0].slot_mapping.gpu.index_fill_(0, toks, -1)
 
     def _model_forward(self, *args, **kwargs):
-        so = self._nelssa_so
-        if self.nelssa_host is None or so is None:  # stock, or a warm-up/profile run
+        so, step = self._nelssa_so, self._nelssa_step
+        if self.nelssa_host is None or so is None or step is None:  # stock, or a warm-up/profile run
             return super()._model_forward(*args, **kwargs)
-        plan, moves = self._nelssa_plan(so)
+        self._nelssa_step = None
+        plan, moves = step
         set_plan(plan)
         if plan.lane_rows:
             dev = self.device
@@ -151,6 +183,7 @@ class NelssaRunnerMixin:
         pol, ib, seg, ho = self._nelssa_policy, self.input_batch, self.nelssa_cfg.segment, self.nelssa_handoff
         in_use = step_host_ends(so.kv_connector_metadata)
         anchors = step_anchors(so.kv_connector_metadata)
+        switching = step_switching(so.kv_connector_metadata)
         rows, rids, tok, hend, seqs, moves = [], [], [], [], [], []
         lane, lrows, ltok, lrids, jobs = self.nelssa_lane, [], [], [], []
         bad: dict[str, str] = {}
@@ -179,6 +212,18 @@ class NelssaRunnerMixin:
                                 jobs.append((rid, i, n, h))  # its next position, after the sampling
                         except Exception as e:  # noqa: BLE001 - this request fails loudly; others go on
                             bad[rid] = f"hand-off of tokens up to {h} to the host tier: {type(e).__name__}: {e}"
+                elif rid in switching and lane is not None and not failed:
+                    # its switch step (lane.py, 0): a device row, blocks still held; the lane computes
+                    # its next position with the host range [sink, H)
+                    hs = switching[rid]
+                    if s != 1:
+                        bad[rid] = f"switching request scheduled {s} tokens in one step (1 supported)"
+                    else:
+                        try:
+                            ho.ready(rid, hs)
+                            jobs.append((rid, i, n, hs))
+                        except Exception as e:  # noqa: BLE001
+                            bad[rid] = f"hand-off of tokens up to {hs} to the host tier: {type(e).__name__}: {e}"
                 # what should be on the host once this step has run: completed segments while a long
                 # prompt prefills, then the policy's goal
                 want = (pol.goal(a, n) if n >= a

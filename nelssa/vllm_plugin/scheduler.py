@@ -35,7 +35,11 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
 * Long lane (config ``lane``, lane.py): a request scheduled with H > 0 is busy until the worker
   reports the lane computed its next position; busy requests are left out of vLLM's running list
   while it schedules (they keep their place), and their H does not move. vLLM allocates one slot
-  ahead for every request (num_lookahead_tokens >= 1) for the position the lane writes.
+  ahead for every request (num_lookahead_tokens >= 1) for the position the lane writes. The switch
+  itself goes through the lane: the first H of a request is sent as ``switching`` for one step (the
+  request keeps its blocks and is computed on the device; the lane computes its next position with
+  H), and is in use — its blocks below H freed — from the next scheduling on. So no step of the
+  engine waits for the host tier, not even the switch.
 * Opt-out: a request with ``extra_args={"nelssa_offload": False}`` (policy.device_only) is a short
   request at any length: device KV, exact attention, never migrated; a malformed value is rejected.
 Reservations are released when a request finishes (preemption keeps it: the request comes back).
@@ -76,6 +80,8 @@ class NelssaScheduler(Scheduler):
         self._host_end: dict[str, int] = {}  # request -> H in use (shared with the manager and connector)
         self._anchor: dict[str, int] = {}    # migrating/migrated request -> anchor (shared with the connector)
         self._busy: set[str] = set()         # lane: requests whose next position the lane computes
+        self._switching: dict[str, int] = {}  # lane: request -> first H, sent for its switch step
+        self._switched: set[str] = set()     # lane: switching requests scheduled (H in use from next step)
         if cfg is None:
             return
         if cfg.lane:
@@ -95,6 +101,7 @@ class NelssaScheduler(Scheduler):
             raise ValueError("NELSSA needs its KV-cache manager and its KV connector (see nelssa.vllm_plugin.engine_args)")
         managers[0].host_ends = conn.host_ends = self._host_end
         conn.anchors = self._anchor
+        conn.switching = self._switching
         self._conn = conn
         self._bytes_per = (len(groups[0].layer_names), spec.num_kv_heads, spec.head_size, spec.dtype.itemsize)
         self._l_eq = attention_balance(self.vllm_config.model_config.hf_text_config)
@@ -147,16 +154,27 @@ class NelssaScheduler(Scheduler):
                                          device_only(r.sampling_params))
 
     def _switch(self) -> None:
-        """Set H for host-backed requests whose completed hand-offs now cover their anchor's range."""
+        """Set H for host-backed requests whose completed hand-offs now cover their anchor's range
+        (with the lane a first H is ``switching`` for one scheduled step, then in use)."""
         pol = self.nelssa_policy
+        for rid in self._switched:
+            h = self._switching.pop(rid, 0)
+            if h and rid in self.requests:
+                if rid in self._anchor:
+                    self._count("migrations_completed")
+                self._host_end[rid] = h
+        self._switched.clear()
         for rid, done in self._done.items():
-            if rid in self._busy:
+            if rid in self._busy or rid in self._switching:
                 continue  # the lane reads its blocks from H on: H moves when it is scheduled
             r = self.requests.get(rid)
             a = self._anchor_of(r) if r is not None else 0
             if a and r.num_computed_tokens >= a:
                 h = pol.in_use(a, done)
                 if h > self._host_end.get(rid, 0):
+                    if not self._host_end.get(rid) and self.nelssa.lane:
+                        self._switching[rid] = h  # its switch step: computed on the device, then the lane
+                        continue
                     if not self._host_end.get(rid) and rid in self._anchor:
                         self._count("migrations_completed")
                     self._host_end[rid] = h
@@ -193,6 +211,8 @@ class NelssaScheduler(Scheduler):
         rid = request.request_id
         self._done.pop(rid, None)
         self._busy.discard(rid)
+        self._switching.pop(rid, None)
+        self._switched.discard(rid)
         self._host_end.pop(rid, None)
         if self._anchor.pop(rid, None) is not None:  # it comes back as a short request
             self._reserved.pop(rid, None)
@@ -258,7 +278,8 @@ class NelssaScheduler(Scheduler):
                 n = len(order)
                 self.running = sorted(self.running + hidden, key=lambda r: order.get(id(r), n))
         if self.nelssa.lane:
-            self._busy.update(r for r in out.num_scheduled_tokens if self._host_end.get(r))
+            self._busy.update(r for r in out.num_scheduled_tokens if self._host_end.get(r) or r in self._switching)
+            self._switched.update(r for r in out.num_scheduled_tokens if r in self._switching)
         return out
 
     def _long_chunk(self, thr: int) -> int:
@@ -281,6 +302,8 @@ class NelssaScheduler(Scheduler):
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
         self._busy.discard(request.request_id)
+        self._switching.pop(request.request_id, None)
+        self._switched.discard(request.request_id)
         self._reserved.pop(request.request_id, None)
         self._done.pop(request.request_id, None)
         self._host_end.pop(request.request_id, None)

@@ -2,14 +2,13 @@
 
 On CUDA the V1 model runner is used deliberately (VLLM_USE_V2_MODEL_RUNNER=0): it is the runner vLLM
 uses on CPU too, so one code path serves both, and it lets a step with offloaded rows run its
-attention eagerly (piecewise graphs) while other steps keep full CUDA graphs.
+attention eagerly (piecewise graphs) while other steps, those with lane rows too, keep full CUDA graphs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from nelssa.vllm_plugin.connector import step_host_ends
 from nelssa.vllm_plugin.runner import NelssaRunnerMixin
 
 
@@ -36,15 +35,13 @@ def _gpu_classes():
 
     class NelssaGPUModelRunner(NelssaRunnerMixin, GPUModelRunner):
         def _determine_batch_execution_and_padding(self, *args, **kwargs):
-            # steps with offloaded rows must run attention eagerly (piecewise): a full graph
-            # would replay the captured stock kernel instead of the split-batch wrapper
-            if self._nelssa_so is not None and self._nelssa_has_offloaded(self._nelssa_so):
+            # steps with split rows must run attention eagerly (piecewise): a full graph would replay
+            # the captured stock kernel instead of the split-batch wrapper. Lane rows need no wrapper
+            # (shrunk in the step's buffers, runner._prepare_inputs): such steps keep full graphs.
+            step = self._nelssa_step
+            if self._nelssa_so is not None and step is not None and step[0].rows:
                 kwargs["use_cascade_attn"] = True  # forbids FULL graphs only
             return super()._determine_batch_execution_and_padding(*args, **kwargs)
-
-        @staticmethod
-        def _nelssa_has_offloaded(so) -> bool:
-            return any(step_host_ends(so.kv_connector_metadata).values())
 
     class NelssaGPUWorker(Worker):
         def init_device(self):
