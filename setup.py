@@ -34,7 +34,7 @@ def _ext():
         sorted(glob.glob("csrc/*.cpp")),
         include_dirs=[os.path.abspath("csrc")],
         extra_compile_args=["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=fast", *_arch_flags()],
-        extra_link_args=["-fopenmp"],
+        extra_link_args=["-fopenmp", "-ldl"],
     )
     return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension}}
 

@@ -26,6 +26,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("parts"), py::arg("cpart"), py::arg("cstart"), py::arg("csize"), py::arg("sel"),
         py::arg("nsel"), py::arg("scale"), py::arg("work_tokens"), py::arg("touch_only"), py::arg("prefetch_rows"),
         py::arg("prefetch_hint"), py::arg("pin_out"));  // no defaults: the caller passes the config's (nelssa.sparse.attend)
+  py::class_<nelssa::CancelFlag, std::shared_ptr<nelssa::CancelFlag>>(
+      m, "CancelFlag", "Shared by the host calls of one batch: set, they return without computing")
+      .def(py::init<>())
+      .def("set", [](nelssa::CancelFlag& f) { f.is_set.store(true); })
+      .def("is_set", [](const nelssa::CancelFlag& f) { return f.is_set.load(); });
+  py::class_<nelssa::HostCall, std::shared_ptr<nelssa::HostCall>>(
+      m, "HostCall", "sparse_attention prepared now, run later on a CUDA stream (launch) or here (run); "
+                     "see csrc/host_call.cpp for the contract")
+      .def(py::init([](at::Tensor q, std::vector<std::vector<at::Tensor>> parts, std::vector<at::Tensor> cpart,
+                       std::vector<at::Tensor> cstart, std::vector<at::Tensor> csize, std::vector<at::Tensor> sel,
+                       std::vector<at::Tensor> nsel, double scale, int64_t work_tokens, int64_t prefetch_rows,
+                       int64_t prefetch_hint, at::Tensor out, at::Tensor lse,
+                       std::shared_ptr<nelssa::CancelFlag> cancel, std::string fault) {
+             auto c = std::make_shared<nelssa::HostCall>();
+             c->q = std::move(q), c->parts = std::move(parts), c->cpart = std::move(cpart);
+             c->cstart = std::move(cstart), c->csize = std::move(csize), c->sel = std::move(sel);
+             c->nsel = std::move(nsel), c->scale = scale, c->work_tokens = work_tokens;
+             c->prefetch_rows = prefetch_rows, c->prefetch_hint = prefetch_hint;
+             c->out = std::move(out), c->lse = std::move(lse), c->cancel = std::move(cancel);
+             c->fault = std::move(fault);
+             return c;
+           }),
+           py::arg("q"), py::arg("parts"), py::arg("cpart"), py::arg("cstart"), py::arg("csize"), py::arg("sel"),
+           py::arg("nsel"), py::arg("scale"), py::arg("work_tokens"), py::arg("prefetch_rows"),
+           py::arg("prefetch_hint"), py::arg("out"), py::arg("lse"), py::arg("cancel") = nullptr,
+           py::arg("fault") = "")
+      .def("launch", &nelssa::launch_host_call, release(), py::arg("stream"),
+           "enqueue on the CUDA stream (its handle, torch.cuda.Stream.cuda_stream)")
+      .def("run", &nelssa::run_host_call, release(), "run on this thread now")
+      .def_property_readonly("state", [](const nelssa::HostCall& c) { return std::string(nelssa::host_call_state(c)); })
+      .def_property_readonly("error", [](const nelssa::HostCall& c) { return c.error; })
+      .def_property_readonly("seconds", [](const nelssa::HostCall& c) { return c.seconds; });
   m.def("copy_rows", &nelssa::copy_rows, release(), "dst[h, di[h,i]] = src[h, si[h,i]]");
   m.def("read_bandwidth", &nelssa::read_bandwidth, release(), "(seconds, checksum) to read buf iters times");
   m.def("block_read", &nelssa::block_read, release(),

@@ -6,6 +6,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <atomic>
+#include <memory>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -105,5 +108,28 @@ void pin_this_thread();  // call inside a parallel region: pins thread i to core
     if ((DT) == at::kFloat) { using scalar_t = float; return __VA_ARGS__(); }      \
     TORCH_CHECK(false, NAME ": unsupported KV dtype ", DT);                        \
   }()
+
+// ---- a prepared host attention call (host_call.cpp has the contract) ----
+struct CancelFlag {
+  std::atomic<bool> is_set{false};
+};
+
+struct HostCall {
+  at::Tensor q;
+  std::vector<std::vector<at::Tensor>> parts;
+  std::vector<at::Tensor> cpart, cstart, csize, sel, nsel;
+  double scale = 1.0;
+  int64_t work_tokens = 0, prefetch_rows = 0, prefetch_hint = -1;
+  at::Tensor out, lse;                  // fp32 outputs, written in place
+  std::shared_ptr<CancelFlag> cancel;   // optional: set -> the call returns at once ("skipped")
+  std::string fault;                    // non-empty: fails with this message (fault injection)
+  std::atomic<int> state{0};            // prepared, launched, done, failed, skipped
+  std::string error;                    // a failed call's message
+  double seconds = 0;                   // time in the kernel
+  void run() noexcept;
+};
+void launch_host_call(const std::shared_ptr<HostCall>& call, int64_t stream);  // on a CUDA stream
+void run_host_call(const std::shared_ptr<HostCall>& call);                     // here, now
+const char* host_call_state(const HostCall& call);
 
 }  // namespace nelssa

@@ -485,7 +485,9 @@ struct CallBufs {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> sparse_attention(
+// The fused pass writing into out [B, Hq, D] / lse [B, Hq] (fp32, contiguous, CPU or pinned): allocates
+// no tensor, so it may run where CUDA API calls are not allowed (a CUDA host function, host_call.cpp).
+void sparse_attention_into(
     const at::Tensor& q,                         // [B, Hq, D] fp32 / bf16 / fp16
     const std::vector<std::vector<at::Tensor>>& parts,  // [B][P_b] of [Hkv, Lp, 2, D]: token records [K row, V row]
     const std::vector<at::Tensor>& cpart,        // [B] of int32 [C_b]: part of each cluster
@@ -494,8 +496,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
     const std::vector<at::Tensor>& sel,          // [B] of int64 [Hkv, S_b]: selected cluster ids
     const std::vector<at::Tensor>& nsel,         // [B] of int64 [Hkv]: valid ids per head
     double scale, int64_t work_tokens, bool touch_only, int64_t prefetch_rows, int64_t prefetch_hint,
-    bool pin_out) {                              // outputs in pinned memory (CUDA builds of torch: the caller
-                                                 // copies them to the device without a staging copy)
+    at::Tensor& out, at::Tensor& lse) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(),
               "q must be a contiguous CPU [B, Hq, D] tensor (fp32, or the KV dtype)");
   const int B = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), D = static_cast<int>(q.size(2));
@@ -589,9 +590,10 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
                                                                 : &run_item<scalar_t, 0, HINT>;
     });
   });
-  const auto oopt = q.options().dtype(at::kFloat).pinned_memory(pin_out);
-  at::Tensor out = at::empty({B, Hq, D}, oopt);
-  at::Tensor lse = at::empty({B, Hq}, oopt);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat && out.is_contiguous() &&
+                  lse.is_contiguous() && out.device().is_cpu() && lse.device().is_cpu() &&
+                  out.sizes() == at::IntArrayRef({B, Hq, D}) && lse.sizes() == at::IntArrayRef({B, Hq}),
+              "outputs must be contiguous fp32 CPU tensors out [B, Hq, D] and lse [B, Hq]");
   float* o = out.data_ptr<float>();
   float* ls = lse.data_ptr<float>();
 
@@ -729,6 +731,21 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention(
                                               0x7f800000u);
   for (int64_t i = 0; !touch_only && i < static_cast<int64_t>(B) * Hq && !bad_out; ++i) bad_out = std::isnan(ls[i]);
   TORCH_CHECK_VALUE(!bad_out, "host attention returned non-finite values");
+}
+
+std::tuple<at::Tensor, at::Tensor> sparse_attention(
+    const at::Tensor& q, const std::vector<std::vector<at::Tensor>>& parts, const std::vector<at::Tensor>& cpart,
+    const std::vector<at::Tensor>& cstart, const std::vector<at::Tensor>& csize, const std::vector<at::Tensor>& sel,
+    const std::vector<at::Tensor>& nsel, double scale, int64_t work_tokens, bool touch_only,
+    int64_t prefetch_rows, int64_t prefetch_hint,
+    bool pin_out) {  // outputs in pinned memory (CUDA builds of torch: the caller copies them to the device
+                     // without a staging copy)
+  TORCH_CHECK(q.dim() == 3, "q must be a contiguous CPU [B, Hq, D] tensor (fp32, or the KV dtype)");
+  const auto oopt = q.options().dtype(at::kFloat).pinned_memory(pin_out);
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, oopt);
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, oopt);
+  sparse_attention_into(q, parts, cpart, cstart, csize, sel, nsel, scale, work_tokens, touch_only, prefetch_rows,
+                        prefetch_hint, out, lse);
   return {out, lse};
 }
 

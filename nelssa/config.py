@@ -88,6 +88,8 @@ class NelssaConfig:
     lane_switch_us: int = 200     # with the lane: Python's GIL switch interval (us) in the worker
     lane_gather_ms: float = 50.0  # the lane waits up to this long for the long requests it reported to
                                   # come back, so they run as one batch
+    lane_host_calls: bool = True  # CUDA lane: a batch enqueued whole, host attention as CUDA host functions
+                                  # (vllm_plugin/lane_host.py); off: the lane waits for it layer by layer
     sink: int = 16                # first tokens kept on the device
     recent: int = 64              # last tokens kept on the device
     chunk: int = 1024             # generated tokens clustered and appended to the host tier at once
@@ -167,6 +169,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_SINK": ("sink", int),
     "NELSSA_RECENT": ("recent", int),
     "NELSSA_CHUNK": ("chunk", int),
+    "NELSSA_LANE_HOST_CALLS": ("lane_host_calls", _bool),
     "NELSSA_LONG_PREFILLS": ("long_prefills", int),
     "NELSSA_LONG_CHUNK": ("long_chunk", int),
     "NELSSA_MIGRATE": ("migrate", _bool),

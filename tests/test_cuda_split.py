@@ -97,3 +97,38 @@ def test_select_graph_equals_eager(estimate):
     for _ in range(2):
         graphs.select(7, q, tok, ckvs, 0.04, 0.125, estimate, budget_targets(ckvs, 0.04), object())
     assert graphs.captures == 2
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_host_call_on_a_stream():
+    """The lane's host call as a CUDA host function (csrc/host_call.cpp, lane_host.py): it runs after the
+    stream's earlier work (queries computed behind a 50 ms kernel, copied to pinned memory) and the
+    stream's later copies see its results: equal to attend, bit for bit; a failing call leaves NaN."""
+    from nelssa.sparse import attend, prepare_attend
+    ckvs = [cluster_kv(*(torch.randn(8, n, 128).to(torch.bfloat16) for _ in range(2))) for n in (3000, 5000)]
+    q = torch.randn(2, 32, 128).to(torch.bfloat16)
+    sel = select_clusters(q, ckvs, 0.05)
+    ref, rlse = attend(q, ckvs, sel)
+    lane, hs = torch.cuda.Stream(), torch.cuda.Stream()
+    for fault in ("", "injected"):
+        q_h = torch.empty_like(q).pin_memory()
+        out_h, lse_h = torch.empty(2, 32, 128).pin_memory(), torch.empty(2, 32).pin_memory()
+        call = prepare_attend(q_h, ckvs, sel, 128 ** -0.5, out_h, lse_h, fault=fault)
+        with torch.cuda.stream(lane):
+            torch.cuda._sleep(50_000_000)  # ~50 ms of device time before the queries exist
+            q_d = q.cuda(non_blocking=True) * 1
+            q_h.copy_(q_d, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(lane)
+        hs.wait_event(ready)
+        call.launch(hs.cuda_stream)
+        with torch.cuda.stream(hs):
+            out_d = out_h.to("cuda", non_blocking=True)
+            lse_d = lse_h.to("cuda", non_blocking=True)
+        assert call.state in ("launched", "done")
+        hs.synchronize()
+        if fault:
+            assert call.state == "failed" and "injected" in call.error and out_d.isnan().all()
+        else:
+            assert call.state == "done", call.error
+            assert torch.equal(out_d.cpu(), ref) and torch.equal(lse_d.cpu(), rlse)

@@ -119,6 +119,52 @@ def test_non_finite_results_raise(cpp, use_cpp):
         attend(q, [ckv], sel)
 
 
+def test_prepared_host_call(use_cpp):
+    """The long lane's host call (csrc/host_call.cpp) run on this thread: the same results as attend, bit
+    for bit, written into the given outputs; a failure (a selection out of range, an injected fault)
+    is a state with its message and NaN outputs, never an exception on the runner nor a plausible
+    result; a set CancelFlag skips the work; it runs once; without a CUDA driver launch says so."""
+    import nelssa._C as C
+    from nelssa.sparse import attend, prepare_attend
+    use_cpp(True)
+    ckvs = [cluster_kv(*rand_kv(2, n, 64, torch.bfloat16, seed=n)) for n in (700, 1300)]
+    q = torch.randn(2, 8, 64).to(torch.bfloat16)
+    sel = select_clusters(q, ckvs, 0.2)
+    ref, rlse = attend(q, ckvs, sel)
+
+    def call(**kw):
+        out, lse = torch.full((2, 8, 64), 7.0), torch.full((2, 8), 7.0)
+        return prepare_attend(q, ckvs, sel, 64 ** -0.5, out, lse, **kw), out, lse
+
+    c, out, lse = call()
+    assert c.state == "prepared"
+    c.run()
+    assert c.state == "done" and c.error == "" and c.seconds > 0
+    assert torch.equal(out, ref) and torch.equal(lse, rlse)
+    with pytest.raises(RuntimeError, match="runs once"):
+        c.run()
+    c, out, lse = call(fault="injected host-tier fault")
+    c.run()
+    assert c.state == "failed" and "injected" in c.error
+    assert out.isnan().all() and lse.isnan().all()
+    bad = select_clusters(q, ckvs, 0.2)
+    bad.ids[1][0, 0] = 10 ** 6  # a cluster id past the table
+    out, lse = torch.empty(2, 8, 64), torch.empty(2, 8)
+    c = prepare_attend(q, ckvs, bad, 64 ** -0.5, out, lse)
+    c.run()
+    assert c.state == "failed" and "out of range" in c.error and out.isnan().all()
+    flag = C.CancelFlag()
+    c, out, lse = call(cancel=flag)
+    flag.set()
+    c.run()
+    assert c.state == "skipped" and (out == 7.0).all()
+    c, out, lse = call()
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="libcuda|cuLaunchHostFunc"):
+            c.launch(0)
+        assert c.state == "prepared"
+
+
 def test_cpp_splits_large_clusters_into_work_items(use_cpp):
     """Clusters far larger than a work item (512 tokens vs 16-row items) are cut and recombined by
     LSE: still exact at budget 100%."""

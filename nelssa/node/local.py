@@ -16,7 +16,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 from nelssa.config import NelssaConfig
-from nelssa.sparse import ClusteredKV, RequestKV, Selection, attend
+from nelssa.sparse import ClusteredKV, RequestKV, Selection, attend, prepare_attend
 from nelssa.sparse.clustered import cluster_layers
 
 
@@ -195,6 +195,29 @@ class LocalHostTier:
             return out
 
         return self._pool.submit(run)
+
+    def prepare_call(self, q: torch.Tensor, ckvs: list[ClusteredKV], sel: Selection, scale: float, layer: int,
+                     out: torch.Tensor, lse: torch.Tensor, cancel=None):
+        """Host attention of q [n, Hq, D] (host memory, read when the call runs) over the selected
+        clusters into ``out`` / ``lse`` (fp32), as a C++ call the caller enqueues on a CUDA stream
+        (``nelssa.sparse.prepare_attend``); None without the C++ extension (use submit_attend).
+        ``call_results`` after the stream passed it."""
+        fault = "injected host-tier fault (NELSSA_FAULT=attend)" if self.cfg.fault == "attend" else ""
+        return prepare_attend(q, ckvs, sel, scale, out, lse, cancel, fault)
+
+    def call_results(self, calls: list) -> str | None:
+        """Prepared calls the stream has passed: their host attention time added to the stats; the first
+        failure's message, or None. A call neither done nor skipped is a failure too."""
+        err = None
+        for c in calls:
+            state = c.state
+            if state == "done":
+                self.stats.add(attn_s=c.seconds)
+            elif state != "skipped" and err is None:
+                err = c.error if state == "failed" else f"host call {state} after its stream passed it"
+        if err is not None:
+            self.stats.add(failures=1)
+        return err
 
     def wait(self, fut: Future, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         try:

@@ -90,10 +90,8 @@ def attend(queries: torch.Tensor, ckvs: Sequence[ClusteredKV], sel: Selection,
         # No torch ops on this path (each costs microseconds per layer call): the kernel takes q in
         # fp32 or the KV dtype, checks queries and results for NaN/Inf and pins the results itself.
         # Work items: <= work_tokens rows, fewer when needed for ~16 per pool thread (sized in C++).
-        return mod.sparse_attention(
-            q, [[p.kv for p in c.parts] for c in ckvs], [c.cpart for c in ckvs], [c.cstart for c in ckvs],
-            [c.csize for c in ckvs], sel.ids, sel.counts, scale, cfg.work_tokens,
-            touch_only, cfg.prefetch_rows, PREFETCH_HINTS[cfg.prefetch], pin)
+        return mod.sparse_attention(q, *_tables(ckvs, sel), scale, cfg.work_tokens, touch_only, cfg.prefetch_rows,
+                                    PREFETCH_HINTS[cfg.prefetch], pin)
     if touch_only:
         raise RuntimeError("touch_only needs the C++ extension")
     q = q.float()
@@ -104,6 +102,26 @@ def attend(queries: torch.Tensor, ckvs: Sequence[ClusteredKV], sel: Selection,
     if not (torch.isfinite(out).all() and not torch.isnan(lse).any()):
         raise ValueError("host attention returned non-finite values")
     return (out.pin_memory(), lse.pin_memory()) if pin else (out, lse)
+
+
+def _tables(ckvs: Sequence[ClusteredKV], sel: Selection) -> tuple:
+    """The C++ kernel's per-request inputs: KV parts, cluster tables, selected ids and counts."""
+    return ([[p.kv for p in c.parts] for c in ckvs], [c.cpart for c in ckvs], [c.cstart for c in ckvs],
+            [c.csize for c in ckvs], sel.ids, sel.counts)
+
+
+def prepare_attend(queries: torch.Tensor, ckvs: Sequence[ClusteredKV], sel: Selection, scale: float,
+                   out: torch.Tensor, lse: torch.Tensor, cancel=None, fault: str = ""):
+    """``attend`` prepared as a C++ ``HostCall`` that writes into ``out`` [B, Hq, D] / ``lse`` [B, Hq] (fp32,
+    contiguous; pinned when a CUDA stream copies them), to run later: ``call.launch(stream)`` enqueues it
+    on a CUDA stream, ``call.run()`` runs it here (csrc/host_call.cpp has the contract). The queries,
+    ids and counts are read when it runs, not now. None without the C++ extension. ``cancel``: a shared
+    ``CancelFlag``; ``fault``: fail with this message (fault injection)."""
+    mod, cfg = ext(), get_config()
+    if mod is None:
+        return None
+    return mod.HostCall(queries, *_tables(ckvs, sel), float(scale), cfg.work_tokens, cfg.prefetch_rows,
+                        PREFETCH_HINTS[cfg.prefetch], out, lse, cancel, fault)
 
 
 def sparse_attention(queries, ckv, budget: float = 0.04, *, scale: float | None = None):

@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from nelssa.vllm_plugin import runtime
+from nelssa.vllm_plugin import lane_host, runtime
 from nelssa.vllm_plugin.attention import StepPlan, split_attention
 from nelssa.vllm_plugin.lane_graphs import CaptureFailed, DenseGraphs, call_op, post_attention, pre_attention
 
@@ -93,6 +93,10 @@ class Lane:
         # high priority: the lane's few kernels per layer go ahead of the step's queued blocks, so the host
         # tier gets each layer's queries sooner
         self.stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
+        # the host tier's calls and their results' copies (lane_host.py, 2)
+        self.host_stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
+        self._host_buffers: dict = {}   # pinned buffers of lane_host batches, reused across batches
+        self._batch: lane_host.HostStreamBatch | None = None  # the running batch's, when it runs that way
         self.graphs = self.dense = None
         if self.cuda and cfg.graphs:
             from nelssa.vllm_plugin.select_graph import SelectGraphs
@@ -154,6 +158,8 @@ class Lane:
                 self._reported.pop(r, None)
             self._awaiting -= ids
             self._cancel |= ids & self._running
+            if self._batch is not None and self._running and self._cancel >= self._running:
+                self._batch.cancel()  # its host calls not yet run return at once (lane_host.py, 5)
             while self._running & ids:
                 self._cv.wait(0.1)
             self._cancel -= ids
@@ -222,25 +228,44 @@ class Lane:
                             torch.arange(n, dtype=torch.long), [j.host_end for j in jobs], [j.pos + 1 for j in jobs])
             plan.cache["block_size"], plan.cache["dtype"] = self.bs, self.dtype
             plan.graphs = self.graphs
+            batch = None
+            if self.cuda and self.graphs is not None and self.cfg.lane_host_calls:
+                batch = lane_host.batch(self.host, self.layers[0].impl, self.stream, self.host_stream,
+                                        self._host_buffers)
+            with self._cv:
+                self._batch = batch
             t0 = time.perf_counter()
             h = None
-            if self.dense is not None and self.dense.use(n):
-                try:
-                    h = self.dense.run(ids, pos, slots,
-                                       lambda i, q, out: self._attend(self.layers[i], q, out, md, plan),
-                                       lambda: self._cancel >= set(plan.req_ids))
+            try:
+                if self.dense is not None and self.dense.use(n):
+                    try:
+                        h = self.dense.run(ids, pos, slots,
+                                           lambda i, q, out: self._attend(self.layers[i], q, out, md, plan),
+                                           lambda: self._cancel >= set(plan.req_ids))
+                        if h is None:
+                            return None, {}
+                    except CaptureFailed:  # logged; this size runs eagerly from now on (lane_graphs.py, 5)
+                        plan.split.clear()
+                        h = None
+                if h is None:
+                    h = self._eager(ids, pos, slots, md, plan)
                     if h is None:
                         return None, {}
-                except CaptureFailed:  # logged; this size runs eagerly from now on (lane_graphs.py, 5)
-                    plan.split.clear()
-                    h = None
-            if h is None:
-                h = self._eager(ids, pos, slots, md, plan)
-                if h is None:
-                    return None, {}
-            plan.split["dense"] = max(0.0, time.perf_counter() - t0 - sum(plan.split.values()))
-            if self.cuda:
-                self.stream.synchronize()
+                plan.split["dense"] = max(0.0, time.perf_counter() - t0 - sum(plan.split.values()))
+            finally:
+                if self.cuda:  # also on failure: nothing of the batch may still run (lane_host.py, 4)
+                    t = time.perf_counter()
+                    self.stream.synchronize()
+                    self.host_stream.synchronize()
+                    if batch is not None:  # the batch's one wait for the device and the host tier
+                        plan.lap("wait", t)
+                with self._cv:
+                    self._batch = None
+                if batch is not None:
+                    err = batch.finish(self.host)
+                    if err is not None:
+                        for r in plan.req_ids:
+                            plan.fail(r, f"host tier: {err}")
         self.host.stats.add(lane_split_s=plan.split)
         return h, dict(plan.failed)
 
@@ -268,9 +293,12 @@ class Lane:
         with self.dense_lock:
             return post_attention(layer, out, residual)
 
-    @staticmethod
-    def _attend(attn, q, out, md, plan) -> None:
-        """The split attention of lane rows: q [n, q_size] -> out [n, Hq, D]."""
+    def _attend(self, attn, q, out, md, plan) -> None:
+        """The split attention of lane rows: q [n, q_size] -> out [n, Hq, D]; enqueued whole when the batch
+        runs with host calls (lane_host.py), else layer by layer (attention.split_attention)."""
         impl = attn.impl
-        split_attention(impl, attn, q.reshape(q.shape[0], impl.num_heads, impl.head_size), attn.kv_cache, md, out,
-                        plan, stock=None)
+        q = q.reshape(q.shape[0], impl.num_heads, impl.head_size)
+        if self._batch is not None:
+            self._batch.attend(impl, attn, q, attn.kv_cache, out, md, plan)
+        else:
+            split_attention(impl, attn, q, attn.kv_cache, md, out, plan, stock=None)

@@ -1,0 +1,139 @@
+"""The long lane's split attention enqueued whole: no thread waits for the host tier layer by layer
+(CUDA, local host tier with the C++ extension; config ``lane_host_calls``).
+
+The lane's per-layer path (``attention.split_attention``) submits the host job to a pool thread and
+waits for its future before the merge: per layer two Python threads hand the GIL over several
+times (pool thread after the queries' event, after the kernel; the lane thread after the future),
+each hand-off up to a GIL switch interval while the engine's step thread runs Python, and the lane's
+enqueueing stops at every layer. On the H200 (hol run 10) a lane batch took 131 ms of which the host
+kernel was 40: most of the rest was this orchestration. Here, per layer and on the lane's stream:
+
+  1. the centroid search (``SelectGraphs.select``: a graph replay that also copies the queries, the
+     selected ids and their counts to pinned memory; or the eager search whose ids go to pinned
+     buffers, its queries copied here), then an event;
+  2. on the host stream (``host_stream``): a wait for that event, the host attention as a CUDA host
+     function (``LocalHostTier.prepare_call`` -> a C++ ``HostCall``, csrc/host_call.cpp: the driver
+     runs the kernel on its callback thread once the copies are done, no Python involved), the copies
+     of its (out, LSE) from pinned memory to the device, an event;
+  3. on the lane stream, overlapping 2: the window attention (``flash_window_parts``), a wait for 2's
+     event, and the merge of window, estimate and host result into the layer's attention output.
+So the lane thread enqueues a whole batch (dense graphs between the layers, lane_graphs.py) and then
+waits once, at its end, without the GIL. The device orders everything: layer i + 1's queries come
+from layer i's merged output, and every buffer a host call reads or writes is rewritten only after
+the lane stream passed that call's merge.
+
+  4. The calls, pinned buffers and device results of a batch are kept here until ``finish``, which
+     the lane calls after synchronising both streams (also when the batch failed or was cancelled):
+     it reads each call's state, adds the host attention time to the host tier's stats, and returns
+     the first failure's message. A failed call wrote NaN (csrc/host_call.cpp, 3) and its batch's
+     requests fail: never an answer from a failed attention.
+  5. Cancelling (every request of the batch finished or preempted): ``cancel()`` sets the batch's
+     CancelFlag, so the host calls not yet run return at once and the batch ends after its
+     remaining device work.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from nelssa._ext import ext
+from nelssa.sparse.search import budget_targets
+from nelssa.vllm_plugin.attention import StepPlan, _token_index, flash_window_parts
+
+
+def batch(host, impl, lane_stream, host_stream, buffers: dict) -> "HostStreamBatch | None":
+    """A batch that runs this way, or None when it cannot: a host tier without prepared calls (the node
+    client), another attention backend than FlashAttention, no C++ extension."""
+    mod = ext()
+    if mod is None or not hasattr(host, "prepare_call") or getattr(impl, "nelssa_backend", None) != "flash":
+        return None
+    return HostStreamBatch(lane_stream, host_stream, buffers, mod.CancelFlag())
+
+
+class HostStreamBatch:
+    """One lane batch's enqueued split attention (the module docstring). Lane thread only."""
+
+    def __init__(self, lane_stream: torch.cuda.Stream, host_stream: torch.cuda.Stream, buffers: dict, flag):
+        self.lane_stream, self.host_stream = lane_stream, host_stream
+        self.buffers = buffers        # pinned buffers kept by the lane across batches: (kind, layer, shape)
+        self.flag = flag              # C++ CancelFlag of this batch
+        self.calls: list = []
+        self.keep: list = []          # device results and events, alive until finish (4)
+
+    def _pinned(self, kind: str, layer: int, shape, dtype) -> torch.Tensor:
+        key = (kind, layer, tuple(shape), dtype)
+        b = self.buffers.get(key)
+        if b is None:
+            if len(self.buffers) > 1024:  # batch shapes come and go
+                self.buffers.clear()
+            b = self.buffers[key] = torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+        return b
+
+    def attend(self, impl, layer, q: torch.Tensor, kv_cache: torch.Tensor, o: torch.Tensor, md,
+               plan: StepPlan) -> None:
+        """Steps 1-3 for attention layer ``layer`` of the batch: q / o [n, Hq, D] (every row offloaded)."""
+        from nelssa.vllm_plugin.merge_kernel import merge_into
+        t = time.perf_counter()
+        cfg, li, host = impl.nelssa_cfg, layer.nelssa_layer, plan.host
+        tok = _token_index(plan, q.device)
+        n, hq, d = q.shape
+        call = done = sel = q_off = None
+        try:
+            ckvs = [host.layer_kv(r, li) for r in plan.req_ids]
+            target = plan.cache.get("target")
+            if target is None:
+                target = plan.cache["target"] = budget_targets(ckvs, cfg.budget)
+            sel, q_host, q_off = plan.graphs.select(li, q, tok, ckvs, cfg.budget, impl.scale, cfg.estimate, target,
+                                                    plan)
+            if q_host.is_cuda:  # the eager search (1): its queries to pinned memory
+                staged = self._pinned("q", li, q_host.shape, q_host.dtype)
+                staged.copy_(q_host, non_blocking=True)
+                q_host = staged
+            out_h = self._pinned("out", li, (n, hq, d), torch.float32)
+            lse_h = self._pinned("lse", li, (n, hq), torch.float32)
+            call = host.prepare_call(q_host, ckvs, sel, impl.scale, li, out_h, lse_h, self.flag)
+            if call is None:
+                raise RuntimeError("the host tier's C++ extension is not available")
+            ready = torch.cuda.Event()
+            ready.record(self.lane_stream)
+            out_d = torch.empty(n, hq, d, dtype=torch.float32, device=q.device)
+            lse_d = torch.empty(n, hq, dtype=torch.float32, device=q.device)
+            hs = self.host_stream
+            hs.wait_event(ready)
+            call.launch(hs.cuda_stream)  # (2)
+            self.calls.append(call)
+            with torch.cuda.stream(hs):
+                out_d.copy_(out_h, non_blocking=True)
+                lse_d.copy_(lse_h, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(hs)
+            self.keep += [out_d, lse_d, ready, done]
+        except Exception as e:  # noqa: BLE001 - any host-tier failure fails these requests, loudly
+            for r in plan.req_ids:
+                plan.fail(r, f"host tier (layer {li}): {type(e).__name__}: {e}")
+            done = None
+        t = plan.lap("select", t)
+        if q_off is None:
+            q_off = q.index_select(0, tok)
+        parts = flash_window_parts(impl, q_off, kv_cache, plan, md, cfg.sink, plan.cache["block_size"])
+        t = plan.lap("window", t)
+        if done is not None and not plan.failed:
+            self.lane_stream.wait_event(done)
+            if sel.estimate is not None:
+                parts.append(sel.estimate)
+            parts.append((out_d, lse_d))
+            merge_into(o, tok, parts)
+        else:
+            o.index_fill_(0, tok, 0.0)
+        plan.lap("merge", t)
+
+    def cancel(self) -> None:
+        self.flag.set()
+
+    def finish(self, host) -> str | None:
+        """After both streams were synchronised (4): the first failure's message, or None."""
+        err = host.call_results(self.calls)
+        self.calls, self.keep = [], []
+        return err
