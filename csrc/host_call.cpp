@@ -15,6 +15,9 @@
 //      CancelFlag makes it return at once (state "skipped": every request of the batch is gone).
 //   4. the caller keeps the call (its Python object) until the stream has passed it (a stream or
 //      event synchronisation), then reads state, error and seconds.
+//   5. Captured into a CUDA graph (launch_borrowed while the stream captures: a host node), a call
+//      runs at every replay: the graph's owner keeps it as long as the graph, re-arms it before each
+//      replay (state "launched") and reads its state after the replay, as in 4.
 #include "common.h"
 
 #include <dlfcn.h>
@@ -96,6 +99,23 @@ void launch_host_call(const std::shared_ptr<HostCall>& call, int64_t stream) {
     call->state.store(PREPARED);
     TORCH_CHECK(false, "cuLaunchHostFunc failed (CUresult ", r, ")");
   }
+}
+
+namespace {
+extern "C" void nelssa_host_call_borrowed(void* p) { static_cast<HostCall*>(p)->run(); }
+}  // namespace
+
+void launch_host_call_borrowed(const std::shared_ptr<HostCall>& call, int64_t stream) {
+  LaunchHostFunc fn = driver_launch();
+  TORCH_CHECK(fn != nullptr, "cuLaunchHostFunc is not available: no CUDA driver (libcuda.so.1) in this process");
+  const int r = fn(reinterpret_cast<void*>(stream), &nelssa_host_call_borrowed, call.get());
+  TORCH_CHECK(r == 0, "cuLaunchHostFunc failed (CUresult ", r, ")");
+}
+
+void rearm_host_call(HostCall& call) {
+  call.error.clear();
+  call.seconds = 0;
+  call.state.store(LAUNCHED, std::memory_order_release);
 }
 
 void run_host_call(const std::shared_ptr<HostCall>& call) {
