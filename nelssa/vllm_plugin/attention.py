@@ -322,6 +322,18 @@ def split_attention(self, layer, q: torch.Tensor, kv_cache: torch.Tensor, attn_m
     plan.lap("merge", t)
 
 
+def layer_search(plan: StepPlan, li: int, q: torch.Tensor, tok: torch.Tensor, cfg: NelssaConfig, scale: float):
+    """CUDA step 1 for layer ``li``: the plan's requests' clustered KV of the layer and the centroid search
+    of their queries ``q[tok]`` (select_graph.py; the budget targets computed once per plan) -> (ckvs,
+    selection, the queries the host tier reads, the device rows ``q[tok]``)."""
+    ckvs = [plan.host.layer_kv(r, li) for r in plan.req_ids]
+    target = plan.cache.get("target")
+    if target is None:
+        target = plan.cache["target"] = budget_targets(ckvs, cfg.budget)
+    sel, q_host, q_off = plan.graphs.select(li, q, tok, ckvs, cfg.budget, scale, cfg.estimate, target, plan)
+    return ckvs, sel, q_host, q_off
+
+
 def _forward_cuda(self, layer, q, kv_cache, attn_metadata, o, plan: StepPlan, stock):
     """The same four steps on CUDA in ~12 launches: the centroid search replayed as a captured graph
     (select_graph), the host queries copied inside it; the window as partial states; one kernel merges
@@ -335,12 +347,7 @@ def _forward_cuda(self, layer, q, kv_cache, attn_metadata, o, plan: StepPlan, st
     fut = sel = None
     q_off = None
     try:
-        ckvs = [host.layer_kv(r, li) for r in plan.req_ids]
-        target = plan.cache.get("target")
-        if target is None:
-            target = plan.cache["target"] = budget_targets(ckvs, cfg.budget)
-        sel, q_host, q_off = plan.graphs.select(li, q, tok, ckvs, cfg.budget, self.scale, cfg.estimate, target,
-                                                plan)
+        ckvs, sel, q_host, q_off = layer_search(plan, li, q, tok, cfg, self.scale)
         fut = host.submit_attend(q_host, ckvs, sel, self.scale, li, pin_result=True)
     except Exception as e:  # noqa: BLE001 - any host-tier failure fails these requests, loudly
         for r in plan.req_ids:

@@ -39,8 +39,8 @@ import time
 import torch
 
 from nelssa._ext import ext
-from nelssa.sparse.search import Selection, budget_targets, select_clusters
-from nelssa.vllm_plugin.attention import StepPlan, _token_index, flash_window_parts
+from nelssa.sparse.search import Selection, select_clusters
+from nelssa.vllm_plugin.attention import StepPlan, _token_index, flash_window_parts, layer_search
 
 
 def batch(host, impl, lane_stream, host_stream, buffers: dict) -> "HostStreamBatch | None":
@@ -86,15 +86,11 @@ class HostStreamBatch:
         n, hq, d = q.shape
         call = done = sel = q_off = None
         try:
-            ckvs = [host.layer_kv(r, li) for r in plan.req_ids]
-            target = plan.cache.get("target")
-            if target is None:
-                target = plan.cache["target"] = budget_targets(ckvs, cfg.budget)
-            if self.capturing:
-                sel, q_host, q_off = self._search_captured(li, q, tok, ckvs, cfg, impl.scale, target)
+            if self.capturing:  # the capture's plan holds the static budget targets (lane_batch.py, 3)
+                ckvs = [host.layer_kv(r, li) for r in plan.req_ids]
+                sel, q_host, q_off = self._search_captured(li, q, tok, ckvs, cfg, impl.scale, plan.cache["target"])
             else:
-                sel, q_host, q_off = plan.graphs.select(li, q, tok, ckvs, cfg.budget, impl.scale, cfg.estimate,
-                                                        target, plan)
+                ckvs, sel, q_host, q_off = layer_search(plan, li, q, tok, cfg, impl.scale)
             if q_host.is_cuda:  # the eager search (1): its queries to pinned memory
                 staged = self._pinned("q", li, q_host.shape, q_host.dtype)
                 staged.copy_(q_host, non_blocking=True)
