@@ -62,6 +62,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("state", [](const nelssa::HostCall& c) { return std::string(nelssa::host_call_state(c)); })
       .def_property_readonly("error", [](const nelssa::HostCall& c) { return c.error; })
       .def_property_readonly("seconds", [](const nelssa::HostCall& c) { return c.seconds; });
+  m.def("wait_event", &nelssa::wait_event, release(), py::arg("event"), py::arg("timeout_s"),
+        "wait, without the GIL, until the CUDA event (torch.cuda.Event.cuda_event) completed -> True, or "
+        "timeout_s passed -> False");
   m.def("copy_rows", &nelssa::copy_rows, release(), "dst[h, di[h,i]] = src[h, si[h,i]]");
   m.def("read_bandwidth", &nelssa::read_bandwidth, release(), "(seconds, checksum) to read buf iters times");
   m.def("block_read", &nelssa::block_read, release(),

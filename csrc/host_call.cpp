@@ -27,6 +27,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <thread>
 
 namespace nelssa {
 
@@ -116,6 +117,24 @@ void rearm_host_call(HostCall& call) {
   call.error.clear();
   call.seconds = 0;
   call.state.store(LAUNCHED, std::memory_order_release);
+}
+
+bool wait_event(int64_t event, double timeout_s) {
+  using Query = int (*)(void* event);
+  static Query query = [] {
+    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    return h ? reinterpret_cast<Query>(dlsym(h, "cuEventQuery")) : nullptr;
+  }();
+  TORCH_CHECK(query != nullptr, "cuEventQuery is not available: no CUDA driver (libcuda.so.1) in this process");
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0;; ++i) {
+    const int r = query(reinterpret_cast<void*>(event));
+    if (r == 0) return true;
+    TORCH_CHECK(r == 600, "cuEventQuery failed (CUresult ", r, ")");  // 600: CUDA_ERROR_NOT_READY
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > timeout_s) return false;
+    if (i < 64) std::this_thread::yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
 }
 
 void run_host_call(const std::shared_ptr<HostCall>& call) {

@@ -174,3 +174,17 @@ def test_host_call_captured_in_a_graph():
         lane.synchronize()
         assert call.state == "done", call.error
         assert torch.equal(res.cpu(), ref) and torch.equal(lse_d.cpu(), rlse)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_wait_event_is_bounded():
+    """The lane's bounded wait (lane_host.HostStreamBatch.wait): an event behind ~50 ms of device work is
+    not complete after 5 ms (False), and is within 5 s (True)."""
+    import nelssa._C as C
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(100_000_000)
+        e = torch.cuda.Event()
+        e.record(s)
+    assert C.wait_event(e.cuda_event, 0.005) is False
+    assert C.wait_event(e.cuda_event, 5.0) is True

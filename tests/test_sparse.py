@@ -167,6 +167,8 @@ def test_prepared_host_call(use_cpp):
         with pytest.raises(RuntimeError, match="libcuda|cuLaunchHostFunc"):
             c.launch(0)
         assert c.state == "prepared"
+        with pytest.raises(RuntimeError, match="libcuda|cuEventQuery"):
+            C.wait_event(0, 1.0)
 
 
 def test_cpp_splits_large_clusters_into_work_items(use_cpp):

@@ -272,6 +272,8 @@ class Lane:
             finally:
                 if self.cuda:  # also on failure: nothing of the batch may still run (lane_host.py, 4)
                     t = time.perf_counter()
+                    if batch is not None:  # bounded by the host tier's deadline (lane_host.HostStreamBatch.wait)
+                        batch.wait(self.cfg.host_timeout_s)
                     self.stream.synchronize()
                     self.host_stream.synchronize()
                     if batch is not None:  # the batch's one wait for the device and the host tier

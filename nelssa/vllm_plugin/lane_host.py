@@ -30,10 +30,14 @@ the lane stream passed that call's merge.
   5. Cancelling (every request of the batch finished or preempted): ``cancel()`` sets the batch's
      CancelFlag, so the host calls not yet run return at once and the batch ends after its
      remaining device work.
+  6. The lane waits for a batch (``wait``) without the GIL and at most the host tier's deadline
+     (``host_timeout_s``) before it gives up on it: the calls not yet run are cancelled as in 5 and
+     the batch's requests fail with the timeout, as a late host result does on the layer-by-layer path.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -41,6 +45,8 @@ import torch
 from nelssa._ext import ext
 from nelssa.sparse.search import Selection, select_clusters
 from nelssa.vllm_plugin.attention import StepPlan, _token_index, flash_window_parts, layer_search
+
+log = logging.getLogger("vllm.nelssa")
 
 
 def batch(host, impl, lane_stream, host_stream, buffers: dict) -> "HostStreamBatch | None":
@@ -66,6 +72,7 @@ class HostStreamBatch:
         # host calls as host nodes (kept by the graph); buffers and events made before the capture
         self.capturing = capturing
         self.events: dict = {}
+        self.timed_out = 0.0          # wait(): seconds after which the batch was given up on (0: it was not)
 
     def _pinned(self, kind: str, layer: int, shape, dtype) -> torch.Tensor:
         key = (kind, layer, tuple(shape), dtype)
@@ -169,9 +176,26 @@ class HostStreamBatch:
     def cancel(self) -> None:
         self.flag.set()
 
+    def wait(self, timeout_s: float) -> bool:
+        """Wait, without the GIL, for the batch's work on both streams. Past ``timeout_s`` (the host tier's
+        deadline) the calls not yet run are cancelled, the batch's requests will fail (finish) and False
+        is returned; the caller then synchronises the streams (the call running, if any, ends first)."""
+        end = torch.cuda.Event()
+        self.lane_stream.wait_stream(self.host_stream)
+        end.record(self.lane_stream)
+        if ext().wait_event(end.cuda_event, timeout_s):
+            return True
+        self.cancel()
+        self.timed_out = timeout_s
+        log.error("NELSSA lane: a batch's host attention did not finish within %.1f s; its requests fail", timeout_s)
+        return False
+
     def finish(self, host) -> str | None:
         """After both streams were synchronised (4): the first failure's message, or None."""
         err = host.call_results(self.calls)
+        if self.timed_out:
+            err, self.timed_out = f"host attention did not finish within {self.timed_out}s", 0.0
+            host.stats.add(failures=1)
         if not self.capturing:  # a captured batch's calls live with its graph (lane_batch.py)
             self.calls, self.keep = [], []
         return err
