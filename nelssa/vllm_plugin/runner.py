@@ -198,32 +198,25 @@ class NelssaRunnerMixin:
                 c = int(ib.num_computed_tokens_cpu[i])
                 n = c + s  # tokens with KV after this step
                 h = in_use.get(rid, 0)
+                # its switch step (lane.py, 0): a device row, blocks still held; the lane computes its next
+                # position with the host range [sink, H) like an offloaded request's
+                hj = h or (switching.get(rid, 0) if lane is not None and not failed else 0)
                 if h:
                     if lane is not None and s == 1 and not failed and lane.ready(rid, c):
                         lrows.append(i), ltok.append(qpos), lrids.append(rid)  # computed by the lane
                     else:
                         rows.append(i), rids.append(rid), tok.append(qpos), hend.append(h), seqs.append(n)
+                if hj:
                     if s != 1:
-                        bad[rid] = f"offloaded request scheduled {s} tokens in one step (1 supported)"
+                        kind = "offloaded" if h else "switching"
+                        bad[rid] = f"{kind} request scheduled {s} tokens in one step (1 supported)"
                     elif not failed:
                         try:
-                            ho.ready(rid, h)
+                            ho.ready(rid, hj)
                             if lane is not None:
-                                jobs.append((rid, i, n, h))  # its next position, after the sampling
+                                jobs.append((rid, i, n, hj))  # its next position, after the sampling
                         except Exception as e:  # noqa: BLE001 - this request fails loudly; others go on
-                            bad[rid] = f"hand-off of tokens up to {h} to the host tier: {type(e).__name__}: {e}"
-                elif rid in switching and lane is not None and not failed:
-                    # its switch step (lane.py, 0): a device row, blocks still held; the lane computes
-                    # its next position with the host range [sink, H)
-                    hs = switching[rid]
-                    if s != 1:
-                        bad[rid] = f"switching request scheduled {s} tokens in one step (1 supported)"
-                    else:
-                        try:
-                            ho.ready(rid, hs)
-                            jobs.append((rid, i, n, hs))
-                        except Exception as e:  # noqa: BLE001
-                            bad[rid] = f"hand-off of tokens up to {hs} to the host tier: {type(e).__name__}: {e}"
+                            bad[rid] = f"hand-off of tokens up to {hj} to the host tier: {type(e).__name__}: {e}"
                 # what should be on the host once this step has run: completed segments while a long
                 # prompt prefills, then the policy's goal
                 want = (pol.goal(a, n) if n >= a
