@@ -14,7 +14,9 @@ host node, so the batch can be captured once and replayed:
      preempted requests (they hold the requests' host KV).
   2. A key seen for the first time: the batch runs enqueued (lane_host.py) and the key is kept; the
      second time in a row it is captured, then replayed (the replay computes that batch).
-  3. Static inputs, written on the lane stream before each replay: token ids, positions, KV slots
+  3. Static inputs, written on the lane stream before each replay (these and every other tensor made
+     before the capture that the graph reads — the capture's plan with its token index and window
+     offsets, the pinned buffers held by the host calls — live as long as the graph): token ids, positions, KV slots
      (lane_graphs._Size), budget targets, the window's block table (sink blocks + ``cap`` blocks from
      H) and lengths; FlashAttention reads the lengths (``seqused_k``), the capacity bounds the read.
      A batch whose window does not fit the capacity (a hand-off lagging far behind) or whose sink is
@@ -206,6 +208,9 @@ class BatchGraphs:
             ckvs = [plan.host.layer_kv(r, li) for r in rs]
             g.batch.prepare_capture(li, n, hq, d, H, _bound(self.cfg.budget, ckvs, max(c.num_clusters for c in ckvs)),
                                     dtype)
+        # the graph reads these by address: kept with it (the capture's plan holds the token index and the
+        # window's cu_seqlens, made before the capture outside the graph's pool)
+        g.keep.append(cp)
         md = _Window(g.win_bt)  # unread: the capture's plan has the window's tensors (cp.cache)
         L = len(self.decoder)
         try:

@@ -122,7 +122,7 @@ class HostStreamBatch:
                 out_d.copy_(out_h, non_blocking=True)
                 lse_d.copy_(lse_h, non_blocking=True)
             done.record(hs)
-            self.keep += [out_d, lse_d, ready, done]
+            self.keep += [out_d, lse_d, ready, done, q_host, out_h, lse_h]  # a captured graph reads them by address
         except Exception as e:  # noqa: BLE001 - any host-tier failure fails these requests, loudly
             for r in plan.req_ids:
                 plan.fail(r, f"host tier (layer {li}): {type(e).__name__}: {e}")
@@ -162,6 +162,7 @@ class HostStreamBatch:
         ids_h.copy_(sel.ids[..., :bound], non_blocking=True)
         cnt_h.copy_(sel.counts, non_blocking=True)
         q_h.copy_(q_off, non_blocking=True)
+        self.keep += [ids_h, cnt_h]
         return Selection([ids_h[b] for b in range(n)], [cnt_h[b] for b in range(n)], sel.estimate), q_h, q_off
 
     def prepare_capture(self, li: int, n: int, hq: int, d: int, H: int, bound: int, dtype) -> None:
