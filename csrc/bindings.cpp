@@ -30,7 +30,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       m, "CancelFlag", "Shared by the host calls of one batch: set, they return without computing")
       .def(py::init<>())
       .def("set", [](nelssa::CancelFlag& f) { f.is_set.store(true); })
-      .def("is_set", [](const nelssa::CancelFlag& f) { return f.is_set.load(); });
+      .def("is_set", [](const nelssa::CancelFlag& f) { return f.is_set.load(); })
+      .def("clear", [](nelssa::CancelFlag& f) { f.is_set.store(false); });
   py::class_<nelssa::HostCall, std::shared_ptr<nelssa::HostCall>>(
       m, "HostCall", "sparse_attention prepared now, run later on a CUDA stream (launch) or here (run); "
                      "see csrc/host_call.cpp for the contract")
@@ -55,9 +56,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("launch", &nelssa::launch_host_call, release(), py::arg("stream"),
            "enqueue on the CUDA stream (its handle, torch.cuda.Stream.cuda_stream)")
       .def("run", &nelssa::run_host_call, release(), "run on this thread now")
+      .def("launch_borrowed", &nelssa::launch_host_call_borrowed, release(), py::arg("stream"),
+           "enqueue without handing the call to the driver (for graph capture: kept by the graph's owner)")
+      .def("rearm", &nelssa::rearm_host_call, "before a graph replay: state 'launched', error cleared")
       .def_property_readonly("state", [](const nelssa::HostCall& c) { return std::string(nelssa::host_call_state(c)); })
       .def_property_readonly("error", [](const nelssa::HostCall& c) { return c.error; })
       .def_property_readonly("seconds", [](const nelssa::HostCall& c) { return c.seconds; });
+  m.def("wait_event", &nelssa::wait_event, release(), py::arg("event"), py::arg("timeout_s"),
+        "wait, without the GIL, until the CUDA event (torch.cuda.Event.cuda_event) completed -> True, or "
+        "timeout_s passed -> False");
   m.def("copy_rows", &nelssa::copy_rows, release(), "dst[h, di[h,i]] = src[h, si[h,i]]");
   m.def("read_bandwidth", &nelssa::read_bandwidth, release(), "(seconds, checksum) to read buf iters times");
   m.def("block_read", &nelssa::block_read, release(),

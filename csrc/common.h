@@ -130,6 +130,9 @@ struct HostCall {
 };
 void launch_host_call(const std::shared_ptr<HostCall>& call, int64_t stream);  // on a CUDA stream
 void run_host_call(const std::shared_ptr<HostCall>& call);                     // here, now
+void launch_host_call_borrowed(const std::shared_ptr<HostCall>& call, int64_t stream);  // graph capture
+void rearm_host_call(HostCall& call);
+bool wait_event(int64_t event, double timeout_s);  // a CUDA event completed within timeout_s (no GIL)
 const char* host_call_state(const HostCall& call);
 
 }  // namespace nelssa

@@ -15,6 +15,9 @@
 //      CancelFlag makes it return at once (state "skipped": every request of the batch is gone).
 //   4. the caller keeps the call (its Python object) until the stream has passed it (a stream or
 //      event synchronisation), then reads state, error and seconds.
+//   5. Captured into a CUDA graph (launch_borrowed while the stream captures: a host node), a call
+//      runs at every replay: the graph's owner keeps it as long as the graph, re-arms it before each
+//      replay (state "launched") and reads its state after the replay, as in 4.
 #include "common.h"
 
 #include <dlfcn.h>
@@ -24,6 +27,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <thread>
 
 namespace nelssa {
 
@@ -95,6 +99,41 @@ void launch_host_call(const std::shared_ptr<HostCall>& call, int64_t stream) {
     delete p;
     call->state.store(PREPARED);
     TORCH_CHECK(false, "cuLaunchHostFunc failed (CUresult ", r, ")");
+  }
+}
+
+namespace {
+extern "C" void nelssa_host_call_borrowed(void* p) { static_cast<HostCall*>(p)->run(); }
+}  // namespace
+
+void launch_host_call_borrowed(const std::shared_ptr<HostCall>& call, int64_t stream) {
+  LaunchHostFunc fn = driver_launch();
+  TORCH_CHECK(fn != nullptr, "cuLaunchHostFunc is not available: no CUDA driver (libcuda.so.1) in this process");
+  const int r = fn(reinterpret_cast<void*>(stream), &nelssa_host_call_borrowed, call.get());
+  TORCH_CHECK(r == 0, "cuLaunchHostFunc failed (CUresult ", r, ")");
+}
+
+void rearm_host_call(HostCall& call) {
+  call.error.clear();
+  call.seconds = 0;
+  call.state.store(LAUNCHED, std::memory_order_release);
+}
+
+bool wait_event(int64_t event, double timeout_s) {
+  using Query = int (*)(void* event);
+  static Query query = [] {
+    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    return h ? reinterpret_cast<Query>(dlsym(h, "cuEventQuery")) : nullptr;
+  }();
+  TORCH_CHECK(query != nullptr, "cuEventQuery is not available: no CUDA driver (libcuda.so.1) in this process");
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0;; ++i) {
+    const int r = query(reinterpret_cast<void*>(event));
+    if (r == 0) return true;
+    TORCH_CHECK(r == 600, "cuEventQuery failed (CUresult ", r, ")");  // 600: CUDA_ERROR_NOT_READY
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > timeout_s) return false;
+    if (i < 64) std::this_thread::yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
 }
 

@@ -90,6 +90,8 @@ class NelssaConfig:
                                   # come back, so they run as one batch
     lane_host_calls: bool = True  # CUDA lane: a batch enqueued whole, host attention as CUDA host functions
                                   # (vllm_plugin/lane_host.py); off: the lane waits for it layer by layer
+    lane_batch_graph: bool = True  # CUDA lane with host calls: a batch captured and replayed as one CUDA graph
+                                   # (vllm_plugin/lane_batch.py); off: enqueued layer by layer
     sink: int = 16                # first tokens kept on the device
     recent: int = 64              # last tokens kept on the device
     chunk: int = 1024             # generated tokens clustered and appended to the host tier at once
@@ -170,6 +172,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_RECENT": ("recent", int),
     "NELSSA_CHUNK": ("chunk", int),
     "NELSSA_LANE_HOST_CALLS": ("lane_host_calls", _bool),
+    "NELSSA_LANE_BATCH_GRAPH": ("lane_batch_graph", _bool),
     "NELSSA_LONG_PREFILLS": ("long_prefills", int),
     "NELSSA_LONG_CHUNK": ("long_chunk", int),
     "NELSSA_MIGRATE": ("migrate", _bool),

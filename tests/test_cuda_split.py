@@ -132,3 +132,59 @@ def test_host_call_on_a_stream():
         else:
             assert call.state == "done", call.error
             assert torch.equal(out_d.cpu(), ref) and torch.equal(lse_d.cpu(), rlse)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_host_call_captured_in_a_graph():
+    """A host call captured as a graph's host node (lane_batch.py): each replay, after ``rearm``, runs it
+    on the queries the replay copied to pinned memory, and the replay's later copies see its results;
+    two replays with different queries give attend's results for each, bit for bit."""
+    from nelssa.sparse import attend, prepare_attend
+    ckvs = [cluster_kv(*(torch.randn(8, n, 128).to(torch.bfloat16) for _ in range(2))) for n in (3000, 5000)]
+    qs = [torch.randn(2, 32, 128).to(torch.bfloat16) for _ in range(2)]
+    sel = select_clusters(qs[0], ckvs, 0.05)
+    lane, hs = torch.cuda.Stream(), torch.cuda.Stream()
+    q_in = torch.empty(2, 32, 128, dtype=torch.bfloat16, device="cuda")
+    q_h = torch.empty_like(q_in, device="cpu").pin_memory()
+    out_h, lse_h = torch.empty(2, 32, 128).pin_memory(), torch.empty(2, 32).pin_memory()
+    call = prepare_attend(q_h, ckvs, sel, 128 ** -0.5, out_h, lse_h)
+    ready, done = torch.cuda.Event(), torch.cuda.Event()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(lane):
+        ready.record(lane), done.record(lane)
+        lane.synchronize()
+        graph.capture_begin(capture_error_mode="thread_local")
+        q_h.copy_(q_in * 1, non_blocking=True)
+        ready.record(lane)
+        hs.wait_event(ready)
+        call.launch_borrowed(hs.cuda_stream)
+        with torch.cuda.stream(hs):
+            out_d = out_h.to("cuda", non_blocking=True)
+            lse_d = lse_h.to("cuda", non_blocking=True)
+        done.record(hs)
+        lane.wait_event(done)
+        res = out_d * 1
+        graph.capture_end()
+    for q in qs:
+        ref, rlse = attend(q, ckvs, sel)
+        q_in.copy_(q)
+        call.rearm()
+        with torch.cuda.stream(lane):
+            graph.replay()
+        lane.synchronize()
+        assert call.state == "done", call.error
+        assert torch.equal(res.cpu(), ref) and torch.equal(lse_d.cpu(), rlse)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_wait_event_is_bounded():
+    """The lane's bounded wait (lane_host.HostStreamBatch.wait): an event behind ~50 ms of device work is
+    not complete after 5 ms (False), and is within 5 s (True)."""
+    import nelssa._C as C
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(100_000_000)
+        e = torch.cuda.Event()
+        e.record(s)
+    assert C.wait_event(e.cuda_event, 0.005) is False
+    assert C.wait_event(e.cuda_event, 5.0) is True

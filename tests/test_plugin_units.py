@@ -206,3 +206,59 @@ def test_layers_clustered_together_equal_layer_by_layer():
     small = cluster_layers(ks, seed=5, cluster_size=8, segment=300, iters=4, max_logits_bytes=1)
     assert [lab.shape for lab, _ in small] == [(3, 700)] * 4
     assert torch.equal(small[2][0], segmented_kmeans(ks[2], seed=7, cluster_size=8, segment=300, iters=4)[0])
+
+
+
+def test_lane_batch_graph_keys_windows_and_forget():
+    """lane_batch.py's bookkeeping (its capture and replay need CUDA: the H200 exactness check runs them):
+    the key changes exactly when a request's clusters are replaced (a commit), the window table is the
+    sink blocks then the blocks from H with the lengths FlashAttention reads, a window past the capacity
+    or a sink of partial blocks runs enqueued, and forgetting a request drops its graphs — at once, or
+    at the end of the lane's current run when that holds the graphs (the step thread never waits)."""
+    from types import SimpleNamespace
+
+    from nelssa.config import NelssaConfig
+    from nelssa.vllm_plugin.attention import StepPlan
+    from nelssa.vllm_plugin.lane_batch import BatchGraphs
+    g = torch.Generator().manual_seed(0)
+
+    def ckv(n):
+        return cluster_kv(torch.randn(2, n, 16, generator=g), torch.randn(2, n, 16, generator=g))
+
+    kv = {(r, li): ckv(300 + 50 * li) for r in ("a", "b") for li in range(2)}
+    host = SimpleNamespace(layer_kv=lambda r, li: kv[(r, li)])
+    bg = BatchGraphs(None, [None, None], [None, None], NelssaConfig(sink=16, recent=64, chunk=128, budget=0.1), 16)
+    k1 = bg._key(host, ("a", "b"))
+    assert bg._key(host, ("a", "b")) == k1 and bg._key(host, ("b", "a")) != k1
+    old = kv[("b", 1)]  # alive, as a graph's host calls keep it
+    kv[("b", 1)] = ckv(400)  # a commit replaced b's clusters of layer 1
+    assert bg._key(host, ("a", "b")) != k1 and old is not None
+
+    bt = torch.arange(60, dtype=torch.int32).reshape(2, 30)
+    plan = StepPlan(host, ["a", "b"], [0, 1], torch.arange(2), [64, 96], [64 + 70, 96 + 20])
+    win, lens = bg._window(plan, bt)
+    assert bg.cap == 21 and win.shape == (2, 1 + 21) and win.dtype == torch.int32
+    assert win[:, 0].tolist() == [0, 30]                     # the sink's block
+    assert win[:, 1].tolist() == [4, 36] and win[0, 5].item() == 8   # then the blocks from H on
+    assert win[1, -1].item() == 30 + 6 + 20
+    narrow, _ = bg._window(plan, bt[:, :12])
+    assert narrow[1, -1].item() == 30 + 11                   # past the table: its last block (not read)
+    assert lens.tolist() == [16 + 70, 16 + 20]
+    assert bg._window(StepPlan(host, ["a"], [0], torch.arange(1), [64], [64 + 21 * 16 + 1]), bt[:1]) is None
+    bg8 = BatchGraphs(None, [None], [None], NelssaConfig(sink=8, recent=64, chunk=128), 16)
+    assert bg8._window(StepPlan(host, ["a"], [0], torch.arange(1), [64], [80]), bt[:1]) is None
+
+    bg._graphs.update({("a", "b"): "g1", ("c",): "g2"})
+    bg._seen[("a",)] = k1
+    bg.forget(["a"])
+    assert list(bg._graphs) == [("c",)] and not bg._seen
+    bg._graphs[("b",)] = "g3"
+    inside = []
+
+    def lane_run(*args):  # the step thread forgets "b" while the lane thread is in run()
+        bg.forget(["b"])
+        inside.append(("b",) in bg._graphs)
+
+    bg._run = lane_run
+    assert bg.run(None, plan, None, None, None, bt) is None
+    assert inside == [True] and list(bg._graphs) == [("c",)]

@@ -153,16 +153,22 @@ def test_prepared_host_call(use_cpp):
     c = prepare_attend(q, ckvs, bad, 64 ** -0.5, out, lse)
     c.run()
     assert c.state == "failed" and "out of range" in c.error and out.isnan().all()
+    c.rearm()  # before a graph replay (lane_batch.py): launched, the last error cleared
+    assert c.state == "launched" and c.error == ""
     flag = C.CancelFlag()
     c, out, lse = call(cancel=flag)
     flag.set()
     c.run()
     assert c.state == "skipped" and (out == 7.0).all()
+    flag.clear()
+    assert not flag.is_set()
     c, out, lse = call()
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="libcuda|cuLaunchHostFunc"):
             c.launch(0)
         assert c.state == "prepared"
+        with pytest.raises(RuntimeError, match="libcuda|cuEventQuery"):
+            C.wait_event(0, 1.0)
 
 
 def test_cpp_splits_large_clusters_into_work_items(use_cpp):

@@ -102,6 +102,10 @@ class Lane:
             from nelssa.vllm_plugin.select_graph import SelectGraphs
             self.graphs = SelectGraphs()  # its own: the step's split layers replay theirs concurrently
             self.dense = DenseGraphs(model, self.decoder, attn_layers)  # lane_graphs.py
+        self.batch_graphs = None
+        if self.cuda and cfg.graphs and cfg.lane_host_calls and cfg.lane_batch_graph:
+            from nelssa.vllm_plugin.lane_batch import BatchGraphs
+            self.batch_graphs = BatchGraphs(model, self.decoder, attn_layers, cfg, block_size)  # lane_batch.py
         self._cv = threading.Condition()
         self._queue: list[Job] = []
         self._running: set[str] = set()
@@ -163,6 +167,8 @@ class Lane:
             while self._running & ids:
                 self._cv.wait(0.1)
             self._cancel -= ids
+        if self.batch_graphs is not None:  # their graphs hold their host KV (lane_batch.py, 1)
+            self.batch_graphs.forget(ids)
 
     def wait_any(self, timeout: float) -> None:
         """Block (without the GIL) until a job ends or ``timeout`` passes: an engine step with nothing
@@ -237,7 +243,17 @@ class Lane:
             t0 = time.perf_counter()
             h = None
             try:
-                if self.dense is not None and self.dense.use(n):
+                replayed = None
+                if batch is not None and self.batch_graphs is not None:  # one replay (lane_batch.py)
+                    replayed = self.batch_graphs.run(self, plan, ids, pos, slots, bt)
+                if replayed is not None:
+                    h, batch = replayed
+                    with self._cv:
+                        self._batch = batch
+                    if self._cancel >= set(plan.req_ids):
+                        batch.cancel()
+                    plan.split["replay"] = time.perf_counter() - t0
+                elif self.dense is not None and self.dense.use(n):
                     try:
                         h = self.dense.run(ids, pos, slots,
                                            lambda i, q, out: self._attend(self.layers[i], q, out, md, plan),
@@ -251,10 +267,13 @@ class Lane:
                     h = self._eager(ids, pos, slots, md, plan)
                     if h is None:
                         return None, {}
-                plan.split["dense"] = max(0.0, time.perf_counter() - t0 - sum(plan.split.values()))
+                if replayed is None:
+                    plan.split["dense"] = max(0.0, time.perf_counter() - t0 - sum(plan.split.values()))
             finally:
                 if self.cuda:  # also on failure: nothing of the batch may still run (lane_host.py, 4)
                     t = time.perf_counter()
+                    if batch is not None:  # bounded by the host tier's deadline (lane_host.HostStreamBatch.wait)
+                        batch.wait(self.cfg.host_timeout_s)
                     self.stream.synchronize()
                     self.host_stream.synchronize()
                     if batch is not None:  # the batch's one wait for the device and the host tier

@@ -178,13 +178,17 @@ class DenseGraphs:
         s.graphs.append(g)
 
     def _segment(self, s: _Size, i: int) -> None:
-        """What graph i runs (1)."""
-        if i == 0:
-            h, r = self.model.model.embed_input_ids(s.ids), None
-        else:
-            h, r = post_attention(self.decoder[i - 1], s.attn, s.res)
-        if i == len(self.decoder):
-            s.out, _ = call_op(self.model.model.norm, h, r)
-            return
-        q, s.res = pre_attention(self.decoder[i], self.layers[i], h, r, s.pos, s.slots)
-        s.q.append(q)
+        segment(self.model, self.decoder, self.layers, s, i)
+
+
+def segment(model, decoder: list, layers: list, s: _Size, i: int) -> None:
+    """What graph i runs (1), on the static tensors of ``s``; also captured by lane_batch.py."""
+    if i == 0:
+        h, r = model.model.embed_input_ids(s.ids), None
+    else:
+        h, r = post_attention(decoder[i - 1], s.attn, s.res)
+    if i == len(decoder):
+        s.out, _ = call_op(model.model.norm, h, r)
+        return
+    q, s.res = pre_attention(decoder[i], layers[i], h, r, s.pos, s.slots)
+    s.q.append(q)

@@ -30,16 +30,23 @@ the lane stream passed that call's merge.
   5. Cancelling (every request of the batch finished or preempted): ``cancel()`` sets the batch's
      CancelFlag, so the host calls not yet run return at once and the batch ends after its
      remaining device work.
+  6. The lane waits for a batch (``wait``) without the GIL and at most the host tier's deadline
+     (``host_timeout_s``) before it gives up on it: the calls not yet run are cancelled as in 5 and
+     the batch's requests fail with the timeout, as a late host result does on the layer-by-layer path.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 from nelssa._ext import ext
+from nelssa.sparse.search import Selection, select_clusters
 from nelssa.vllm_plugin.attention import StepPlan, _token_index, flash_window_parts, layer_search
+
+log = logging.getLogger("vllm.nelssa")
 
 
 def batch(host, impl, lane_stream, host_stream, buffers: dict) -> "HostStreamBatch | None":
@@ -54,12 +61,18 @@ def batch(host, impl, lane_stream, host_stream, buffers: dict) -> "HostStreamBat
 class HostStreamBatch:
     """One lane batch's enqueued split attention (the module docstring). Lane thread only."""
 
-    def __init__(self, lane_stream: torch.cuda.Stream, host_stream: torch.cuda.Stream, buffers: dict, flag):
+    def __init__(self, lane_stream: torch.cuda.Stream, host_stream: torch.cuda.Stream, buffers: dict, flag,
+                 capturing: bool = False):
         self.lane_stream, self.host_stream = lane_stream, host_stream
         self.buffers = buffers        # pinned buffers kept by the lane across batches: (kind, layer, shape)
         self.flag = flag              # C++ CancelFlag of this batch
         self.calls: list = []
         self.keep: list = []          # device results and events, alive until finish (4)
+        # while lane_batch.py captures the batch into a graph: the search without its own graphs, the
+        # host calls as host nodes (kept by the graph); buffers and events made before the capture
+        self.capturing = capturing
+        self.events: dict = {}
+        self.timed_out = 0.0          # wait(): seconds after which the batch was given up on (0: it was not)
 
     def _pinned(self, kind: str, layer: int, shape, dtype) -> torch.Tensor:
         key = (kind, layer, tuple(shape), dtype)
@@ -80,7 +93,11 @@ class HostStreamBatch:
         n, hq, d = q.shape
         call = done = sel = q_off = None
         try:
-            ckvs, sel, q_host, q_off = layer_search(plan, li, q, tok, cfg, impl.scale)
+            if self.capturing:  # the capture's plan holds the static budget targets (lane_batch.py, 3)
+                ckvs = [host.layer_kv(r, li) for r in plan.req_ids]
+                sel, q_host, q_off = self._search_captured(li, q, tok, ckvs, cfg, impl.scale, plan.cache["target"])
+            else:
+                ckvs, sel, q_host, q_off = layer_search(plan, li, q, tok, cfg, impl.scale)
             if q_host.is_cuda:  # the eager search (1): its queries to pinned memory
                 staged = self._pinned("q", li, q_host.shape, q_host.dtype)
                 staged.copy_(q_host, non_blocking=True)
@@ -90,20 +107,22 @@ class HostStreamBatch:
             call = host.prepare_call(q_host, ckvs, sel, impl.scale, li, out_h, lse_h, self.flag)
             if call is None:
                 raise RuntimeError("the host tier's C++ extension is not available")
-            ready = torch.cuda.Event()
+            ready, done = self.event(li, 0), self.event(li, 1)
             ready.record(self.lane_stream)
             out_d = torch.empty(n, hq, d, dtype=torch.float32, device=q.device)
             lse_d = torch.empty(n, hq, dtype=torch.float32, device=q.device)
             hs = self.host_stream
             hs.wait_event(ready)
-            call.launch(hs.cuda_stream)  # (2)
+            if self.capturing:
+                call.launch_borrowed(hs.cuda_stream)
+            else:
+                call.launch(hs.cuda_stream)  # (2)
             self.calls.append(call)
             with torch.cuda.stream(hs):
                 out_d.copy_(out_h, non_blocking=True)
                 lse_d.copy_(lse_h, non_blocking=True)
-            done = torch.cuda.Event()
             done.record(hs)
-            self.keep += [out_d, lse_d, ready, done]
+            self.keep += [out_d, lse_d, ready, done, q_host, out_h, lse_h]  # a captured graph reads them by address
         except Exception as e:  # noqa: BLE001 - any host-tier failure fails these requests, loudly
             for r in plan.req_ids:
                 plan.fail(r, f"host tier (layer {li}): {type(e).__name__}: {e}")
@@ -123,11 +142,61 @@ class HostStreamBatch:
             o.index_fill_(0, tok, 0.0)
         plan.lap("merge", t)
 
+    def event(self, layer: int, k: int) -> torch.cuda.Event:
+        e = self.events.get((layer, k))
+        if e is None:
+            e = self.events[(layer, k)] = torch.cuda.Event()
+        return e
+
+    def _search_captured(self, li, q, tok, ckvs, cfg, scale, target):
+        """The centroid search inside a capture: select_clusters with device outputs, then the copies of
+        ids, counts and queries to the layer's pinned buffers (as select_graph.py captures it)."""
+        from nelssa.vllm_plugin.select_graph import _bound
+        q_off = q.index_select(0, tok)
+        n, H = q_off.shape[0], ckvs[0].num_kv_heads
+        bound = _bound(cfg.budget, ckvs, max(c.num_clusters for c in ckvs))
+        sel = select_clusters(q_off, ckvs, cfg.budget, scale, estimate=cfg.estimate, target=target, device_out=True)
+        ids_h = self._pinned("ids", li, (n, H, bound), torch.long)
+        cnt_h = self._pinned("cnt", li, (n, H), torch.long)
+        q_h = self._pinned("q", li, q_off.shape, q_off.dtype)
+        ids_h.copy_(sel.ids[..., :bound], non_blocking=True)
+        cnt_h.copy_(sel.counts, non_blocking=True)
+        q_h.copy_(q_off, non_blocking=True)
+        self.keep += [ids_h, cnt_h]
+        return Selection([ids_h[b] for b in range(n)], [cnt_h[b] for b in range(n)], sel.estimate), q_h, q_off
+
+    def prepare_capture(self, li: int, n: int, hq: int, d: int, H: int, bound: int, dtype) -> None:
+        """Everything the capture of layer ``li`` allocates on the host or creates, made before it."""
+        for kind, shape, dt in (("ids", (n, H, bound), torch.long), ("cnt", (n, H), torch.long),
+                                ("q", (n, hq, d), dtype), ("out", (n, hq, d), torch.float32),
+                                ("lse", (n, hq), torch.float32)):
+            self._pinned(kind, li, shape, dt)
+        for k in (0, 1):
+            self.event(li, k).record(self.lane_stream)  # created (lazily by torch) outside the capture
+
     def cancel(self) -> None:
         self.flag.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait, without the GIL, for the batch's work on both streams. Past ``timeout_s`` (the host tier's
+        deadline) the calls not yet run are cancelled, the batch's requests will fail (finish) and False
+        is returned; the caller then synchronises the streams (the call running, if any, ends first)."""
+        end = torch.cuda.Event()
+        self.lane_stream.wait_stream(self.host_stream)
+        end.record(self.lane_stream)
+        if ext().wait_event(end.cuda_event, timeout_s):
+            return True
+        self.cancel()
+        self.timed_out = timeout_s
+        log.error("NELSSA lane: a batch's host attention did not finish within %.1f s; its requests fail", timeout_s)
+        return False
 
     def finish(self, host) -> str | None:
         """After both streams were synchronised (4): the first failure's message, or None."""
         err = host.call_results(self.calls)
-        self.calls, self.keep = [], []
+        if self.timed_out:
+            err, self.timed_out = f"host attention did not finish within {self.timed_out}s", 0.0
+            host.stats.add(failures=1)
+        if not self.capturing:  # a captured batch's calls live with its graph (lane_batch.py)
+            self.calls, self.keep = [], []
         return err

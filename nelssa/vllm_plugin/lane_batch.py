@@ -1,0 +1,239 @@
+"""The whole lane batch as one CUDA-graph replay (CUDA; config ``graphs`` and ``lane_host_calls``).
+
+lane_host.py enqueues a batch layer by layer from Python: ~47 ms per batch on the H200 (run 11), on a
+thread that shares the GIL with vLLM's step thread, whose own launches slow down meanwhile (steps with
+a prefill chunk: 45-66 ms instead of ~25). A host call launched while a stream captures becomes a
+host node, so the batch can be captured once and replayed:
+
+  1. Key: the requests in batch order and, per layer and request, what the layer's search and host
+     call read — the centroid, size and value-mean tensors and the cluster count, the KV parts and
+     the cluster tables (a commit to the host tier replaces them) — and the id-copy width per layer
+     (bucketed budget). The host calls of a graph hold the tensors they read, so an equal key means
+     the same tensors. One graph per request set; a new key for it replaces it; at most
+     ``MAX_GRAPHS`` sets (least recently used dropped); ``forget`` drops the graphs of finished or
+     preempted requests (they hold the requests' host KV).
+  2. A key seen for the first time: the batch runs enqueued (lane_host.py) and the key is kept; the
+     second time in a row it is captured, then replayed (the replay computes that batch).
+  3. Static inputs, written on the lane stream before each replay (these and every other tensor made
+     before the capture that the graph reads — the capture's plan with its token index and window
+     offsets, the pinned buffers held by the host calls — live as long as the graph): token ids, positions, KV slots
+     (lane_graphs._Size), budget targets, the window's block table (sink blocks + ``cap`` blocks from
+     H) and lengths; FlashAttention reads the lengths (``seqused_k``), the capacity bounds the read.
+     A batch whose window does not fit the capacity (a hand-off lagging far behind) or whose sink is
+     not whole blocks runs enqueued.
+  4. The capture runs lane_graphs.segment and lane_host.HostStreamBatch.attend (``capturing``: the
+     search without its own graphs, host calls as host nodes; pinned buffers and events made before
+     the capture) for every layer: the same operations as the enqueued batch, in the same order.
+  5. Before a replay every host call is re-armed and the cancel flag cleared; after the lane
+     synchronised, the calls' states decide as in lane_host.py (4): a failed call fails the batch's
+     requests, a set flag (drop) has skipped the calls not yet run.
+  6. A capture that fails (or whose attention failed) is logged and discarded; that request set runs
+     enqueued from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nelssa._ext import ext
+from nelssa.sparse.search import budget_targets
+from nelssa.vllm_plugin.attention import StepPlan
+from nelssa.vllm_plugin.lane_graphs import _Size, segment
+from nelssa.vllm_plugin.lane_host import HostStreamBatch
+
+log = logging.getLogger("vllm.nelssa")
+
+MAX_GRAPHS = 4
+
+
+class _Window:
+    def __init__(self, block_table: torch.Tensor):
+        self.block_table = block_table
+
+
+@dataclass
+class _Graph:
+    key: tuple
+    graph: Any
+    size: _Size
+    target: torch.Tensor       # [n] int64 budget tokens
+    win_bt: torch.Tensor       # [n, sink blocks + cap] block ids
+    win_len: torch.Tensor      # [n] int32 window lengths
+    batch: HostStreamBatch     # the capture's: its host calls, events, device results
+    keep: list = field(default_factory=list)
+
+
+class BatchGraphs:
+    def __init__(self, model, decoder: list, layers: list, cfg, block_size: int):
+        self.model, self.decoder, self.layers, self.cfg, self.bs = model, decoder, layers, cfg, block_size
+        # window capacity in blocks after the sink: recent + two chunks (an append in flight) + a block
+        self.cap = -(-(cfg.recent + 2 * cfg.chunk) // block_size) + 1
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # request set -> graph
+        self._seen: dict[tuple, tuple] = {}                          # request set -> key of its last batch
+        self._broken: set[tuple] = set()
+        self.captures = 0
+        self.replays = 0
+        self._lock = threading.Lock()   # the graphs: run (lane thread) and forget (step thread)
+        self._plock = threading.Lock()  # requests to forget
+        self._pending: set[str] = set()
+
+    def forget(self, req_ids) -> None:
+        """Drop the graphs (and with them the host calls holding the host KV) of these requests: now, or
+        at the end of the lane's current ``run`` (the step thread never waits for a capture). The lane
+        calls this only once no batch of these requests runs (Lane.drop), so none of the graphs dropped
+        has a replay in flight."""
+        ids = set(req_ids)
+        if not ids:
+            return
+        with self._plock:
+            self._pending |= ids
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drop_pending()
+            finally:
+                self._lock.release()
+
+    def _drop_pending(self) -> None:
+        with self._plock:
+            ids, self._pending = self._pending, set()
+        if not ids:
+            return
+        for rs in [rs for rs in self._graphs if ids & set(rs)]:
+            del self._graphs[rs]
+        for rs in [rs for rs in self._seen if ids & set(rs)]:
+            del self._seen[rs]
+        self._broken = {rs for rs in self._broken if not ids & set(rs)}
+
+    def _key(self, host, req_ids: tuple) -> tuple:
+        from nelssa.vllm_plugin.select_graph import _bound
+        per = []
+        for li in range(len(self.layers)):
+            ckvs = [host.layer_kv(r, li) for r in req_ids]
+            per.append(_bound(self.cfg.budget, ckvs, max(c.num_clusters for c in ckvs)))
+            for c in ckvs:
+                per.append((c.centroids.data_ptr(), c.sizes.data_ptr(),
+                            c.vmeans.data_ptr() if c.vmeans is not None else 0, c.num_clusters,
+                            c.cpart.data_ptr(), c.cstart.data_ptr(), c.csize.data_ptr(),
+                            tuple(p.kv.data_ptr() for p in c.parts)))
+        return tuple(per)
+
+    def _window(self, plan: StepPlan, bt: torch.Tensor):
+        """(block table [n, sb + cap], lengths [n] int32) of the batch's windows, or None when they do not
+        fit the graphs (3)."""
+        sink, bs = self.cfg.sink, self.bs
+        rlen = [s - h for s, h in zip(plan.seq_lens, plan.host_end)]
+        if sink % bs or any(h < sink for h in plan.host_end) or max(rlen) > self.cap * bs:
+            return None
+        dev = bt.device
+        hb = torch.tensor([h // bs for h in plan.host_end], device=dev)
+        ridx = (hb[:, None] + torch.arange(self.cap, device=dev)[None]).clamp_max(bt.shape[1] - 1)
+        win = torch.cat([bt[:, :sink // bs], bt.gather(1, ridx)], 1)
+        return win, torch.tensor([sink + r for r in rlen], dtype=torch.int32, device=dev)
+
+    def run(self, lane, plan: StepPlan, ids, pos, slots, bt: torch.Tensor):
+        """The batch as a replay -> (hidden [n, hidden] on the lane stream, the graph's batch for the
+        calls' states), or None: run it enqueued (2, 3, 6). On the lane's stream."""
+        with self._lock:
+            try:
+                return self._run(lane, plan, ids, pos, slots, bt)
+            finally:
+                self._drop_pending()
+
+    def _run(self, lane, plan: StepPlan, ids, pos, slots, bt: torch.Tensor):
+        rs = tuple(plan.req_ids)
+        if rs in self._broken:
+            return None
+        win = self._window(plan, bt)
+        if win is None:
+            return None
+        key = self._key(plan.host, rs)
+        g = self._graphs.get(rs)
+        if g is not None and g.key != key:
+            del self._graphs[rs]
+            g = None
+        if g is None:
+            if self._seen.get(rs) != key:
+                self._seen[rs] = key
+                return None
+            g = self._capture(lane, plan, rs, key, ids, pos, slots, win, bt)
+            if g is None:
+                return None
+        else:
+            self._inputs(g, plan, ids, pos, slots, win)
+            g.batch.flag.clear()
+            for c in g.batch.calls:
+                c.rearm()
+            g.graph.replay()
+            self.replays += 1
+        self._graphs.move_to_end(rs)
+        while len(self._graphs) > MAX_GRAPHS:
+            self._graphs.popitem(last=False)
+        return g.size.out.clone(), g.batch
+
+    def _inputs(self, g: _Graph, plan, ids, pos, slots, win) -> None:
+        s = g.size
+        s.ids.copy_(ids), s.pos.copy_(pos), s.slots.copy_(slots)
+        g.target.copy_(budget_targets([plan.host.layer_kv(r, 0) for r in plan.req_ids], self.cfg.budget))
+        g.win_bt.copy_(win[0]), g.win_len.copy_(win[1])
+
+    def _capture(self, lane, plan, rs, key, ids, pos, slots, win, bt) -> _Graph | None:
+        from nelssa.vllm_plugin.select_graph import _bound
+        t = time.perf_counter()
+        n, dev = ids.shape[0], ids.device
+        impl = self.layers[0].impl
+        hq, d = impl.num_heads, impl.head_size
+        dtype = self.model.model.norm.weight.dtype
+        s = _Size(torch.empty_like(ids), torch.empty_like(pos), torch.empty_like(slots),
+                  torch.empty(n, hq, d, dtype=dtype, device=dev), pool=torch.cuda.graph_pool_handle())
+        g = _Graph(key, torch.cuda.CUDAGraph(), s, torch.empty(n, dtype=torch.long, device=dev),
+                   torch.empty_like(win[0]), torch.empty_like(win[1]),
+                   HostStreamBatch(lane.stream, lane.host_stream, lane._host_buffers, ext().CancelFlag(),
+                                   capturing=True))
+        self._inputs(g, plan, ids, pos, slots, win)
+        # the capture's plan: the per-step tensors the attention reads are the graph's static inputs
+        cp = StepPlan(plan.host, list(rs), list(range(n)), plan.token_idx, list(plan.host_end), list(plan.seq_lens))
+        cp.cache.update({"block_size": self.bs, "dtype": plan.cache.get("dtype"), "target": g.target,
+                         "tok": torch.arange(n, device=dev),
+                         ("fa",): {"cu": torch.arange(n + 1, dtype=torch.int32, device=dev),
+                                   "calls": [(g.win_bt, g.win_len, self.cfg.sink + self.cap * self.bs)]}})
+        H = plan.host.layer_kv(rs[0], 0).num_kv_heads
+        for li in range(len(self.layers)):
+            ckvs = [plan.host.layer_kv(r, li) for r in rs]
+            g.batch.prepare_capture(li, n, hq, d, H, _bound(self.cfg.budget, ckvs, max(c.num_clusters for c in ckvs)),
+                                    dtype)
+        # the graph reads these by address: kept with it (the capture's plan holds the token index and the
+        # window's cu_seqlens, made before the capture outside the graph's pool)
+        g.keep.append(cp)
+        md = _Window(g.win_bt)  # unread: the capture's plan has the window's tensors (cp.cache)
+        L = len(self.decoder)
+        try:
+            g.graph.capture_begin(s.pool, capture_error_mode="thread_local")
+            try:
+                for i in range(L + 1):
+                    segment(self.model, self.decoder, self.layers, s, i)
+                    if i < L:
+                        attn = self.layers[i]
+                        g.batch.attend(attn.impl, attn, s.q[i].reshape(n, hq, d), attn.kv_cache, s.attn, md, cp)
+            finally:
+                g.graph.capture_end()
+            if cp.failed:
+                raise RuntimeError(f"attention failed while capturing: {next(iter(cp.failed.values()))}")
+            for c in g.batch.calls:
+                c.rearm()
+            g.graph.replay()  # the capture recorded the batch; this computes it
+        except Exception:
+            self._broken.add(rs)
+            log.exception("NELSSA lane: capturing the batch of %d rows as one graph failed; it runs enqueued", n)
+            return None
+        self._graphs[rs] = g
+        self.captures += 1
+        log.info("NELSSA lane: batch of %d rows captured as one CUDA graph (%d host calls) in %.3f s", n,
+                 len(g.batch.calls), time.perf_counter() - t)
+        return g
