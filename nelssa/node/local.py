@@ -47,6 +47,7 @@ class HostStats:
         self.lane_rows = 0                     # long lane: rows computed
         self.lane_step_s: list[float] = []     # forward wall time of steps with lane rows (no host wait)
         self.lane_split_s: dict[str, float] = {}  # long lane: its thread's seconds per part (summed)
+        self.lane_captures = 0                 # long lane: batches captured as one CUDA graph
 
     def take(self) -> dict:
         with self._lock:
@@ -56,7 +57,7 @@ class HostStats:
                  "offload_decode_step_s": self.offload_decode_step_s,
                  "host_wait_s": self.host_wait_s, "offload_split_s": self.offload_split_s,
                  "lane_batch_s": self.lane_batch_s, "lane_rows": self.lane_rows, "lane_step_s": self.lane_step_s,
-                 "lane_split_s": self.lane_split_s}
+                 "lane_split_s": self.lane_split_s, "lane_captures": self.lane_captures}
             self.reset()
         return d
 

@@ -165,6 +165,17 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
                                         documentation="Forward wall time of steps with lane rows")),
             "host_wait_s": per_engine(h(name="nelssa:host_wait_seconds", labelnames=labelnames, buckets=buckets,
                                         documentation="Per step with offloaded rows: time waiting for host results")),
+            "lane_captures": per_engine(c(name="nelssa:lane_captures", labelnames=labelnames,
+                                          documentation="Long lane: batches captured as one CUDA graph (lane_batch.py)")),
+            "cuda_alloc_retries": per_engine(c(name="nelssa:cuda_alloc_retries", labelnames=labelnames,
+                                               documentation="Worker: torch allocator retries after an out-of-memory "
+                                                             "(cached blocks freed: the device synchronises)")),
+            "cuda_device_frees": per_engine(c(name="nelssa:cuda_device_frees", labelnames=labelnames,
+                                              documentation="Worker: cudaFree calls of torch's allocator (each waits "
+                                                            "for the whole device)")),
+            "cuda_sync_all_streams": per_engine(c(name="nelssa:cuda_sync_all_streams", labelnames=labelnames,
+                                                  documentation="Worker: torch allocator synchronisations of all "
+                                                                "streams")),
         }
         # labelled by part as well: per engine, the label values without the part
         self._split = c(name="nelssa:offload_split_seconds", labelnames=[*labelnames, "part"],
@@ -245,7 +256,28 @@ class NelssaConnector(KVConnectorBase_V1):
             return None
         d = host.stats.take()
         d["host_bytes"] = host.nbytes
+        d.update(self._cuda_allocator_events())
         return NelssaStats(d)
+
+    _ALLOC_EVENTS = (("num_alloc_retries", "cuda_alloc_retries"), ("num_device_free", "cuda_device_frees"),
+                     ("num_sync_all_streams", "cuda_sync_all_streams"))
+
+    def _cuda_allocator_events(self) -> dict[str, int]:
+        """Worker, CUDA: events of torch's caching allocator since the last report that synchronise the
+        device (a retry after an out-of-memory frees cached blocks; cudaFree waits for every stream),
+        read at most every 0.5 s: a cause of whole-engine stalls to look for in a benchmark."""
+        import time
+
+        import torch
+        now = time.monotonic()
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized() or now < getattr(self, "_alloc_t", 0.0):
+            return {}
+        self._alloc_t = now + 0.5
+        ms = torch.cuda.memory_stats()
+        last = getattr(self, "_alloc_last", {})
+        cur = {name: int(ms.get(key, 0)) for key, name in self._ALLOC_EVENTS}
+        self._alloc_last = cur
+        return {k: v - last.get(k, 0) for k, v in cur.items() if v - last.get(k, 0) > 0}
 
     @classmethod
     def build_kv_connector_stats(cls, data=None):

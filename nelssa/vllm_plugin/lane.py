@@ -245,7 +245,10 @@ class Lane:
             try:
                 replayed = None
                 if batch is not None and self.batch_graphs is not None:  # one replay (lane_batch.py)
+                    n0 = self.batch_graphs.captures
                     replayed = self.batch_graphs.run(self, plan, ids, pos, slots, bt)
+                    if self.batch_graphs.captures != n0:
+                        self.host.stats.add(lane_captures=self.batch_graphs.captures - n0)
                 if replayed is not None:
                     h, batch = replayed
                     with self._cv:

@@ -33,8 +33,10 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   with FINISHED_ERROR *before* this step's tokens are emitted, so no token computed from a failed
   attention reaches the client.
 * Long lane (config ``lane``, lane.py): a request scheduled with H > 0 is busy until the worker
-  reports the lane computed its next position; busy requests are left out of vLLM's running list
-  while it schedules (they keep their place), and their H does not move. vLLM allocates one slot
+  reports the lane computed its next position (through the connector's worker metadata, or read
+  directly where the lane runs in the scheduler's process: vLLM's in-process executor); busy requests
+  are left out of vLLM's running list while it schedules (they keep their place), and their H does
+  not move. vLLM allocates one slot
   ahead for every request (num_lookahead_tokens >= 1) for the position the lane writes. The switch
   itself goes through the lane: the first H of a request is sent as ``switching`` for one step (the
   request keeps its blocks and is computed on the device; the lane computes its next position with
@@ -56,6 +58,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
 from nelssa.config import mem_available, vllm_nelssa_config
+from nelssa.vllm_plugin import runtime
 from nelssa.vllm_plugin.connector import find_connector, nelssa_worker_meta
 from nelssa.vllm_plugin.policy import attention_balance, device_only, host_bytes, prefill_chunk
 from nelssa.vllm_plugin.spec import NelssaSpec
@@ -266,6 +269,7 @@ class NelssaScheduler(Scheduler):
         base, thr = kvm.watermark_blocks, sc.long_prefill_token_threshold
         kvm.watermark_blocks = base + self._prefill_reserve()
         sc.long_prefill_token_threshold = self._long_chunk(thr)
+        self._lane_ready()
         hidden = [r for r in self.running if r.request_id in self._busy]
         if hidden:  # in the lane: not scheduled (nor preempted) in this step
             order = {id(r): i for i, r in enumerate(self.running)}
@@ -281,6 +285,21 @@ class NelssaScheduler(Scheduler):
             self._busy.update(r for r in out.num_scheduled_tokens if self._host_end.get(r) or r in self._switching)
             self._switched.update(r for r in out.num_scheduled_tokens if r in self._switching)
         return out
+
+    def _lane_ready(self) -> None:
+        """Busy requests whose next position the lane has computed are schedulable now, when the lane
+        runs in this process (vLLM's in-process executor: the worker shares the engine core's process).
+        The lane's report through the connector (update_from_output) rides on the output of the step
+        that is running when a batch ends; with async scheduling that request would be scheduled two
+        to three steps later (the H200 profile of run 12: 28-100 ms in which the lane is idle). The
+        position checked is the one the scheduler expects, so a report can never free a later job."""
+        lane = runtime.lane()
+        if lane is None or not self._busy:
+            return
+        for rid in list(self._busy):
+            r = self.requests.get(rid)
+            if r is not None and lane.ready(rid, r.num_computed_tokens):
+                self._busy.discard(rid)
 
     def _long_chunk(self, thr: int) -> int:
         """This step's cap on a prefill chunk: policy.prefill_chunk at the deepest running long
@@ -329,8 +348,10 @@ class NelssaScheduler(Scheduler):
         kvo = model_runner_output.kv_connector_output
         meta = nelssa_worker_meta(kvo.kv_connector_worker_meta) if kvo is not None else None
         failed = getattr(meta, "failed", None)
-        for rid in getattr(meta, "lane", None) or {}:
-            self._busy.discard(rid)
+        for rid, pos in (getattr(meta, "lane", None) or {}).items():
+            r = self.requests.get(rid)
+            if r is not None and r.num_computed_tokens == pos:  # else already scheduled again (_lane_ready)
+                self._busy.discard(rid)
         for rid, (end, gen) in (getattr(meta, "handoffs", None) or {}).items():
             r = self.requests.get(rid)
             if r is not None and gen == r.num_preemptions:  # else a report from before a preemption
