@@ -208,7 +208,6 @@ def test_layers_clustered_together_equal_layer_by_layer():
     assert torch.equal(small[2][0], segmented_kmeans(ks[2], seed=7, cluster_size=8, segment=300, iters=4)[0])
 
 
-
 def test_lane_batch_graph_keys_windows_and_forget():
     """lane_batch.py's bookkeeping (its capture and replay need CUDA: the H200 exactness check runs them):
     the key changes exactly when a request's clusters are replaced (a commit), the window table is the

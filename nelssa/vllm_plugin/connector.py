@@ -19,8 +19,11 @@ It moves no KV itself (in P/D it runs beside NixlConnector in a MultiConnector).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole, KVConnectorWorkerMetadata)
@@ -211,6 +214,8 @@ class NelssaConnector(KVConnectorBase_V1):
         self.host_ends: dict[str, int] = {}    # set by NelssaScheduler (scheduler role): request -> H in use
         self.anchors: dict[str, int] = {}      # set by NelssaScheduler: migrated request -> anchor
         self.switching: dict[str, int] = {}    # set by NelssaScheduler (lane): switching request -> H
+        self._alloc_next = 0.0                 # worker: when the allocator's counters are read next
+        self._alloc_last: dict[str, int] = {}  # worker: their values at the last read
 
     # ---- scheduler side: nothing to load, nothing to send
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -266,18 +271,14 @@ class NelssaConnector(KVConnectorBase_V1):
         """Worker, CUDA: events of torch's caching allocator since the last report that synchronise the
         device (a retry after an out-of-memory frees cached blocks; cudaFree waits for every stream),
         read at most every 0.5 s: a cause of whole-engine stalls to look for in a benchmark."""
-        import time
-
-        import torch
         now = time.monotonic()
-        if not torch.cuda.is_available() or not torch.cuda.is_initialized() or now < getattr(self, "_alloc_t", 0.0):
+        if now < self._alloc_next or not torch.cuda.is_available() or not torch.cuda.is_initialized():
             return {}
-        self._alloc_t = now + 0.5
+        self._alloc_next = now + 0.5
         ms = torch.cuda.memory_stats()
-        last = getattr(self, "_alloc_last", {})
         cur = {name: int(ms.get(key, 0)) for key, name in self._ALLOC_EVENTS}
-        self._alloc_last = cur
-        return {k: v - last.get(k, 0) for k, v in cur.items() if v - last.get(k, 0) > 0}
+        last, self._alloc_last = self._alloc_last, cur
+        return {k: v - last.get(k, 0) for k, v in cur.items() if v > last.get(k, 0)}
 
     @classmethod
     def build_kv_connector_stats(cls, data=None):
