@@ -83,6 +83,7 @@ class NelssaConfig:
     budget: float = 0.04          # fraction of a long request's tokens attended on the host tier
     estimate: bool = True         # approximate the unselected clusters by their centroids (device)
     graphs: bool = True           # CUDA: centroid search replayed as captured graphs, one merge kernel
+    select_kernel: bool = True    # CUDA: the centroid search as Triton kernels (sparse/select_kernel.py)
     lane: bool = False            # long lane (vllm_plugin/lane.py): offloaded requests decode apart from the
                                   # step, so short rows never wait for the host tier
     lane_switch_us: int = 200     # with the lane: Python's GIL switch interval (us) in the worker
@@ -167,6 +168,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_BUDGET": ("budget", float),
     "NELSSA_ESTIMATE": ("estimate", _bool),
     "NELSSA_GRAPHS": ("graphs", _bool),
+    "NELSSA_SELECT_KERNEL": ("select_kernel", _bool),
     "NELSSA_LANE": ("lane", _bool),
     "NELSSA_SINK": ("sink", int),
     "NELSSA_RECENT": ("recent", int),

@@ -2,7 +2,8 @@
 
 One place decides the dtype of a vLLM engine on CPU (tests, benchmarks, ``nelssa serve``):
 ``bfloat16`` only where the CPU computes bf16 natively (``/proc/cpuinfo`` flag ``avx512_bf16`` or
-``amx_bf16``) and neither library ISA cap in the environment rules that out; ``float32`` otherwise.
+``amx_bf16``), neither library ISA cap in the environment rules that out and the CPU has no AMX
+(vLLM's bf16 AMX attention gave wrong tokens, see ``_bf16_refusal``); ``float32`` otherwise.
 Without native bf16, oneDNN emulates the bf16 GEMMs on AVX-512 (or lacks them on AVX2), which made
 a bf16 engine several times slower than fp32 on such CPUs.
 
@@ -65,9 +66,15 @@ def isa_caps() -> dict[str, str]:
 
 
 def _bf16_refusal(flags: frozenset[str], caps: dict[str, str]) -> str | None:
-    """Why this process has no native bf16 (None: it has)."""
+    """Why this process's engines run fp32 rather than bf16 (None: bf16). No native bf16, or an AMX
+    CPU: there vLLM 0.26 attends bf16 with its AMX kernels (block sizes that are multiples of 32, its
+    default 128), which gave wrong greedy tokens for SmolLM2 (an Intel Xeon with AMX, 2026-12-02:
+    "L'Étoile, la Marseillaise," for "The capital of France is Paris.", right with block size 16 or
+    fp32)."""
     if not flags & {"avx512_bf16", "amx_bf16"}:
         return "the CPU has neither avx512_bf16 nor amx_bf16"
+    if "amx_tile" in flags:
+        return "AMX CPU: vLLM 0.26's bf16 AMX attention gave wrong tokens here"
     onednn = caps.get("ONEDNN_MAX_CPU_ISA") or caps.get("DNNL_MAX_CPU_ISA")
     if onednn is not None:
         v = onednn.strip().upper()
@@ -87,14 +94,9 @@ def _bf16_refusal(flags: frozenset[str], caps: dict[str, str]) -> str | None:
     return None
 
 
-def native_bf16() -> bool:
-    """True where bf16 GEMMs run natively in this process (CPU flags and the environment's caps)."""
-    return _bf16_refusal(cpu_flags(), isa_caps()) is None
-
-
 def cpu_dtype() -> str:
-    """The vLLM dtype for an engine on this CPU: "bfloat16" with native bf16, else "float32"."""
-    return "bfloat16" if native_bf16() else "float32"
+    """The vLLM dtype for an engine on this CPU: "bfloat16" with native bf16 (no AMX), else "float32"."""
+    return "bfloat16" if _bf16_refusal(cpu_flags(), isa_caps()) is None else "float32"
 
 
 def describe() -> str:

@@ -4,6 +4,7 @@
 #   bash scripts/gpu_hol.sh stage .bundle/N          # once per vLLM bundle part (the last one installs)
 #   bash scripts/gpu_hol.sh bench [hol args ...]     # build nelssa._C, run `nelssa bench hol` (both modes)
 #   bash scripts/gpu_hol.sh check [exact|throughput] # CUDA unit tests + benchmarks/gpu_validate.py (dummy 8B)
+#   bash scripts/gpu_hol.sh select                   # benchmarks/bench_select_gpu.py (centroid search, torch vs kernel)
 # Carried folders: .bundle/N (../shared/gpu/make-vllm-bundle.sh .bundle), .gpumodel/dummy-llama-3.1-8b
 # (`nelssa make-dummy-model --out .gpumodel/dummy-llama-3.1-8b`: config + tokenizer). Results: $OUT.
 set -euo pipefail
@@ -14,7 +15,7 @@ export NELSSA_CACHE=/tmp/nelssa-cache PYTHONUNBUFFERED=1
 case "$what" in
   stage)
     for d in "$@"; do bash "$d/install-vllm-bundle.sh" "$d"; done ;;
-  bench|check)
+  bench|check|select)
     [ -d /tmp/site/vllm ] || { echo "vLLM is not installed: stage all bundle parts first" >&2; exit 2; }
     # the plugin's entry point, as an installed distribution would declare it
     mkdir -p /tmp/site/nelssa-0.1.0.dist-info
@@ -23,6 +24,10 @@ case "$what" in
     [ -f nelssa/_C*.so ] || python3 setup.py -q build_ext --inplace >/dev/null
     { lscpu | grep -E "Model name|^CPU\(s\)"; nvidia-smi --query-gpu=name,memory.total --format=csv; } | tee "$OUT/machine.txt"
     python3 -c "import vllm, nelssa._C; print('vllm', vllm.__version__)"
+    if [ "$what" = select ]; then
+      python3 benchmarks/bench_select_gpu.py --out "$OUT/select" "$@" 2>&1 | tail -n 40
+      exit 0
+    fi
     if [ "$what" = check ]; then
       python3 -m pytest -q -p no:cacheprovider tests/test_cuda_split.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -n 15
       python3 benchmarks/gpu_validate.py --out "$OUT/validate" --model .gpumodel/dummy-llama-3.1-8b \

@@ -16,21 +16,21 @@ NO_BF16_CPU = frozenset({"avx2", "avx512f", "avx512bw"})
 
 @pytest.mark.parametrize("flags,caps,native", [
     (BF16_CPU, {}, True),
-    (AMX_CPU, {}, True),
+    (AMX_CPU, {}, False),  # vLLM's bf16 AMX attention gave wrong tokens: fp32 there
     (NO_BF16_CPU, {}, False),
     (frozenset({"avx2"}), {}, False),
     (BF16_CPU, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, False),
     (BF16_CPU, {"ONEDNN_MAX_CPU_ISA": "avx2"}, False),
     (BF16_CPU, {"DNNL_MAX_CPU_ISA": "AVX512_CORE_VNNI"}, False),
     (BF16_CPU, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, True),
-    (AMX_CPU, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, True),
+    (AMX_CPU, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, False),
     (BF16_CPU, {"ONEDNN_MAX_CPU_ISA": "ALL"}, True),
     (BF16_CPU, {"ATEN_CPU_CAPABILITY": "avx2"}, False),
     (BF16_CPU, {"ATEN_CPU_CAPABILITY": "default"}, False),
     (BF16_CPU, {"ATEN_CPU_CAPABILITY": "avx512"}, True),
     (NO_BF16_CPU, {"ONEDNN_MAX_CPU_ISA": "ALL", "ATEN_CPU_CAPABILITY": "avx512"}, False),  # caps only lower
 ])
-def test_native_bf16_decision(flags, caps, native):
+def test_bf16_decision(flags, caps, native):
     assert (cpu._bf16_refusal(flags, caps) is None) is native
 
 
@@ -47,7 +47,7 @@ def test_this_process_follows_the_caps(monkeypatch):
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     flags = cpu.cpu_flags()
-    want = "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+    want = "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} and "amx_tile" not in flags else "float32"
     assert cpu.cpu_dtype() == want
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
     assert cpu.cpu_dtype() == "float32"

@@ -61,6 +61,71 @@ def test_merge_kernel_interpreted():
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+class _Clusters:
+    """What the centroid search reads of a ClusteredKV, built directly (exact values, ties, empties)."""
+
+    def __init__(self, cent, sizes, vmeans):
+        self.centroids, self.sizes, self.vmeans = cent, sizes.to(torch.int32), vmeans
+        self.num_kv_heads, self.num_clusters = cent.shape[0], cent.shape[1]
+        self.length = int(sizes.sum(1).max())
+
+
+def select_kernel_case(device: str) -> None:
+    """The Triton search (nelssa.sparse.select_kernel) equals the torch path: ids (with their padding)
+    and counts exactly, the estimate within rounding. Integer-valued queries and centroids make every
+    logit exact in any summation order, so equal masses are exact ties and unequal ones far apart:
+    four requests (one with more clusters than a selection tile, one whose centroids are all equal),
+    empty clusters, duplicated centroids of different sizes (ties broken by ascending id), budgets
+    from one token to all."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(3)
+    H, G, D = 2, 2, 64
+
+    def request(C):
+        cent = torch.randint(-3, 4, (H, C, D), generator=g).float()
+        cent[:, C // 2:C // 2 + 40] = cent[:, 10:50]           # duplicated centroids: tied masses
+        sizes = torch.randint(0, 13, (H, C), generator=g)
+        sizes[:, ::7] = 0                                        # empty clusters
+        vm = torch.randn(H, C, D, generator=g)
+        return _Clusters(cent.to(device, dtype), sizes.to(device), vm.to(device, dtype))
+
+    ckvs = [request(C) for C in (1500, 300, 777, 400)]
+    ckvs[3].centroids[:] = ckvs[3].centroids[:, :1].clone()     # one request all ties: ids by ascending id
+    q = torch.randint(-2, 3, (4, H * G, D), generator=g).float().to(device, dtype)
+    for budget in (1e-6, 0.04, 0.1, 0.3, 0.5, 0.9, 1.0):
+        for estimate in (True, False):
+            ref = select_clusters(q, ckvs, budget, 0.125, estimate=estimate, device_out=True, kernel=False)
+            got = select_clusters(q, ckvs, budget, 0.125, estimate=estimate, device_out=True, kernel=True)
+            assert torch.equal(got.counts, ref.counts), (budget, estimate)
+            assert torch.equal(got.ids, ref.ids), (budget, estimate)
+            if estimate:
+                (o, lse), (ro, rlse) = got.estimate, ref.estimate
+                assert torch.equal(torch.isinf(lse), torch.isinf(rlse))
+                fin = torch.isfinite(rlse)
+                assert torch.allclose(lse[fin], rlse[fin], atol=1e-4, rtol=1e-5)
+                assert torch.allclose(o, ro, atol=2e-3 if dtype == torch.bfloat16 else 1e-5)
+            if budget == 1.0:  # everything non-empty selected, nothing estimated
+                assert torch.equal(ref.counts.cpu(), torch.stack([(c.sizes > 0).sum(1).cpu() for c in ckvs]))
+    torch.testing.assert_close(select_clusters(q, ckvs, 0.04, 0.125, kernel=True).ids[0],
+                               select_clusters(q, ckvs, 0.04, 0.125, kernel=False).ids[0])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_select_kernel_cuda():
+    select_kernel_case("cuda")
+
+
+@pytest.mark.skipif(CUDA, reason="the CUDA test covers it")
+def test_select_kernel_interpreted():
+    pytest.importorskip("triton")
+    code = "import sys; sys.path.insert(0, 'tests'); from test_cuda_split import select_kernel_case; " \
+           "select_kernel_case('cpu')"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("estimate", [True, False])
 def test_select_graph_equals_eager(estimate):

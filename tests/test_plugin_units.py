@@ -93,23 +93,33 @@ def test_spec_merge_keeps_nelssa_fields():
         NelssaSpec.merge([s, other])
 
 
-@pytest.mark.parametrize("block_size,dtype", [(16, torch.bfloat16), (128, torch.bfloat16), (128, torch.float32)])
-def test_cpu_paged_cache_reader_matches_vllm_write(block_size, dtype):
-    """read_kv recovers exactly what vLLM's CPU cache-write op stored (vec / vec16 layouts)."""
+@pytest.mark.parametrize("block_size,dtype,d,isa", [(16, torch.bfloat16, 64, None), (128, torch.bfloat16, 64, None),
+                                                    (128, torch.float32, 64, None), (32, torch.bfloat16, 64, "amx"),
+                                                    (128, torch.bfloat16, 128, "amx")])
+def test_cpu_paged_cache_reader_matches_vllm_write(block_size, dtype, d, isa):
+    """read_kv recovers exactly what vLLM's CPU cache-write op stored: the layout vLLM picks on this CPU
+    (isa None: vec / vec16, or amx on AMX CPUs) and the AMX layout explicitly where this CPU has AMX."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from nelssa.vllm_plugin.attention import read_kv
-    nb, kh, d, n = 12, 3, 64, 150
-    isa = _get_attn_isa(dtype, block_size, d, "auto")
-    assert isa in ("vec", "vec16")
+    if isa is None:
+        isa = _get_attn_isa(dtype, block_size, d, "auto")
+    elif not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX: vLLM does not use the AMX layout here")
+    assert isa in ("vec", "vec16", "amx")
+    nb, kh, n = 12, 3, 150
     cache = torch.zeros(nb, kh, block_size, 2 * d, dtype=dtype)
     kc, vc = cache.view(nb, kh, 2 * block_size, d).chunk(2, dim=2)
     slots = torch.randperm(nb * block_size)[:n]
     k, v = torch.randn(n, kh, d).to(dtype), torch.randn(n, kh, d).to(dtype)
     ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
-    rk, rv = read_kv(cache, "cpu", slots // block_size, slots % block_size, kh, d)
+    layout = "cpu_amx" if isa == "amx" else "cpu_vec"
+    rk, rv = read_kv(cache, layout, slots // block_size, slots % block_size, kh, d)
     assert torch.equal(rk, k) and torch.equal(rv, v)
+    b2, o2 = (slots // block_size).view(10, 15), (slots % block_size).view(10, 15)  # any leading shape
+    rk2, rv2 = read_kv(cache, layout, b2, o2, kh, d)
+    assert torch.equal(rk2, k.view(10, 15, kh, d)) and torch.equal(rv2, v.view(10, 15, kh, d))
 
 
 def test_config_sources_and_errors():

@@ -48,6 +48,7 @@ class HostStats:
         self.lane_step_s: list[float] = []     # forward wall time of steps with lane rows (no host wait)
         self.lane_split_s: dict[str, float] = {}  # long lane: its thread's seconds per part (summed)
         self.lane_captures = 0                 # long lane: batches captured as one CUDA graph
+        self.lane_capture_failures = 0         # long lane: captures that failed (that request set runs enqueued)
 
     def take(self) -> dict:
         with self._lock:
@@ -57,7 +58,8 @@ class HostStats:
                  "offload_decode_step_s": self.offload_decode_step_s,
                  "host_wait_s": self.host_wait_s, "offload_split_s": self.offload_split_s,
                  "lane_batch_s": self.lane_batch_s, "lane_rows": self.lane_rows, "lane_step_s": self.lane_step_s,
-                 "lane_split_s": self.lane_split_s, "lane_captures": self.lane_captures}
+                 "lane_split_s": self.lane_split_s, "lane_captures": self.lane_captures,
+                 "lane_capture_failures": self.lane_capture_failures}
             self.reset()
         return d
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from nelssa.config import get_config
 from nelssa.sparse.clustered import ClusteredKV
 
 
@@ -73,15 +74,21 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.float(), b.float())
 
 
+def _use_kernel(dev: torch.device) -> bool:
+    return dev.type == "cuda" and get_config().select_kernel
+
+
 def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: float,
                     scale: float | None = None, estimate: bool = False, no_sync: bool = False,
-                    target: torch.Tensor | None = None, device_out: bool = False) -> Selection:
+                    target: torch.Tensor | None = None, device_out: bool = False,
+                    kernel: bool | None = None) -> Selection:
     """Rank clusters by the query heads' softmax probability mass and fill the budget.
 
     queries [B, Hq, D] (on the centroids' device). Per request and KV head: scores of its centroids
     against each query head of the GQA group (scaled dot products), softmax over clusters, summed
-    over the group; clusters in descending order until ``budget`` of the request's tokens is covered
-    (the last cluster may overshoot). Empty clusters are never selected. Batched over requests.
+    over the group; clusters in descending order (ties: ascending id) until ``budget`` of the
+    request's tokens is covered (the last cluster may overshoot). Empty clusters are never selected.
+    Batched over requests.
 
     ``no_sync`` (CUDA centroids): the ids go to pinned host memory by an asynchronous copy sized by the
     budget's upper bound (a selected cluster holds >= 1 token), so the caller never waits for the
@@ -91,47 +98,21 @@ def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: floa
     ``target``: ``budget_targets(ckvs, budget)`` when the caller already has it (once per step).
     ``device_out``: no copy at all; ``ids`` [B, H, cmax] and ``counts`` [B, H] stay on the device as
     two tensors (for a caller that copies them itself, e.g. inside a captured CUDA graph).
+    ``kernel``: the Triton kernels of ``select_kernel.py`` (same result; default on CUDA, config
+    ``select_kernel``) instead of torch operations.
     """
     B, Hq, D = queries.shape
     H = ckvs[0].num_kv_heads
-    G = Hq // H
     scale = D ** -0.5 if scale is None else scale
     dev = ckvs[0].centroids.device
     cmax = max(c.num_clusters for c in ckvs)
-    q = queries.to(device=dev).view(B, H, G, D)
-    if B == 1:
-        sizes = ckvs[0].sizes.unsqueeze(0)
-        logits = _bmm(q[0], ckvs[0].centroids.transpose(1, 2)).mul_(scale).unsqueeze(0)
-    else:  # per request (no padded copies of the centroids), into padded logits
-        sizes = torch.zeros(B, H, cmax, dtype=torch.int32, device=dev)
-        logits = torch.empty(B, H, G, cmax, dtype=torch.float32, device=dev)
-        for b, c in enumerate(ckvs):
-            sizes[b, :, :c.num_clusters] = c.sizes
-            torch.mul(_bmm(q[b], c.centroids.transpose(1, 2)), scale, out=logits[b, :, :, :c.num_clusters])
-    empty = sizes == 0
-    logits.masked_fill_(empty.unsqueeze(2), float("-inf"))
-    mass = torch.softmax(logits, dim=-1).sum(2)
-    mass.masked_fill_(empty, -1.0)
-    order = torch.argsort(mass, dim=-1, descending=True)
-    ssz = sizes.gather(-1, order).long()
-    before = torch.cumsum(ssz, -1) - ssz
-    target = (budget_targets(ckvs, budget) if target is None else target).view(B, 1, 1)
-    keep = (before < target) & (ssz > 0)
-    counts = keep.sum(-1)
-    ids = torch.where(keep, order, torch.full_like(order, cmax)).sort(-1).values
-    est = None
-    if estimate:
-        rest = torch.zeros_like(keep).scatter_(-1, order, keep) | empty  # selected or empty: not estimated
-        lg = (logits + sizes.clamp_min(1).float().log().unsqueeze(2)).masked_fill(rest.unsqueeze(2), float("-inf"))
-        lse = torch.logsumexp(lg, -1)                                   # [B, H, G]
-        w = torch.softmax(lg, -1).nan_to_num_(0.0)  # rows with every cluster selected: all -inf -> 0
-        if B == 1:
-            out = _bmm(w[0], ckvs[0].vmeans).unsqueeze(0)
-        else:
-            out = torch.empty(B, H, G, D, dtype=torch.float32, device=dev)
-            for b, c in enumerate(ckvs):
-                out[b] = _bmm(w[b, :, :, :c.num_clusters], c.vmeans)
-        est = (out.reshape(B, Hq, D), lse.reshape(B, Hq))
+    q = queries.to(device=dev).view(B, H, Hq // H, D)
+    target = budget_targets(ckvs, budget) if target is None else target
+    if _use_kernel(dev) if kernel is None else kernel:
+        from nelssa.sparse import select_kernel  # Triton: imported where it runs
+        ids, counts, est = select_kernel.search(q, ckvs, target, scale, estimate)
+    else:
+        ids, counts, est = _search_torch(q, ckvs, target, scale, estimate)
     if device_out:
         return Selection(ids, counts, est)
     if no_sync and dev.type == "cuda":
@@ -146,3 +127,44 @@ def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: floa
     smax = int(counts.max())
     ids, counts = ids[..., :smax].cpu(), counts.cpu()
     return Selection([ids[b, :, :smax].contiguous() for b in range(B)], [counts[b] for b in range(B)], est)
+
+
+def _search_torch(q: torch.Tensor, ckvs: list[ClusteredKV], target: torch.Tensor, scale: float,
+                  estimate: bool):
+    """select_clusters' search in torch operations: q [B, H, G, D] -> (ids [B, H, cmax] ascending, then
+    cmax; counts [B, H]; estimate or None)."""
+    B, H, G, D = q.shape
+    dev = q.device
+    cmax = max(c.num_clusters for c in ckvs)
+    if B == 1:
+        sizes = ckvs[0].sizes.unsqueeze(0)
+        logits = _bmm(q[0], ckvs[0].centroids.transpose(1, 2)).mul_(scale).unsqueeze(0)
+    else:  # per request (no padded copies of the centroids), into padded logits
+        sizes = torch.zeros(B, H, cmax, dtype=torch.int32, device=dev)
+        logits = torch.empty(B, H, G, cmax, dtype=torch.float32, device=dev)
+        for b, c in enumerate(ckvs):
+            sizes[b, :, :c.num_clusters] = c.sizes
+            torch.mul(_bmm(q[b], c.centroids.transpose(1, 2)), scale, out=logits[b, :, :, :c.num_clusters])
+    empty = sizes == 0
+    logits.masked_fill_(empty.unsqueeze(2), float("-inf"))
+    mass = torch.softmax(logits, dim=-1).sum(2)
+    mass.masked_fill_(empty, -1.0)
+    order = torch.sort(mass, dim=-1, descending=True, stable=True).indices  # ties: ascending id
+    ssz = sizes.gather(-1, order).long()
+    before = torch.cumsum(ssz, -1) - ssz
+    keep = (before < target.view(B, 1, 1)) & (ssz > 0)
+    counts = keep.sum(-1)
+    ids = torch.where(keep, order, torch.full_like(order, cmax)).sort(-1).values
+    if not estimate:
+        return ids, counts, None
+    rest = torch.zeros_like(keep).scatter_(-1, order, keep) | empty  # selected or empty: not estimated
+    lg = (logits + sizes.clamp_min(1).float().log().unsqueeze(2)).masked_fill(rest.unsqueeze(2), float("-inf"))
+    lse = torch.logsumexp(lg, -1)                                   # [B, H, G]
+    w = torch.softmax(lg, -1).nan_to_num_(0.0)  # rows with every cluster selected: all -inf -> 0
+    if B == 1:
+        out = _bmm(w[0], ckvs[0].vmeans).unsqueeze(0)
+    else:
+        out = torch.empty(B, H, G, D, dtype=torch.float32, device=dev)
+        for b, c in enumerate(ckvs):
+            out[b] = _bmm(w[b, :, :, :c.num_clusters], c.vmeans)
+    return ids, counts, (out.reshape(B, H * G, D), lse.reshape(B, H * G))

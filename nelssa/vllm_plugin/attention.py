@@ -72,24 +72,34 @@ def current_plan() -> StepPlan | None:
 
 # ---------------------------------------------------------------- paged KV access (per backend)
 
-def read_kv(kv_cache: torch.Tensor, backend: str, blocks: torch.Tensor, offs: torch.Tensor,
+def read_kv(kv_cache: torch.Tensor, layout: str, blocks: torch.Tensor, offs: torch.Tensor,
             num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V [..., KH, D] at (blocks, offs) of one layer's paged cache.
+    """K/V [..., KH, D] at (blocks, offs) of one layer's paged cache, in the layout ``wrap_impl`` named.
 
-    cpu: [NB, KH, bs, 2D] is the logical shape; per (block, head) K is stored [D, bs] and V [bs, D]
-    (vLLM's vec/vec16 CPU layouts; AMX is refused at startup). flash: [NB, KH, bs, 2D] logical, read
-    as FlashAttention does (transpose(1, 2).split(D)).
+    The cache's logical shape is [NB, KH, bs, 2D] in all three; per (block, head) the CPU layouts store
+    K in the first bs*D elements and V in the next:
+    cpu_vec (vLLM's vec / vec16 CPU ISAs): K as [D, bs], V as [bs, D];
+    cpu_amx (bf16 with a block size multiple of 32 on AMX CPUs): tiles in VNNI pairs, K as
+      [bs/16, D/2, 16 tokens, 2 dims] and V as [D/16, bs/2, 16 dims, 2 tokens];
+    flash: read as FlashAttention does (transpose(1, 2).split(D)).
     """
-    if backend == "cpu":
+    if layout in ("cpu_vec", "cpu_amx"):
         nb, kh, bs, _ = kv_cache.shape
         flat = kv_cache.view(nb, kh, 2, bs * head_dim)
-        kc = flat[:, :, 0].unflatten(-1, (head_dim, bs))
-        vc = flat[:, :, 1].unflatten(-1, (bs, head_dim))
-        return kc[blocks, :, :, offs], vc[blocks, :, offs, :]
-    if backend == "flash":
+        if layout == "cpu_vec":
+            kc = flat[:, :, 0].unflatten(-1, (head_dim, bs))
+            vc = flat[:, :, 1].unflatten(-1, (bs, head_dim))
+            return kc[blocks, :, :, offs], vc[blocks, :, offs, :]
+        t, j = offs.unsqueeze(-1), torch.arange(head_dim, device=offs.device)  # [..., 1], [D]
+        koff = (t // 16) * (head_dim * 16) + (j // 2) * 32 + (t % 16) * 2 + j % 2
+        voff = (j // 16) * (bs * 16) + (t // 2) * 32 + (j % 16) * 2 + t % 2
+        b = blocks.unsqueeze(-1)
+        # advanced indices around a slice: the heads' dimension comes last -> [..., D, KH]
+        return flat[:, :, 0][b, :, koff].transpose(-1, -2), flat[:, :, 1][b, :, voff].transpose(-1, -2)
+    if layout == "flash":
         kc, vc = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
         return kc[blocks, offs], vc[blocks, offs]
-    raise ValueError(f"unsupported backend {backend!r}")
+    raise ValueError(f"unsupported KV cache layout {layout!r}")
 
 
 def window_index(plan: StepPlan, block_table: torch.Tensor, sink: int, bs: int):
@@ -284,7 +294,7 @@ def split_attention(self, layer, q: torch.Tensor, kv_cache: torch.Tensor, attn_m
         w_out, w_lse = flash_window(self, q_off, kv_cache, plan, attn_metadata, cfg.sink, bs)
     else:
         blocks, offs, valid = window_index(plan, attn_metadata.block_table, cfg.sink, bs)
-        k, v = read_kv(kv_cache, backend, blocks, offs, self.num_kv_heads, self.head_size)
+        k, v = read_kv(kv_cache, self.nelssa_kv_layout, blocks, offs, self.num_kv_heads, self.head_size)
         w_out, w_lse = window_attention(q_off, k, v, valid, self.scale)
     t = plan.lap("window", t)
 
@@ -386,16 +396,17 @@ def wrap_impl(layer, cfg: NelssaConfig) -> None:
     impl = layer.impl
     name = type(impl).__name__
     if name == "CPUAttentionBackendImpl":
-        if getattr(impl, "isa", None) == "amx":
-            raise ValueError("NELSSA reads the CPU paged KV cache in vLLM's vec layout; the AMX layout "
-                             "(bf16 with a block size multiple of 32 on AMX CPUs) is not supported: use "
-                             "--block-size 16 or dtype float32")
-        backend = "cpu"
+        isa = impl.isa
+        if isa not in ("vec", "vec16", "amx"):
+            raise ValueError(f"NELSSA reads vLLM's CPU paged KV cache in its x86 layouts (vec, vec16, amx), "
+                             f"not {isa!r}")
+        backend, layout = "cpu", "cpu_amx" if isa == "amx" else "cpu_vec"
     elif name == "FlashAttentionImpl":
-        backend = "flash"
+        backend = layout = "flash"
     else:
         raise ValueError(f"NELSSA supports the CPU_ATTN and FLASH_ATTN backends, not {name}")
     cls = type(f"Nelssa{name}", (type(impl),), {"forward": _forward})
     impl.__class__ = cls
     impl.nelssa_cfg = cfg
     impl.nelssa_backend = backend
+    impl.nelssa_kv_layout = layout  # read_kv

@@ -170,6 +170,9 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
                                         documentation="Per step with offloaded rows: time waiting for host results")),
             "lane_captures": per_engine(c(name="nelssa:lane_captures", labelnames=labelnames,
                                           documentation="Long lane: batches captured as one CUDA graph (lane_batch.py)")),
+            "lane_capture_failures": per_engine(c(name="nelssa:lane_capture_failures", labelnames=labelnames,
+                                                  documentation="Long lane: batch captures that failed (logged; "
+                                                                "that request set runs enqueued)")),
             "cuda_alloc_retries": per_engine(c(name="nelssa:cuda_alloc_retries", labelnames=labelnames,
                                                documentation="Worker: torch allocator retries after an out-of-memory "
                                                              "(cached blocks freed: the device synchronises)")),

@@ -81,7 +81,8 @@ class Handoff:
         b, o = blocks_t[pos // bs].to(dev), (pos % bs).to(dev)
         ks, vs = [], []
         for layer in self.layers:  # layer order = nelssa_layer order
-            k, v = self._read_kv(layer.kv_cache, layer.impl.nelssa_backend, b, o, layer.num_kv_heads, layer.head_size)
+            k, v = self._read_kv(layer.kv_cache, layer.impl.nelssa_kv_layout, b, o, layer.num_kv_heads,
+                                 layer.head_size)
             ks.append(k.transpose(0, 1).contiguous())
             vs.append(v.transpose(0, 1).contiguous())
         self.host.put_layers(rid, ks, vs, commit=False)

@@ -80,6 +80,7 @@ class BatchGraphs:
         self._broken: set[tuple] = set()
         self.captures = 0
         self.replays = 0
+        self.failures = 0               # captures that failed (6)
         self._lock = threading.Lock()   # the graphs: run (lane thread) and forget (step thread)
         self._plock = threading.Lock()  # requests to forget
         self._pending: set[str] = set()
@@ -230,6 +231,7 @@ class BatchGraphs:
             g.graph.replay()  # the capture recorded the batch; this computes it
         except Exception:
             self._broken.add(rs)
+            self.failures += 1
             log.exception("NELSSA lane: capturing the batch of %d rows as one graph failed; it runs enqueued", n)
             return None
         self._graphs[rs] = g
