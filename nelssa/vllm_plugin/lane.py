@@ -34,9 +34,11 @@ and every short row of the step waits with it. With it:
      when no row of it is split. Its hidden state is replaced by the lane's before the logits
      (NelssaLlamaForCausalLM.compute_logits), so vLLM samples it like any row (sampling parameters,
      logprobs, stop conditions). Then 2 again.
-  5. CPU: vLLM's CPU linear layers keep per-layer oneDNN handles that are not safe to use from two
-     threads at once, so the lane's dense parts and the step's forward take turns (``dense_lock``;
-     CUDA needs none).
+  5. CPU: vLLM's CPU linear layers run oneDNN through handles that are not safe to use from two
+     threads at once (they share one scratchpad), so the lane's dense parts and the step's forward
+     and logits (its lm_head is such a linear) take turns (``dense_lock``; CUDA needs none). Without
+     the logits in it, a lane batch's o_proj/MLP and the step's lm_head overlapped: NaN in both (seen
+     on an Intel Xeon: lane requests failed, short ones answered garbage).
   6. A request finished or preempted while its job runs: the runner cancels the job and waits for it
      (at most one layer) before the step that may reuse its blocks. A failing job fails its requests
      (runtime.fail): they finish with an error, never with text from a failed attention.
@@ -88,8 +90,9 @@ class Lane:
             raise ValueError("the lane needs one NELSSA attention layer per decoder layer")
         self.bs, self.dtype, self.device = block_size, dtype, device
         self.cuda = device.type == "cuda"
-        # held by the step's forward and the lane's dense parts on CPU (5); a no-op lock on CUDA
-        self.dense_lock = threading.Lock() if not self.cuda else contextlib.nullcontext()
+        # held by the step's forward and logits and the lane's dense parts on CPU (5); reentrant, so logits
+        # computed within a wrapped forward cannot deadlock; a no-op lock on CUDA
+        self.dense_lock = threading.RLock() if not self.cuda else contextlib.nullcontext()
         # high priority: the lane's few kernels per layer go ahead of the step's queued blocks, so the host
         # tier gets each layer's queries sooner
         self.stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None

@@ -7,6 +7,8 @@ implementation splits the batch (nelssa.vllm_plugin.attention).
 
 from __future__ import annotations
 
+import contextlib
+
 import re
 
 from vllm.model_executor.layers.attention import Attention
@@ -53,6 +55,8 @@ class NelssaLlamaForCausalLM(LlamaForCausalLM):
             raise ValueError("NELSSA does not support speculative decoding (decode rows of long requests "
                              "must carry one query token)")
         self.nelssa_inject = None  # (rows, hidden): the lane's hidden states for this step's lane rows
+        # CPU lane: the lane's dense lock (lane.py, 5), held by the logits as by the step's forward
+        self.nelssa_dense_lock = contextlib.nullcontext()
         for module in self.modules():
             if type(module) is Attention:
                 # our own model's layers become the NELSSA subclass (same state, extra behaviour)
@@ -67,4 +71,5 @@ class NelssaLlamaForCausalLM(LlamaForCausalLM):
             self.nelssa_inject = None
             rows, h = inj
             hidden_states = hidden_states.index_copy(0, rows, h.to(hidden_states.dtype))
-        return super().compute_logits(hidden_states, *args, **kwargs)
+        with self.nelssa_dense_lock:
+            return super().compute_logits(hidden_states, *args, **kwargs)

@@ -78,6 +78,7 @@ class NelssaRunnerMixin:
             self.nelssa_lane = Lane(model, self._nelssa_layers, self.nelssa_host, cfg, bs, self.model_config.dtype,
                                     self.device)
             runtime.set_lane(self.nelssa_lane)
+            model.nelssa_dense_lock = self.nelssa_lane.dense_lock  # CPU: the logits too (lane.py, 5)
             # the lane thread launches between host results; the step thread must get the GIL back
             # within a fraction of a decode step, not Python's 5 ms
             sys.setswitchinterval(min(sys.getswitchinterval(), cfg.lane_switch_us * 1e-6))
