@@ -49,14 +49,14 @@ class NelssaLlamaForCausalLM(LlamaForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         cfg = vllm_nelssa_config(vllm_config.additional_config)
         self.nelssa_enabled = cfg is not None
+        # CPU lane: the lane's dense lock (lane.py, 5), held by the logits as by the step's forward
+        self.nelssa_dense_lock = contextlib.nullcontext()
         if cfg is None:
             return
         if vllm_config.speculative_config is not None:
             raise ValueError("NELSSA does not support speculative decoding (decode rows of long requests "
                              "must carry one query token)")
         self.nelssa_inject = None  # (rows, hidden): the lane's hidden states for this step's lane rows
-        # CPU lane: the lane's dense lock (lane.py, 5), held by the logits as by the step's forward
-        self.nelssa_dense_lock = contextlib.nullcontext()
         for module in self.modules():
             if type(module) is Attention:
                 # our own model's layers become the NELSSA subclass (same state, extra behaviour)
