@@ -1,4 +1,5 @@
-"""The centroid search as Triton kernels: ~2B+1 launches per layer instead of ~45 per request.
+"""The centroid search as Triton kernels: 3B + 1 launches per layer (B + 1 without the estimate) for B
+requests instead of ~45 per request.
 
 ``search.select_clusters`` in torch is, per layer, a bmm per request, a softmax, two sorts (argsort of
 the masses, sort of the kept ids), a cumsum, gathers, masks and the estimate's softmax and bmm: on the
