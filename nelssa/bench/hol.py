@@ -322,11 +322,12 @@ def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout:
             rc, out = p.returncode, p.stdout
         except subprocess.TimeoutExpired as e:
             rc, out = "timeout", (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        line = next((x for x in out.splitlines() if x.startswith("HOL_JSON ")), None)
+        lines = out.splitlines()
+        line = next((x for x in lines if x.startswith("HOL_JSON ")), None)
         # vLLM logs to stdout: the engine's log (and any error in it) kept beside the results
         with open(os.path.join(out_dir, f"hol_{mode}.log"), "w") as f:
-            f.write("".join(x + "\n" for x in out.splitlines() if not x.startswith("HOL_JSON ")))
-        errors = [x for x in out.splitlines() if " ERROR " in x or x.startswith("Traceback")]
+            f.write("".join(x + "\n" for x in lines if not x.startswith("HOL_JSON ")))
+        errors = [x for x in lines if " ERROR " in x or x.startswith("Traceback")]
         if errors:
             print(f"[hol] mode {mode}: {len(errors)} error lines in hol_{mode}.log, first: {errors[0][:300]}",
                   file=sys.stderr, flush=True)

@@ -22,7 +22,7 @@ centroids at ~170 GB/s and the sorts 4.3 ms of a 28 ms batch. Here the same resu
         are fewer than the budget, which is exactly the torch path's rule (descending mass, ties by
         ascending id, keep while the tokens before are fewer than the budget);
      d. the selected ids, compacted in ascending order (a prefix sum per tile plus a carry), the row
-        padded with ``Cmax`` to the width of the ids tensor, and the count;
+        padded with ``Cmax`` to Cmax entries, and the count;
      e. with ``ESTIMATE``: over the unselected non-empty clusters, each counting as size x exp(logit),
         the log-sum-exp per query head, and the softmax weights written over the logits (0 elsewhere).
   3. ``_estimate_kernel`` (per request, with ``ESTIMATE``; grid: KV heads x splits of ``SPLIT``
@@ -104,8 +104,8 @@ def _softmax_stats(lrow, srow, mrow, CMAX, offs_g, in_g, offs, REST: tl.constexp
     return mx, tl.sum(s * tl.exp(m - safe[:, None]), 1)
 
 
-@triton.jit(do_not_specialize=["H", "CMAX", "W"])
-def _select_kernel(lg_ptr, sz_ptr, target_ptr, mass_ptr, ids_ptr, cnt_ptr, lse_ptr, H, CMAX, W,
+@triton.jit(do_not_specialize=["H", "CMAX"])
+def _select_kernel(lg_ptr, sz_ptr, target_ptr, mass_ptr, ids_ptr, cnt_ptr, lse_ptr, H, CMAX,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr,
                    K: tl.constexpr, PASSES: tl.constexpr, ESTIMATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -175,14 +175,14 @@ def _select_kernel(lg_ptr, sz_ptr, target_ptr, mass_ptr, ids_ptr, cnt_ptr, lse_p
         sel = ((bits > lo) | (tie & (before < target))) & in_c
         sel_i = sel.to(tl.int64)
         pos = n_sel + tl.cumsum(sel_i, 0) - sel_i
-        tl.store(ids_ptr + row * W + pos, c.to(tl.int64), mask=sel & (pos < W))
+        tl.store(ids_ptr + row * CMAX + pos, c.to(tl.int64), mask=sel)
         if ESTIMATE:
             tl.store(mrow + c, tl.where(sel, -2.0, mass), mask=in_c)  # -2: selected, -1: empty
         n_sel += tl.sum(sel_i, 0)
         tie_before += tl.sum(tsz, 0)
-    for start in range(0, W, BLOCK):
+    for start in range(0, CMAX, BLOCK):
         c = start + offs
-        tl.store(ids_ptr + row * W + c, tl.zeros([BLOCK], tl.int64) + CMAX, mask=(c >= n_sel) & (c < W))
+        tl.store(ids_ptr + row * CMAX + c, tl.zeros([BLOCK], tl.int64) + CMAX, mask=(c >= n_sel) & (c < CMAX))
     tl.store(cnt_ptr + row, n_sel)
     tl.debug_barrier()  # the selected marks (mass -2) likewise
     # e. the estimate's log-sum-exp and weights over the unselected non-empty clusters
@@ -252,7 +252,7 @@ def search(q: torch.Tensor, ckvs: list, target: torch.Tensor, scale: float, esti
             q[b], cen, sz, logits, sizes, c.num_clusters, cmax, scale, b,
             q.stride(1), cen.stride(0), cen.stride(1), sz.stride(0),
             G=G, BLOCK_G=bg, D=D, BLOCK_D=bd, BLOCK_C=BLOCK_C, IEEE=cen.dtype == torch.float32, num_warps=4)
-    _select_kernel[(B * H,)](logits, sizes, target, mass, ids, counts, lse, H, cmax, cmax,
+    _select_kernel[(B * H,)](logits, sizes, target, mass, ids, counts, lse, H, cmax,
                              G=G, BLOCK_G=triton.next_power_of_2(G), BLOCK=BLOCK, SBLOCK=SBLOCK, K=K,
                              PASSES=PASSES, ESTIMATE=estimate, num_warps=16)
     if not estimate:

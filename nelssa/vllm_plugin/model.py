@@ -8,7 +8,6 @@ implementation splits the batch (nelssa.vllm_plugin.attention).
 from __future__ import annotations
 
 import contextlib
-
 import re
 
 from vllm.model_executor.layers.attention import Attention
@@ -49,7 +48,7 @@ class NelssaLlamaForCausalLM(LlamaForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         cfg = vllm_nelssa_config(vllm_config.additional_config)
         self.nelssa_enabled = cfg is not None
-        # CPU lane: the lane's dense lock (lane.py, 5), held by the logits as by the step's forward
+        # CPU lane: the lane's dense lock (lane.py, 5), held by the step's forward (runner) and the logits
         self.nelssa_dense_lock = contextlib.nullcontext()
         if cfg is None:
             return

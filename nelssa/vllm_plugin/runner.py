@@ -17,7 +17,6 @@ Failures are collected per request and reported through the NELSSA KV connector.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import time
@@ -78,7 +77,7 @@ class NelssaRunnerMixin:
             self.nelssa_lane = Lane(model, self._nelssa_layers, self.nelssa_host, cfg, bs, self.model_config.dtype,
                                     self.device)
             runtime.set_lane(self.nelssa_lane)
-            model.nelssa_dense_lock = self.nelssa_lane.dense_lock  # CPU: the logits too (lane.py, 5)
+            model.nelssa_dense_lock = self.nelssa_lane.dense_lock  # the step's forward and logits (lane.py, 5)
             # the lane thread launches between host results; the step thread must get the GIL back
             # within a fraction of a decode step, not Python's 5 ms
             sys.setswitchinterval(min(sys.getswitchinterval(), cfg.lane_switch_us * 1e-6))
@@ -157,10 +156,8 @@ class NelssaRunnerMixin:
                 torch.tensor(plan.lane_rows, dtype=torch.long).to(dev, non_blocking=True),
                 torch.stack([self.nelssa_lane.take(r) for r in plan.cache["lane_rids"]]))
         t = time.perf_counter()
-        # CPU: the lane's dense parts wait while the step's forward runs (lane.py, 5)
-        lock = self.nelssa_lane.dense_lock if self.nelssa_lane is not None else contextlib.nullcontext()
-        try:
-            with lock:
+        try:  # CPU: the lane's dense parts wait while the step's forward runs (lane.py, 5)
+            with self.get_model().nelssa_dense_lock:
                 out = super()._model_forward(*args, **kwargs)
         finally:
             set_plan(None)
