@@ -49,6 +49,7 @@ class HostStats:
         self.lane_split_s: dict[str, float] = {}  # long lane: its thread's seconds per part (summed)
         self.lane_captures = 0                 # long lane: batches captured as one CUDA graph
         self.lane_capture_failures = 0         # long lane: captures that failed (that request set runs enqueued)
+        self.lane_paths: dict[str, float] = {}  # long lane: batches per way they ran (lane_batch.BatchGraphs.path)
 
     def take(self) -> dict:
         with self._lock:
@@ -59,7 +60,7 @@ class HostStats:
                  "host_wait_s": self.host_wait_s, "offload_split_s": self.offload_split_s,
                  "lane_batch_s": self.lane_batch_s, "lane_rows": self.lane_rows, "lane_step_s": self.lane_step_s,
                  "lane_split_s": self.lane_split_s, "lane_captures": self.lane_captures,
-                 "lane_capture_failures": self.lane_capture_failures}
+                 "lane_capture_failures": self.lane_capture_failures, "lane_paths": self.lane_paths}
             self.reset()
         return d
 

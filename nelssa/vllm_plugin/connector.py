@@ -190,6 +190,9 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
         self._lane_split = c(name="nelssa:lane_split_seconds", labelnames=[*labelnames, "part"],
                              documentation="Long lane: its thread's seconds per part of the split attention "
                                            "(select, window, wait, merge)")
+        self._lane_paths = c(name="nelssa:lane_batches", labelnames=[*labelnames, "path"],
+                             documentation="Long lane: batches by how they ran (replay, captured, or why enqueued: "
+                                           "new_key, no_window, broken, capture_failed)")
         self._labels = per_engine_labelvalues
 
     def observe(self, data: dict[str, Any], engine_idx: int = 0):
@@ -197,6 +200,8 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
             self._split.labels(*self._labels[engine_idx], part).inc(x)
         for part, x in data.get("lane_split_s", {}).items():
             self._lane_split.labels(*self._labels[engine_idx], part).inc(x)
+        for path, x in data.get("lane_paths", {}).items():
+            self._lane_paths.labels(*self._labels[engine_idx], path).inc(x)
         for k, v in data.items():
             m = self.m.get(k)
             if m is None:

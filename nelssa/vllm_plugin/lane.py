@@ -250,9 +250,9 @@ class Lane:
                 if batch is not None and self.batch_graphs is not None:  # one replay (lane_batch.py)
                     n0, f0 = self.batch_graphs.captures, self.batch_graphs.failures
                     replayed = self.batch_graphs.run(self, plan, ids, pos, slots, bt)
-                    if self.batch_graphs.captures != n0 or self.batch_graphs.failures != f0:
-                        self.host.stats.add(lane_captures=self.batch_graphs.captures - n0,
-                                            lane_capture_failures=self.batch_graphs.failures - f0)
+                    self.host.stats.add(lane_captures=self.batch_graphs.captures - n0,
+                                        lane_capture_failures=self.batch_graphs.failures - f0,
+                                        lane_paths={self.batch_graphs.path: 1})
                 if replayed is not None:
                     h, batch = replayed
                     with self._cv:

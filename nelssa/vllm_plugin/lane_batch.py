@@ -81,6 +81,7 @@ class BatchGraphs:
         self.captures = 0
         self.replays = 0
         self.failures = 0               # captures that failed (6)
+        self.path = ""                  # how the last batch ran: replay, captured, or why it ran enqueued
         self._lock = threading.Lock()   # the graphs: run (lane thread) and forget (step thread)
         self._plock = threading.Lock()  # requests to forget
         self._pending: set[str] = set()
@@ -150,9 +151,11 @@ class BatchGraphs:
     def _run(self, lane, plan: StepPlan, ids, pos, slots, bt: torch.Tensor):
         rs = tuple(plan.req_ids)
         if rs in self._broken:
+            self.path = "broken"
             return None
         win = self._window(plan, bt)
         if win is None:
+            self.path = "no_window"
             return None
         key = self._key(plan.host, rs)
         g = self._graphs.get(rs)
@@ -162,11 +165,15 @@ class BatchGraphs:
         if g is None:
             if self._seen.get(rs) != key:
                 self._seen[rs] = key
+                self.path = "new_key"
                 return None
             g = self._capture(lane, plan, rs, key, ids, pos, slots, win, bt)
             if g is None:
+                self.path = "capture_failed"
                 return None
+            self.path = "captured"
         else:
+            self.path = "replay"
             self._inputs(g, plan, ids, pos, slots, win)
             g.batch.flag.clear()
             for c in g.batch.calls:
