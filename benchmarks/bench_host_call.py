@@ -1,0 +1,138 @@
+"""What a lane layer's host call costs beyond its kernel (CUDA): the long lane runs, per layer, the
+queries' copy to pinned memory -> the host attention as a CUDA host function (csrc/host_call.cpp)
+-> the results' copy back, 32 times in a chain (layer i + 1's queries depend on layer i's output).
+At the head-of-line scenario's shape (two 100K-token requests, 8 KV heads of 128, budget 4%):
+
+  kernel      the host call run on this thread (``HostCall.run``): the kernel alone;
+  stream      the chain enqueued on two streams (lane_host.py's shape), per layer;
+  graph       the same chain captured as one CUDA graph and replayed (lane_batch.py's shape);
+  *_empty     the same with empty selections (no rows read): the pure cost of a call.
+
+``overhead`` = per-layer chain time - kernel time. Run it twice to compare the OpenMP pool's waiting
+policy (e.g. ``OMP_WAIT_POLICY=active``): the environment is recorded with the results.
+
+    python3 benchmarks/bench_host_call.py --out DIR [--length 100000] [--batch 2] [--layers 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from nelssa.sparse import cluster_kv, prepare_attend, select_clusters
+from nelssa.sparse.search import Selection
+
+
+def chain(calls, q_d, q_h, outs, lane, hs, events, capture_borrowed=False):
+    """Enqueue the 32-layer chain: per layer a device op on the queries, their copy to pinned memory,
+    the host call on ``hs``, the results' copies back; the lane waits for them before the next layer."""
+    x = q_d
+    for i, call in enumerate(calls):
+        ready, done = events[i]
+        with torch.cuda.stream(lane):
+            x = x * 1.0
+            q_h[i].copy_(x, non_blocking=True)
+            ready.record(lane)
+        hs.wait_event(ready)
+        if capture_borrowed:
+            call.launch_borrowed(hs.cuda_stream)
+        else:
+            call.launch(hs.cuda_stream)
+        with torch.cuda.stream(hs):
+            outs[i][2].copy_(outs[i][0], non_blocking=True)
+            outs[i][3].copy_(outs[i][1], non_blocking=True)
+            done.record(hs)
+        lane.wait_event(done)
+        with torch.cuda.stream(lane):
+            x = x + outs[i][2][..., :1].to(x.dtype) * 0  # layer i + 1 depends on layer i's result
+    return x
+
+
+def measure(ckvs, sel, q, layers: int, reps: int) -> dict:
+    B, Hq, D = q.shape
+    scale = D ** -0.5
+    q_h = [torch.empty(B, Hq, D, dtype=q.dtype).pin_memory() for _ in range(layers)]
+    outs = [(torch.empty(B, Hq, D).pin_memory(), torch.empty(B, Hq).pin_memory(),
+             torch.empty(B, Hq, D, device="cuda"), torch.empty(B, Hq, device="cuda")) for _ in range(layers)]
+    calls = [prepare_attend(q_h[i], ckvs, sel, scale, outs[i][0], outs[i][1]) for i in range(layers)]
+    for i in range(layers):
+        q_h[i].copy_(q)
+    # the kernel alone, on this thread
+    for c in calls[:3]:
+        c.run()
+    t = time.perf_counter()
+    for _ in range(reps):
+        for c in calls:
+            c.run()
+    res = {"kernel_ms": (time.perf_counter() - t) / (reps * layers) * 1e3}
+    for c in calls:
+        assert c.state == "done", c.error
+    lane, hs = torch.cuda.Stream(), torch.cuda.Stream()
+    events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in range(layers)]
+    q_d = q.cuda()
+    for _ in range(2):
+        chain(calls, q_d, q_h, outs, lane, hs, events)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        chain(calls, q_d, q_h, outs, lane, hs, events)
+        torch.cuda.synchronize()
+    res["stream_ms"] = (time.perf_counter() - t) / (reps * layers) * 1e3
+    assert all(c.state == "done" for c in calls), [c.error for c in calls]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(lane):
+        lane.synchronize()
+        graph.capture_begin(capture_error_mode="thread_local")
+        chain(calls, q_d, q_h, outs, lane, hs, events, capture_borrowed=True)
+        graph.capture_end()
+    for rep in range(reps + 2):
+        if rep == 2:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+        for c in calls:
+            c.rearm()
+        with torch.cuda.stream(lane):
+            graph.replay()
+        lane.synchronize()
+    res["graph_ms"] = (time.perf_counter() - t) / (reps * layers) * 1e3
+    assert all(c.state == "done" for c in calls), [c.error for c in calls]
+    res["stream_overhead_ms"] = res["stream_ms"] - res["kernel_ms"]
+    res["graph_overhead_ms"] = res["graph_ms"] - res["kernel_ms"]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--length", type=int, default=100_000)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--budget", type=float, default=0.04)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=10)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    H, G, D = 8, 4, 128
+    torch.manual_seed(0)
+    ckvs = [cluster_kv(torch.randn(H, a.length, D, device="cuda", dtype=torch.bfloat16),
+                       torch.randn(H, a.length, D, device="cuda", dtype=torch.bfloat16), seed=b, cluster_size=8)
+            for b in range(a.batch)]
+    q = torch.randn(a.batch, H * G, D, dtype=torch.bfloat16)
+    sel = select_clusters(q.cuda(), ckvs, a.budget, D ** -0.5)
+    empty = Selection([i[:, :1].clone() for i in sel.ids], [torch.zeros_like(c) for c in sel.counts])
+    res = {"shape": dict(B=a.batch, L=a.length, H=H, G=G, D=D, budget=a.budget, layers=a.layers),
+           "selected_tokens": [int(x.sum()) for x in sel.tokens(ckvs)], "threads": torch.get_num_threads(),
+           "env": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+                   if k in os.environ},
+           "real": measure(ckvs, sel, q, a.layers, a.reps), "empty": measure(ckvs, empty, q, a.layers, a.reps)}
+    tag = os.environ.get("OMP_WAIT_POLICY", "default")
+    with open(os.path.join(a.out, f"host_call_{tag}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
