@@ -61,7 +61,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("rearm", &nelssa::rearm_host_call, "before a graph replay: state 'launched', error cleared")
       .def_property_readonly("state", [](const nelssa::HostCall& c) { return std::string(nelssa::host_call_state(c)); })
       .def_property_readonly("error", [](const nelssa::HostCall& c) { return c.error; })
+      .def_property_readonly("value_error", [](const nelssa::HostCall& c) { return c.value_error; },
+                             "whether the failure was the kernel's ValueError (bad input, e.g. NaN queries)")
       .def_property_readonly("seconds", [](const nelssa::HostCall& c) { return c.seconds; });
+  py::class_<nelssa::DeviceGroup, std::shared_ptr<nelssa::DeviceGroup>>(
+      m, "DeviceGroup", "nelssa-node's emulated devices: one native worker per device, pinned to its cores; "
+                        "see csrc/device_group.cpp for the contract")
+      .def(py::init<const std::vector<std::vector<int64_t>>&, int64_t>(), py::arg("cores"), py::arg("spin_us") = 0)
+      .def("run", &nelssa::DeviceGroup::run, release(), py::arg("calls"),
+           "calls[i] (a prepared HostCall or None) on device i; returns when all returned")
+      .def("close", &nelssa::DeviceGroup::close, release())
+      .def("__len__", &nelssa::DeviceGroup::size);
   m.def("wait_event", &nelssa::wait_event, release(), py::arg("event"), py::arg("timeout_s"),
         "wait, without the GIL, until the CUDA event (torch.cuda.Event.cuda_event) completed -> True, or "
         "timeout_s passed -> False");

@@ -125,6 +125,7 @@ struct HostCall {
   std::string fault;                    // non-empty: fails with this message (fault injection)
   std::atomic<int> state{0};            // prepared, launched, done, failed, skipped
   std::string error;                    // a failed call's message
+  bool value_error = false;             // ... raised as a ValueError (bad input) by the kernel
   double seconds = 0;                   // time in the kernel
   void run() noexcept;
 };
@@ -134,5 +135,19 @@ void launch_host_call_borrowed(const std::shared_ptr<HostCall>& call, int64_t st
 void rearm_host_call(HostCall& call);
 bool wait_event(int64_t event, double timeout_s);  // a CUDA event completed within timeout_s (no GIL)
 const char* host_call_state(const HostCall& call);
+
+// ---- nelssa-node's emulated devices: native workers running prepared calls (device_group.cpp) ----
+class DeviceGroup {
+ public:
+  DeviceGroup(const std::vector<std::vector<int64_t>>& cores, int64_t spin_us);
+  ~DeviceGroup();
+  void run(const std::vector<std::shared_ptr<HostCall>>& calls);  // calls[i] on device i; waits for all
+  void close();
+  int64_t size() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl;
+};
 
 }  // namespace nelssa

@@ -50,6 +50,8 @@ void HostCall::run() noexcept {
     if (!fault.empty()) throw std::runtime_error(fault);
     sparse_attention_into(q, parts, cpart, cstart, csize, sel, nsel, scale, work_tokens, false, prefetch_rows,
                           prefetch_hint, out, lse);
+  } catch (const c10::ValueError& e) {  // bad input (e.g. NaN queries): the caller's to report as such
+    error = e.what_without_backtrace(), st = FAILED, value_error = true;
   } catch (const c10::Error& e) {
     error = e.what_without_backtrace(), st = FAILED;
   } catch (const std::exception& e) {
@@ -76,13 +78,23 @@ extern "C" void nelssa_host_call_trampoline(void* p) {
   delete call;  // the caller still holds the call (4): this never frees its tensors here
 }
 
+// A CUDA driver entry point, looked up once per name (the extension links no CUDA library: CPU builds
+// of torch load it too); nullptr without a driver.
+void* driver_lib() {
+  static void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  return lib;
+}
+
+template <typename F>
+F driver_symbol(const char* name) {
+  void* lib = driver_lib();
+  return lib ? reinterpret_cast<F>(dlsym(lib, name)) : nullptr;
+}
+
 using LaunchHostFunc = int (*)(void* stream, void (*fn)(void*), void* user_data);
 
 LaunchHostFunc driver_launch() {
-  static LaunchHostFunc fn = [] {
-    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    return h ? reinterpret_cast<LaunchHostFunc>(dlsym(h, "cuLaunchHostFunc")) : nullptr;
-  }();
+  static LaunchHostFunc fn = driver_symbol<LaunchHostFunc>("cuLaunchHostFunc");
   return fn;
 }
 
@@ -115,16 +127,14 @@ void launch_host_call_borrowed(const std::shared_ptr<HostCall>& call, int64_t st
 
 void rearm_host_call(HostCall& call) {
   call.error.clear();
+  call.value_error = false;
   call.seconds = 0;
   call.state.store(LAUNCHED, std::memory_order_release);
 }
 
 bool wait_event(int64_t event, double timeout_s) {
   using Query = int (*)(void* event);
-  static Query query = [] {
-    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    return h ? reinterpret_cast<Query>(dlsym(h, "cuEventQuery")) : nullptr;
-  }();
+  static Query query = driver_symbol<Query>("cuEventQuery");
   TORCH_CHECK(query != nullptr, "cuEventQuery is not available: no CUDA driver (libcuda.so.1) in this process");
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0;; ++i) {

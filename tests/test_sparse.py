@@ -171,6 +171,43 @@ def test_prepared_host_call(use_cpp):
             C.wait_event(0, 1.0)
 
 
+def test_device_group_runs_calls_on_native_workers(use_cpp):
+    """nelssa-node's devices (csrc/device_group.cpp): each call runs on its device's worker, run returns
+    once all did, results equal attend bit for bit; None skips a device; a failing call is its state
+    (value_error tells bad input from other failures), never an exception of run; misuse raises."""
+    import nelssa._C as C
+    from nelssa.sparse import attend, prepare_attend
+    use_cpp(True)
+    ckvs = [cluster_kv(*rand_kv(2, n, 64, torch.float32, seed=n)) for n in (700, 1300)]
+    q = torch.randn(2, 8, 64)
+    sel = select_clusters(q, ckvs, 0.2)
+    ref, rlse = attend(q, ckvs, sel)
+    for spin in (0, 200):
+        g = C.DeviceGroup([[], [0]], spin)
+        assert len(g) == 2
+        bufs = [(torch.empty(2, 8, 64), torch.empty(2, 8)) for _ in range(2)]
+        calls = [prepare_attend(q, ckvs, sel, 64 ** -0.5, *b) for b in bufs]
+        g.run(calls)
+        for c, (out, lse) in zip(calls, bufs):
+            assert c.state == "done" and torch.equal(out, ref) and torch.equal(lse, rlse)
+        with pytest.raises(RuntimeError, match="runs once"):
+            g.run(calls[:1])
+        nan_q = q.clone()
+        nan_q[0, 0, 0] = float("nan")
+        out, lse = torch.empty(2, 8, 64), torch.empty(2, 8)
+        bad = prepare_attend(nan_q, ckvs, sel, 64 ** -0.5, out, lse)
+        fault = prepare_attend(q, ckvs, sel, 64 ** -0.5, torch.empty(2, 8, 64), torch.empty(2, 8), fault="boom")
+        g.run([None, bad])
+        assert bad.state == "failed" and bad.value_error and "NaN" in bad.error and out.isnan().all()
+        g.run([fault])
+        assert fault.state == "failed" and not fault.value_error and "boom" in fault.error
+        with pytest.raises(RuntimeError, match="3 calls for 2 devices"):
+            g.run([None, None, None])
+        g.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            g.run([])
+
+
 def test_cpp_splits_large_clusters_into_work_items(use_cpp):
     """Clusters far larger than a work item (512 tokens vs 16-row items) are cut and recombined by
     LSE: still exact at budget 100%."""

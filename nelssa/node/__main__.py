@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lease-min-s", type=float, default=0.5)
     p.add_argument("--lease-max-s", type=float, default=600.0)
     p.add_argument("--max-message-bytes", default="8MiB", help="largest message / shared-memory slot")
-    p.add_argument("--poll-spin-us", type=int, default=2000)
+    p.add_argument("--poll-spin-us", type=int, default=2000,
+                   help="the shared-memory responder and the device workers busy-poll this long after a job "
+                        "before they sleep (0: always sleep)")
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (-1: off, 0: any)")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)

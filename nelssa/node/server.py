@@ -1,8 +1,9 @@
 """nelssa-node: clustered KV of many clients' long requests on N emulated PNM devices, sparse attention
 over it per decode job (the paper's NelssaHost: KV partitioner, job dispatcher, output aggregator).
 
-* Devices: a device is a worker thread pinned to its own cores (when given) whose kernel calls run
-  an OpenMP team of ``threads_per_device`` threads, inheriting the pinning, plus a byte capacity.
+* Devices: a device is a native worker thread (csrc/device_group.cpp) pinned to its own cores (when
+  given) whose kernel calls run an OpenMP team of ``threads_per_device`` threads, inheriting the
+  pinning, plus a byte capacity. A job's shares are handed to the workers and awaited in C++.
 * Partitioning (paper 5.3): ``head`` - a device holds every cluster of its share of KV heads; a job
   goes to all devices at once and the aggregator concatenates the heads. ``cluster`` - a device holds
   whole clusters (global cluster id mod devices) of every head; every device attends the job's
@@ -19,12 +20,10 @@ over it per decode job (the paper's NelssaHost: KV partitioner, job dispatcher, 
 
 from __future__ import annotations
 
-import _thread
 import hmac
 import ipaddress
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
@@ -35,12 +34,13 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
+from nelssa._ext import ext
 from nelssa.config import get_config, set_config
 from nelssa.node.proto import nelssa_node_pb2 as pb
 from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
 from nelssa.node.wire import (DTYPES, TOKEN_HEADER, W_REQ_SEQ, Limits, ShmChannel, WireError, decode_job,
                               dtype_of, tensor_bytes)
-from nelssa.sparse import KVPart, Selection, attend, host_empty, merge_states
+from nelssa.sparse import KVPart, Selection, attend, host_empty, merge_states, prepare_attend
 
 log = logging.getLogger("nelssa.node")
 
@@ -65,7 +65,7 @@ class NodeSettings:
     lease_min_s: float = 0.5
     lease_max_s: float = 600.0
     limits: Limits = field(default_factory=Limits)
-    poll_spin_us: int = 2000                         # shared-memory responder: busy-poll this long after a job
+    poll_spin_us: int = 2000                         # shm responder and device workers: busy-poll this long after a job
     poll_sleep_us: int = 200                         # then sleep between polls
     shm_dir: str = "/dev/shm"
     grpc_workers: int = 16
@@ -180,58 +180,68 @@ class Client:
 
 
 class Device:
-    """An emulated PNM device: one worker thread (pinned to its cores; the OpenMP team its kernel calls
-    start inherits the mask) taking calls from a queue, and a byte capacity. A call is handed over
-    with a queue put and returned through a plain lock (a ThreadPoolExecutor's futures cost ~2x more
-    per call)."""
+    """An emulated PNM device: its cores and byte capacity. Its worker is a native thread of the node's
+    ``DeviceGroup`` (csrc/device_group.cpp), pinned to the cores; the OpenMP team a kernel call starts
+    from it inherits the mask."""
 
     def __init__(self, index: int, cores: tuple[int, ...], capacity: int):
         self.index, self.cores, self.capacity = index, cores, capacity
         self.used = 0  # held + reserved (guarded by the node's accounting lock)
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=f"nelssa-dev{index}", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        if self.cores:
-            os.sched_setaffinity(0, self.cores)
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fn, args, box, done = item
-            t = time.perf_counter()
-            try:
-                box.append((True, fn(*args), time.perf_counter() - t))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                box.append((False, e, 0.0))
-            done.release()
-
-    def submit(self, fn, *args) -> tuple[list, "_thread.LockType"]:
-        done = _thread.allocate_lock()
-        done.acquire()
-        box: list = []
-        self._q.put((fn, args, box, done))
-        return box, done
-
-    @staticmethod
-    def result(call: tuple[list, "_thread.LockType"], timing: list | None = None):
-        """The call's return value (its exception re-raised); its seconds appended to ``timing``."""
-        box, done = call
-        done.acquire()
-        ok, v, dt = box[0]
-        if timing is not None:
-            timing.append(dt)
-        if not ok:
-            raise v
-        return v
-
-    def close(self) -> None:
-        self._q.put(None)
 
     def info(self) -> pb.DeviceInfo:
         return pb.DeviceInfo(index=self.index, cores=list(self.cores), capacity_bytes=self.capacity,
                              used_bytes=self.used)
+
+
+class Devices:
+    """The devices' workers: ``run(work)`` computes ``attend`` for each device's share of a job in
+    parallel on the native workers (one hand-over in C++, the caller waits without the GIL) and returns
+    each share's (out, lse) and kernel seconds. Without the C++ extension (a build without it: the
+    kernels' torch reference path) the shares run one after another on the caller's thread."""
+
+    def __init__(self, devices: list[Device], spin_us: int):
+        mod = ext()
+        # hand-offs spin spin_us before they sleep (csrc/device_group.cpp, 5)
+        self._group = mod.DeviceGroup([list(d.cores) for d in devices], spin_us) if mod is not None else None
+
+    def run(self, work: list) -> list:
+        """work[i]: (q [B, Hq_i, D], shards, Selection) for device i, or None -> [(out, lse, seconds) or None].
+        A kernel's ValueError (bad input: NaN/Inf queries or results) is raised as ValueError, any other
+        failure as RuntimeError."""
+        if self._group is None:
+            res = []
+            for w in work:
+                if w is None:
+                    res.append(None)
+                    continue
+                t = time.perf_counter()
+                out, lse = attend(*w[:3], scale=w[3])
+                res.append((out, lse, time.perf_counter() - t))
+            return res
+        calls, bufs = [], []
+        for w in work:
+            if w is None:
+                calls.append(None), bufs.append(None)
+                continue
+            q, shards, sel, scale = w
+            B, Hq, D = q.shape
+            out, lse = torch.empty(B, Hq, D), torch.empty(B, Hq)
+            calls.append(prepare_attend(q, shards, sel, scale, out, lse))
+            bufs.append((out, lse))
+        self._group.run(calls)
+        res = []
+        for c, b in zip(calls, bufs):
+            if c is None:
+                res.append(None)
+                continue
+            if c.state != "done":
+                raise (ValueError if c.value_error else RuntimeError)(c.error)
+            res.append((*b, c.seconds))
+        return res
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
 
 
 # ---------------------------------------------------------------- metrics
@@ -274,6 +284,7 @@ class NodeState:
         self.s = s
         cores = s.device_cores or ((),) * s.devices
         self.devices = [Device(i, tuple(cores[i]), s.device_memory) for i in range(s.devices)]
+        self.workers = Devices(self.devices, s.poll_spin_us)
         self.clients: dict[str, Client] = {}
         self.lock = threading.Lock()   # clients map and byte accounting
         self.t0 = time.monotonic()
@@ -524,31 +535,38 @@ class NodeState:
         shards = [r.shards[layer] for r in reqs]
         if any(not s for s in shards):
             raise NodeError(grpc.StatusCode.NOT_FOUND, "a request of the job was freed")
-        if len(self.devices) == 1:
-            d0 = self.devices[0]
-            return d0.result(d0.submit(attend, q, [s[0] for s in shards], Selection(dj.ids, dj.counts), scale), timing)
-        if self.s.partition == "head":
-            out = torch.empty(B, Hq, D)
-            lse = torch.empty(B, Hq)
-            jobs = []
-            for d, dev in enumerate(self.devices):
+        n = len(self.devices)
+        if n == 1 or self.s.partition == "head":  # each device its heads; outputs concatenated
+            work, ranges = [], []
+            for d in range(n):
                 h0, h1 = reqs[0].head_ranges[d]
+                ranges.append((h0, h1))
                 if h1 == h0:
+                    work.append(None)
                     continue
-                qd = q[:, h0 * G:h1 * G].contiguous()
+                if n == 1:
+                    work.append((q, [s[0] for s in shards], Selection(dj.ids, dj.counts), scale))
+                    continue
                 sel = Selection([i[h0:h1].contiguous() for i in dj.ids], [c[h0:h1].contiguous() for c in dj.counts])
-                jobs.append((h0, h1, dev.submit(attend, qd, [s[d] for s in shards], sel, scale)))
-            for h0, h1, f in jobs:
-                o, l_ = Device.result(f, timing)
-                out[:, h0 * G:h1 * G] = o
-                lse[:, h0 * G:h1 * G] = l_
+                work.append((q[:, h0 * G:h1 * G].contiguous(), [s[d] for s in shards], sel, scale))
+            res = self.workers.run(work)
+            timing += [r[2] for r in res if r is not None]
+            if n == 1:
+                return res[0][0], res[0][1]
+            out, lse = torch.empty(B, Hq, D), torch.empty(B, Hq)
+            for (h0, h1), r in zip(ranges, res):
+                if r is not None:
+                    out[:, h0 * G:h1 * G] = r[0]
+                    lse[:, h0 * G:h1 * G] = r[1]
             return out, lse
+        # cluster-wise: every device attends the selection over its own clusters; merged by LSE
         sel = Selection(dj.ids, dj.counts)
         q = q.contiguous()
-        calls = [dev.submit(attend, q, [s[d] for s in shards], sel, scale) for d, dev in enumerate(self.devices)]
-        out, lse = Device.result(calls[0], timing)
-        for f in calls[1:]:
-            out, lse = merge_states(out, lse, *Device.result(f, timing))
+        res = self.workers.run([(q, [s[d] for s in shards], sel, scale) for d in range(n)])
+        timing += [r[2] for r in res]
+        out, lse = res[0][0], res[0][1]
+        for r in res[1:]:
+            out, lse = merge_states(out, lse, r[0], r[1])
         return out, lse
 
     # -------- shared memory
@@ -611,8 +629,7 @@ class NodeState:
         self._stop.set()
         for cid in list(self.clients):
             self.drop_client(cid)
-        for d in self.devices:
-            d.close()
+        self.workers.close()
 
 
 class _ByteReader:
