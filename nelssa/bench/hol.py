@@ -224,7 +224,8 @@ def analyse(run: dict) -> dict:
     out: dict[str, Any] = {"phases_s": {k: [a, b] for k, (a, b) in phases.items()}}
     for name, (lo, hi) in phases.items():
         ttft = [1e3 * (r["stamps"][0] - r["start"]) for r in shorts if lo <= r["start"] < hi]
-        itl = [1e3 * (b - a) for r in shorts for a, b in zip(r["stamps"], r["stamps"][1:]) if lo <= b < hi]
+        itl_at = [(b, 1e3 * (b - a)) for r in shorts for a, b in zip(r["stamps"], r["stamps"][1:]) if lo <= b < hi]
+        itl = [x for _, x in itl_at]
         tpot = [1e3 * (r["stamps"][-1] - r["stamps"][0]) / (len(r["stamps"]) - 1) for r in shorts
                 if len(r["stamps"]) > 1 and lo <= r["stamps"][0] and r["stamps"][-1] < hi]
         inside = [t for t in all_stamps if lo <= t < hi]
@@ -234,7 +235,12 @@ def analyse(run: dict) -> dict:
                      "short_itl_p50_ms": _pct(itl, 50), "short_itl_p99_ms": _pct(itl, 99),
                      "short_tpot_p50_ms": _pct(tpot, 50), "short_tpot_p99_ms": _pct(tpot, 99),
                      "max_gap_without_short_token_s": max(gaps) if gaps and hi != float("inf") else None,
-                     "n_short_arrivals": len(ttft), "n_short_tokens": len(inside)}
+                     "n_short_arrivals": len(ttft), "n_short_tokens": len(inside),
+                     # where the worst waits are: (seconds into the phase, ms), the 8 longest ITLs and TTFTs
+                     "short_itl_worst": [[round(t - lo, 3), round(x, 1)] for t, x in sorted(itl_at, key=lambda p: -p[1])[:8]],
+                     "short_ttft_worst": [[round(r["start"] - lo, 3), round(1e3 * (r["stamps"][0] - r["start"]), 1)]
+                                          for r in sorted((r for r in shorts if lo <= r["start"] < hi),
+                                                          key=lambda r: r["start"] - r["stamps"][0])[:8]]}
     out["long"] = [{"id": r["id"], "ttft_s": (r["stamps"][0] - r["start"]) if r["stamps"] else None,
                     "tpot_ms": 1e3 * (r["stamps"][-1] - r["stamps"][0]) / max(1, len(r["stamps"]) - 1)
                     if len(r["stamps"]) > 1 else None, "tokens": len(r["stamps"]), "finish": r["finish_reason"]}
