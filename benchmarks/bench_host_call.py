@@ -9,7 +9,7 @@ At the head-of-line scenario's shape (two 100K-token requests, 8 KV heads of 128
   *_empty     the same with empty selections (no rows read): the pure cost of a call.
 
 ``overhead`` = per-layer chain time - kernel time. Run it twice to compare the OpenMP pool's waiting
-policy (e.g. ``OMP_WAIT_POLICY=active``): the environment is recorded with the results.
+policy (e.g. ``OMP_WAIT_POLICY=active``) or the pool's size (``NELSSA_POOL_THREADS``): both are recorded.
 
     python3 benchmarks/bench_host_call.py --out DIR [--length 100000] [--batch 2] [--layers 32]
 """
@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from nelssa.config import get_config
 from nelssa.sparse import cluster_kv, prepare_attend, select_clusters
 from nelssa.sparse.search import Selection
 
@@ -124,11 +125,11 @@ def main() -> None:
     sel = select_clusters(q.cuda(), ckvs, a.budget, D ** -0.5)
     empty = Selection([i[:, :1].clone() for i in sel.ids], [torch.zeros_like(c) for c in sel.counts])
     res = {"shape": dict(B=a.batch, L=a.length, H=H, G=G, D=D, budget=a.budget, layers=a.layers),
-           "selected_tokens": [int(x.sum()) for x in sel.tokens(ckvs)], "threads": torch.get_num_threads(),
+           "selected_tokens": [int(x.sum()) for x in sel.tokens(ckvs)], "pool_threads": get_config().pool_threads,
            "env": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
                    if k in os.environ},
            "real": measure(ckvs, sel, q, a.layers, a.reps), "empty": measure(ckvs, empty, q, a.layers, a.reps)}
-    tag = os.environ.get("OMP_WAIT_POLICY", "default")
+    tag = f"{os.environ.get('OMP_WAIT_POLICY', 'default')}_t{get_config().pool_threads}"
     with open(os.path.join(a.out, f"host_call_{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))
