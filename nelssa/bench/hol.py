@@ -100,14 +100,15 @@ def _prompt_ids(sc: Scenario, tok, r: dict, k: int) -> list[int]:
 
 
 def _scrape() -> dict[str, float]:
-    """vLLM and NELSSA metrics of this (front-end) process, summed over label sets except "part"
-    (kept as name{part})."""
+    """vLLM and NELSSA metrics of this (front-end) process, summed over label sets except "part" and
+    "path" (kept as name{part})."""
     from prometheus_client import REGISTRY
     out: dict[str, float] = {}
     for fam in REGISTRY.collect():
         if fam.name.startswith(("vllm:", "nelssa:")):
             for s in fam.samples:
-                name = f"{s.name}{{{s.labels['part']}}}" if "part" in s.labels else s.name
+                lab = s.labels.get("part") or s.labels.get("path")
+                name = f"{s.name}{{{lab}}}" if lab else s.name
                 out[name] = out.get(name, 0.0) + float(s.value)
     return out
 

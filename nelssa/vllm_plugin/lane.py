@@ -117,6 +117,7 @@ class Lane:
         self._reported: dict[str, int] = {}
         self._awaiting: set[str] = set()  # reported, their next job not yet queued
         self._gather_s = cfg.lane_gather_ms / 1e3
+        self._blas_warm = False
         self._thread = threading.Thread(target=self._loop, name="nelssa-lane", daemon=True)
         self._thread.start()
 
@@ -218,9 +219,26 @@ class Lane:
                 self._cv.notify_all()
             self.host.stats.add(lane_batch_s=dt, lane_rows=len(jobs))
 
+    def _warm_blas(self) -> None:
+        """CUDA, once, on the lane thread and stream before its first batch: cuBLAS and cuBLASLt handles
+        are per thread and their workspaces per stream, made lazily by the first matmul. Made inside a
+        capture (lane_batch.py) that fails with CUBLAS_STATUS_NOT_INITIALIZED (H200, run 15: every batch
+        capture failed once the centroid search stopped running torch matmuls on this thread)."""
+        dt = self.model.model.norm.weight.dtype
+        for dtype in {dt, torch.float32}:
+            x = torch.ones(2, 16, dtype=dtype, device=self.device)
+            w = torch.ones(8, 16, dtype=dtype, device=self.device)
+            torch.nn.functional.linear(x, w)
+            torch.nn.functional.linear(x, w, torch.ones(8, dtype=dtype, device=self.device))
+            torch.bmm(x.unsqueeze(0), w.t().unsqueeze(0))
+        self.stream.synchronize()
+        self._blas_warm = True
+
     def _run(self, jobs: list[Job]) -> tuple[torch.Tensor | None, dict[str, str]]:
         n, dev = len(jobs), self.device
         with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()):
+            if self.cuda and not self._blas_warm:
+                self._warm_blas()
             if self.cuda:
                 for j in jobs:
                     if j.event is not None:
