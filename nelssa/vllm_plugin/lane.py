@@ -129,9 +129,35 @@ class Lane:
         t = time.perf_counter()
         with torch.inference_mode(), torch.cuda.stream(self.stream):
             self.dense.warm(WARM_SIZES, self.device)
+            self._warm_kernels()
         self.stream.synchronize()
-        log.info("NELSSA lane: dense graphs for %s rows captured in %.2f s", list(WARM_SIZES),
-                 time.perf_counter() - t)
+        log.info("NELSSA lane: dense graphs for %s rows captured and the split attention's Triton kernels "
+                 "compiled in %.2f s", list(WARM_SIZES), time.perf_counter() - t)
+
+    def _warm_kernels(self) -> None:
+        """Compile the Triton kernels of the split attention now (the centroid search of select_kernel.py
+        and the merge), on dummy inputs of the model's shapes and dtypes: compiled on the lane thread at
+        its first batch, they held the GIL ~350 ms (H200, run 16: every short request's token waited). A
+        failure here is only logged: the first batch then compiles them."""
+        from nelssa.sparse import cluster_kv, select_clusters
+        from nelssa.vllm_plugin.merge_kernel import merge_into
+        impl = self.layers[0].impl
+        hq, h, d, dev = impl.num_heads, impl.num_kv_heads, impl.head_size, self.device
+        try:
+            kv = torch.randn(h, 256, d, device=dev).to(self.dtype)
+            ckv = cluster_kv(kv, kv, seed=0, cluster_size=8)
+            q = torch.randn(2, hq, d, device=dev).to(self.dtype)
+            sel = select_clusters(q, [ckv, ckv], 0.25, impl.scale, estimate=self.cfg.estimate, device_out=True)
+            out = torch.empty(2, hq, d, dtype=self.dtype, device=dev)
+            win = (torch.zeros(2, hq, d, dtype=self.dtype, device=dev), torch.zeros(hq, 2, device=dev).t())
+            host = (torch.zeros(2, hq, d, device=dev), torch.zeros(2, hq, device=dev))
+            tok = torch.arange(2, device=dev)
+            est = [sel.estimate] if sel.estimate is not None else []
+            merge_into(out, tok, [win, *est, host])          # the usual window: one FlashAttention call
+            merge_into(out, tok, [win, win, *est, host])     # sink and recent apart
+        except Exception as e:  # noqa: BLE001 - a warm-up only
+            log.warning("NELSSA lane: compiling the split attention's kernels at start-up failed (%s: %s); the "
+                        "first lane batch compiles them", type(e).__name__, e)
 
     # ------------------------------------------------------------ step thread
     def submit(self, jobs: list[Job]) -> None:

@@ -28,7 +28,14 @@ def _part(o, o_s0, o_s1, lp, l_s0, l_s1, r, h, d, m, M, acc, tot):
     return acc + tl.where(w > 0, w * x, 0.0), tot + w
 
 
-@triton.jit
+# strides vary with the batch (FlashAttention's LSE passes as a [Hq, n] transpose: its row stride is n);
+# specialised on them, the kernel recompiled whenever a lane batch's size changed, on the lane thread and
+# under the GIL: the step thread stalled ~350 ms (H200, run 16, right after each long request's first
+# token). Strides are plain arguments, so one compilation per part count and dtypes serves every batch.
+_STRIDES = [f"{p}_s{i}" for p in ("dst", "o0", "l0", "o1", "l1", "o2", "l2", "o3", "l3") for i in (0, 1)]
+
+
+@triton.jit(do_not_specialize=_STRIDES)
 def _merge_kernel(dst, dst_s0, dst_s1, tok,
                   o0, o0_s0, o0_s1, l0, l0_s0, l0_s1,
                   o1, o1_s0, o1_s1, l1, l1_s0, l1_s1,
