@@ -323,10 +323,13 @@ class Lane:
             finally:
                 if self.cuda:  # also on failure: nothing of the batch may still run (lane_host.py, 4)
                     t = time.perf_counter()
-                    if batch is not None:  # bounded by the host tier's deadline (lane_host.HostStreamBatch.wait)
-                        batch.wait(self.cfg.host_timeout_s)
-                    self.stream.synchronize()
-                    self.host_stream.synchronize()
+                    # bounded by the host tier's deadline (lane_host.HostStreamBatch.wait); when it returns
+                    # True both streams are done (its event follows the host stream's work on the lane
+                    # stream), and each further synchronize would release the GIL and wait to get it back
+                    # behind the step thread
+                    if batch is None or not batch.wait(self.cfg.host_timeout_s):
+                        self.stream.synchronize()
+                        self.host_stream.synchronize()
                     if batch is not None:  # the batch's one wait for the device and the host tier
                         plan.lap("wait", t)
                 with self._cv:
