@@ -23,8 +23,9 @@ import time
 
 import torch
 
+from nelssa.bench.common import HOL_HEADS, add_hol_shape_args, hol_shape_kv
 from nelssa.config import get_config
-from nelssa.sparse import cluster_kv, prepare_attend, select_clusters
+from nelssa.sparse import prepare_attend, select_clusters
 from nelssa.sparse.search import Selection
 
 
@@ -109,18 +110,13 @@ def measure(ckvs, sel, q, layers: int, reps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--length", type=int, default=100_000)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--budget", type=float, default=0.04)
+    add_hol_shape_args(ap)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--reps", type=int, default=10)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    H, G, D = 8, 4, 128
-    torch.manual_seed(0)
-    ckvs = [cluster_kv(torch.randn(H, a.length, D, device="cuda", dtype=torch.bfloat16),
-                       torch.randn(H, a.length, D, device="cuda", dtype=torch.bfloat16), seed=b, cluster_size=8)
-            for b in range(a.batch)]
+    H, G, D = HOL_HEADS
+    ckvs = hol_shape_kv(a.length, a.batch)
     q = torch.randn(a.batch, H * G, D, dtype=torch.bfloat16)
     sel = select_clusters(q.cuda(), ckvs, a.budget, D ** -0.5)
     empty = Selection([i[:, :1].clone() for i in sel.ids], [torch.zeros_like(c) for c in sel.counts])

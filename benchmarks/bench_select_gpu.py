@@ -19,8 +19,9 @@ import time
 
 import torch
 
+from nelssa.bench.common import HOL_HEADS, add_hol_shape_args, hol_shape_kv
 from nelssa.config import get_config, set_config
-from nelssa.sparse import attend, cluster_kv, select_clusters
+from nelssa.sparse import attend, select_clusters
 from nelssa.sparse.search import budget_targets
 
 
@@ -40,18 +41,13 @@ def gpu_ms(fn, n: int = 50) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--length", type=int, default=100_000)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--budget", type=float, default=0.04)
+    add_hol_shape_args(ap)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     from nelssa.vllm_plugin.select_graph import SelectGraphs
-    H, G, D = 8, 4, 128
-    torch.manual_seed(0)
+    H, G, D = HOL_HEADS
     t = time.time()
-    ckvs = [cluster_kv(torch.randn(H, a.length, D, device="cuda", dtype=torch.bfloat16),
-                       torch.randn(H, a.length, D, device="cuda", dtype=torch.bfloat16), seed=b, cluster_size=8)
-            for b in range(a.batch)]
+    ckvs = hol_shape_kv(a.length, a.batch)
     res = {"shape": dict(B=a.batch, L=a.length, H=H, G=G, D=D, clusters=ckvs[0].num_clusters, budget=a.budget),
            "cluster_s": time.time() - t, "device": torch.cuda.get_device_name(0)}
     q = torch.randn(a.batch + 3, H * G, D, device="cuda", dtype=torch.bfloat16)

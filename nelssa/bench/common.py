@@ -59,3 +59,26 @@ class Progress:
         bar = "#" * int(24 * min(1.0, self.done / self.total))
         print(f"[{self.label}] [{bar:<24}] {self.done}/{self.total} {el:5.0f}s elapsed, ~{eta:.0f}s left {extra}",
               file=self.stream, flush=True)
+
+
+# The head-of-line scenario's long requests at one layer (Llama-3.1-8B heads: 8 KV heads of 128, GQA
+# group 4; 8 tokens per cluster), for the CUDA micro-benchmarks of its parts (benchmarks/bench_*_gpu.py).
+HOL_HEADS = (8, 4, 128)  # KV heads, query heads per KV head, head dim
+
+
+def add_hol_shape_args(ap, length: int = 100_000, batch: int = 2, budget: float = 0.04) -> None:
+    ap.add_argument("--length", type=int, default=length, help="tokens per long request")
+    ap.add_argument("--batch", type=int, default=batch, help="long requests")
+    ap.add_argument("--budget", type=float, default=budget)
+
+
+def hol_shape_kv(length: int, batch: int) -> list:
+    """``batch`` requests of ``length`` random bf16 tokens, clustered on CUDA (seeded)."""
+    import torch
+
+    from nelssa.sparse import cluster_kv
+    H, _, D = HOL_HEADS
+    torch.manual_seed(0)
+    return [cluster_kv(torch.randn(H, length, D, device="cuda", dtype=torch.bfloat16),
+                       torch.randn(H, length, D, device="cuda", dtype=torch.bfloat16), seed=b, cluster_size=8)
+            for b in range(batch)]
