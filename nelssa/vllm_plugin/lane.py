@@ -250,8 +250,7 @@ class Lane:
         are per thread and their workspaces per stream, made lazily by the first matmul. Made inside a
         capture (lane_batch.py) that fails with CUBLAS_STATUS_NOT_INITIALIZED (H200, run 15: every batch
         capture failed once the centroid search stopped running torch matmuls on this thread)."""
-        dt = self.model.model.norm.weight.dtype
-        for dtype in {dt, torch.float32}:
+        for dtype in {self.dtype, torch.float32}:
             x = torch.ones(2, 16, dtype=dtype, device=self.device)
             w = torch.ones(8, 16, dtype=dtype, device=self.device)
             torch.nn.functional.linear(x, w)
