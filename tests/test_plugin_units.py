@@ -1,6 +1,7 @@
 """Plugin pieces without an engine: placement policy, KV spec merge, the CPU paged-cache reader
 against vLLM's own cache-write op, config validation, the centroid estimate."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -218,6 +219,32 @@ def test_layers_clustered_together_equal_layer_by_layer():
     assert torch.equal(small[2][0], segmented_kmeans(ks[2], seed=7, cluster_size=8, segment=300, iters=4)[0])
 
 
+def test_lane_inputs_built_on_the_host():
+    """lane_inputs.py: a batch's positions, KV slots (from each job's host block-table row, zero-padded
+    to the widest), sequence lengths and budget targets, and its staging: named fields of one buffer per
+    dtype whose device views hold what was uploaded."""
+    from types import SimpleNamespace
+
+    from nelssa.sparse.search import budget_targets
+    from nelssa.vllm_plugin.lane_inputs import Staging, build, shapes, targets
+    jobs = [SimpleNamespace(pos=37, host_end=16, blocks=np.array([7, 9, 4], np.int32)),
+            SimpleNamespace(pos=5, host_end=0, blocks=np.array([11], np.int32))]
+    inp = build(jobs, 16)
+    assert inp.pos.tolist() == [37, 5] and inp.seq_lens == [38, 6] and inp.host_end == [16, 0]
+    assert inp.slots.tolist() == [4 * 16 + 5, 11 * 16 + 5] and inp.slots.dtype == np.int64
+    assert inp.bt.tolist() == [[7, 9, 4], [11, 0, 0]] and inp.bt.dtype == np.int32
+    g = torch.Generator().manual_seed(1)
+    ckvs = [cluster_kv(torch.randn(2, n, 16, generator=g), torch.randn(2, n, 16, generator=g)) for n in (300, 77)]
+    assert targets(ckvs, 0.1).tolist() == budget_targets(ckvs, 0.1).tolist() == [30, 8]
+    st = Staging(shapes(inp), torch.device("cpu"))
+    d = st.upload(pos=inp.pos, slots=inp.slots, tok=np.arange(2), bt=inp.bt)
+    assert d["pos"].tolist() == [37, 5] and d["slots"].tolist() == inp.slots.tolist()
+    assert d["tok"].dtype == torch.int64 and d["bt"].dtype == torch.int32 and d["bt"].tolist() == inp.bt.tolist()
+    assert d["pos"].is_contiguous() and d["bt"].is_contiguous()
+    d2 = st.upload(pos=np.array([1, 2]), slots=inp.slots, tok=np.arange(2), bt=inp.bt)
+    assert d2["pos"].tolist() == [1, 2] and d2["bt"].tolist() == inp.bt.tolist()
+
+
 def test_lane_batch_graph_keys_windows_and_forget():
     """lane_batch.py's bookkeeping (its capture and replay need CUDA: the H200 exactness check runs them):
     the key changes exactly when a request's clusters are replaced (a commit), the window table is the
@@ -229,6 +256,7 @@ def test_lane_batch_graph_keys_windows_and_forget():
     from nelssa.config import NelssaConfig
     from nelssa.vllm_plugin.attention import StepPlan
     from nelssa.vllm_plugin.lane_batch import BatchGraphs
+    from nelssa.vllm_plugin.lane_inputs import LaneInputs
     g = torch.Generator().manual_seed(0)
 
     def ckv(n):
@@ -243,19 +271,23 @@ def test_lane_batch_graph_keys_windows_and_forget():
     kv[("b", 1)] = ckv(400)  # a commit replaced b's clusters of layer 1
     assert bg._key(host, ("a", "b")) != k1 and old is not None
 
-    bt = torch.arange(60, dtype=torch.int32).reshape(2, 30)
-    plan = StepPlan(host, ["a", "b"], [0, 1], torch.arange(2), [64, 96], [64 + 70, 96 + 20])
-    win, lens = bg._window(plan, bt)
-    assert bg.cap == 21 and win.shape == (2, 1 + 21) and win.dtype == torch.int32
+    bt = np.arange(60, dtype=np.int32).reshape(2, 30)
+
+    def inp(table, host_end, seq_lens):
+        n = len(host_end)
+        return LaneInputs(n, np.zeros(n, np.int64), np.zeros(n, np.int64), host_end, seq_lens, table)
+
+    win, lens = inp(bt, [64, 96], [64 + 70, 96 + 20]).window(16, bg.cap, 16)
+    assert bg.cap == 21 and win.shape == (2, 1 + 21) and win.dtype == np.int32
     assert win[:, 0].tolist() == [0, 30]                     # the sink's block
-    assert win[:, 1].tolist() == [4, 36] and win[0, 5].item() == 8   # then the blocks from H on
-    assert win[1, -1].item() == 30 + 6 + 20
-    narrow, _ = bg._window(plan, bt[:, :12])
-    assert narrow[1, -1].item() == 30 + 11                   # past the table: its last block (not read)
-    assert lens.tolist() == [16 + 70, 16 + 20]
-    assert bg._window(StepPlan(host, ["a"], [0], torch.arange(1), [64], [64 + 21 * 16 + 1]), bt[:1]) is None
-    bg8 = BatchGraphs(None, [None], [None], NelssaConfig(sink=8, recent=64, chunk=128), 16)
-    assert bg8._window(StepPlan(host, ["a"], [0], torch.arange(1), [64], [80]), bt[:1]) is None
+    assert win[:, 1].tolist() == [4, 36] and win[0, 5] == 8   # then the blocks from H on
+    assert win[1, -1] == 30 + 6 + 20
+    narrow, _ = inp(bt[:, :12], [64, 96], [64 + 70, 96 + 20]).window(16, bg.cap, 16)
+    assert narrow[1, -1] == 30 + 11                          # past the table: its last block (not read)
+    assert lens.tolist() == [16 + 70, 16 + 20] and lens.dtype == np.int32
+    assert inp(bt[:1], [64], [64 + 21 * 16 + 1]).window(16, bg.cap, 16) is None
+    assert inp(bt[:1], [64], [80]).window(8, bg.cap, 16) is None  # a sink of partial blocks
+    plan = StepPlan(host, ["a", "b"], [0, 1], torch.arange(2), [64, 96], [64 + 70, 96 + 20])
 
     bg._graphs.update({("a", "b"): "g1", ("c",): "g2"})
     bg._seen[("a",)] = k1
@@ -269,5 +301,5 @@ def test_lane_batch_graph_keys_windows_and_forget():
         inside.append(("b",) in bg._graphs)
 
     bg._run = lane_run
-    assert bg.run(None, plan, None, None, None, bt) is None
+    assert bg.run(None, plan, None, None) is None
     assert inside == [True] and list(bg._graphs) == [("c",)]

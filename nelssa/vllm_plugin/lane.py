@@ -54,9 +54,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from nelssa.vllm_plugin import lane_host, runtime
+from nelssa.vllm_plugin import lane_host, lane_inputs, runtime
 from nelssa.vllm_plugin.attention import StepPlan, split_attention
 from nelssa.vllm_plugin.lane_graphs import CaptureFailed, DenseGraphs, call_op, post_attention, pre_attention
 
@@ -70,8 +71,8 @@ class Job:
     req_id: str
     pos: int                 # the position the lane computes (its input token's)
     host_end: int            # H: the host holds [sink, H) for this job
-    token: torch.Tensor      # [1] input token id (device; valid after ``event``)
-    blocks: torch.Tensor     # [nb] the request's block-table row (device)
+    token: torch.Tensor      # [1] int64 input token id (device; valid after ``event``)
+    blocks: Any              # [nb] int32 numpy: the request's block-table row (vLLM's host copy)
     event: Any = None        # CUDA event after the step's sampling (None on CPU)
 
 
@@ -99,6 +100,7 @@ class Lane:
         # the host tier's calls and their results' copies (lane_host.py, 2)
         self.host_stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         self._host_buffers: dict = {}   # pinned buffers of lane_host batches, reused across batches
+        self._staging: dict = {}        # lane_inputs.Staging of batches not replayed, per shape
         self._batch: lane_host.HostStreamBatch | None = None  # the running batch's, when it runs that way
         self.graphs = self.dense = None
         if self.cuda and cfg.graphs:
@@ -260,24 +262,17 @@ class Lane:
         self._blas_warm = True
 
     def _run(self, jobs: list[Job]) -> tuple[torch.Tensor | None, dict[str, str]]:
-        n, dev = len(jobs), self.device
+        n = len(jobs)
         with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()):
             if self.cuda and not self._blas_warm:
                 self._warm_blas()
-            if self.cuda:
-                for j in jobs:
-                    if j.event is not None:
-                        self.stream.wait_event(j.event)
-            ids = torch.cat([j.token.reshape(1) for j in jobs]).long()
-            pos = torch.tensor([j.pos for j in jobs], dtype=torch.long, device=dev)
-            nb = max(int(j.blocks.shape[0]) for j in jobs)
-            bt = torch.zeros(n, nb, dtype=jobs[0].blocks.dtype, device=dev)
-            for i, j in enumerate(jobs):
-                bt[i, :j.blocks.shape[0]] = j.blocks
-            slots = (bt.gather(1, (pos // self.bs).unsqueeze(1)).squeeze(1).long() * self.bs + pos % self.bs)
-            md = _Window(bt)
+            if self.cuda:  # the steps that sampled the batch's tokens (one event per step)
+                for e in {id(j.event): j.event for j in jobs if j.event is not None}.values():
+                    self.stream.wait_event(e)
+            inp = lane_inputs.build(jobs, self.bs)  # numpy: no torch operation (lane_inputs.py, 2)
+            ids = torch.cat([j.token for j in jobs])
             plan = StepPlan(self.host, [j.req_id for j in jobs], list(range(n)),
-                            torch.arange(n, dtype=torch.long), [j.host_end for j in jobs], [j.pos + 1 for j in jobs])
+                            torch.from_numpy(np.arange(n)), inp.host_end, inp.seq_lens)
             plan.cache["block_size"], plan.cache["dtype"] = self.bs, self.dtype
             plan.graphs = self.graphs
             batch = None
@@ -287,17 +282,19 @@ class Lane:
             with self._cv:
                 self._batch = batch
             t0 = time.perf_counter()
-            h = None
+            h = end = None
             try:
                 replayed = None
                 if batch is not None and self.batch_graphs is not None:  # one replay (lane_batch.py)
                     n0, f0 = self.batch_graphs.captures, self.batch_graphs.failures
-                    replayed = self.batch_graphs.run(self, plan, ids, pos, slots, bt)
+                    replayed = self.batch_graphs.run(self, plan, inp, ids)
                     self.host.stats.add(lane_captures=self.batch_graphs.captures - n0,
                                         lane_capture_failures=self.batch_graphs.failures - f0,
                                         lane_paths={self.batch_graphs.path: 1})
+                if replayed is None:  # this batch's tensors on the device: one copy per dtype
+                    ids, pos, slots, md = self._device_inputs(inp, ids, plan)
                 if replayed is not None:
-                    h, batch = replayed
+                    h, batch, end = replayed
                     with self._cv:
                         self._batch = batch
                     if self._cancel >= set(plan.req_ids):
@@ -326,7 +323,7 @@ class Lane:
                     # True both streams are done (its event follows the host stream's work on the lane
                     # stream), and each further synchronize would release the GIL and wait to get it back
                     # behind the step thread
-                    if batch is None or not batch.wait(self.cfg.host_timeout_s):
+                    if batch is None or not batch.wait(self.cfg.host_timeout_s, end):
                         self.stream.synchronize()
                         self.host_stream.synchronize()
                     if batch is not None:  # the batch's one wait for the device and the host tier
@@ -340,6 +337,20 @@ class Lane:
                             plan.fail(r, f"host tier: {err}")
         self.host.stats.add(lane_split_s=plan.split)
         return h, dict(plan.failed)
+
+    def _device_inputs(self, inp: lane_inputs.LaneInputs, ids: torch.Tensor, plan: StepPlan):
+        """(ids, positions, KV slots, window metadata) of a batch that is not replayed, on the device; the
+        token index in ``plan.cache`` (lane_inputs.py, 3)."""
+        shapes = lane_inputs.shapes(inp)
+        key = tuple((k, v[0]) for k, v in shapes.items())
+        st = self._staging.get(key)
+        if st is None:
+            if len(self._staging) > 64:  # batch shapes come and go
+                self._staging.clear()
+            st = self._staging[key] = lane_inputs.Staging(shapes, self.device)
+        d = st.upload(pos=inp.pos, slots=inp.slots, tok=np.arange(inp.n), bt=inp.bt)
+        plan.cache["tok"] = d["tok"]
+        return ids.long(), d["pos"], d["slots"], _Window(d["bt"])
 
     def _eager(self, ids, pos, slots, md, plan) -> torch.Tensor | None:
         """The batch through vLLM's modules one by one (CPU, graphs off, a size's first run); None when

@@ -16,9 +16,12 @@ host node, so the batch can be captured once and replayed:
      second time in a row it is captured, then replayed (the replay computes that batch).
   3. Static inputs, written on the lane stream before each replay (these and every other tensor made
      before the capture that the graph reads — the capture's plan with its token index and window
-     offsets, the pinned buffers held by the host calls — live as long as the graph): token ids, positions, KV slots
-     (lane_graphs._Size), budget targets, the window's block table (sink blocks + ``cap`` blocks from
-     H) and lengths; FlashAttention reads the lengths (``seqused_k``), the capacity bounds the read.
+     offsets, the pinned buffers held by the host calls — live as long as the graph): the token ids
+     (one copy from the sampled tokens) and, as the graph's own lane_inputs.Staging (one pinned buffer
+     and one copy per dtype), positions, KV slots (lane_graphs._Size), budget targets, the window's
+     block table (sink blocks + ``cap`` blocks from H) and lengths; FlashAttention reads the lengths
+     (``seqused_k``), the capacity bounds the read. After the replay one event is recorded on the lane
+     stream (the capture joined the host stream back into it): the lane's one wait.
      A batch whose window does not fit the capacity (a hand-off lagging far behind) or whose sink is
      not whole blocks runs enqueued.
   4. The capture runs lane_graphs.segment and lane_host.HostStreamBatch.attend (``capturing``: the
@@ -40,10 +43,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from nelssa._ext import ext
-from nelssa.sparse.search import budget_targets
+from nelssa.vllm_plugin import lane_inputs
 from nelssa.vllm_plugin.attention import StepPlan
 from nelssa.vllm_plugin.lane_graphs import _Size, segment
 from nelssa.vllm_plugin.lane_host import HostStreamBatch
@@ -63,10 +67,9 @@ class _Graph:
     key: tuple
     graph: Any
     size: _Size
-    target: torch.Tensor       # [n] int64 budget tokens
-    win_bt: torch.Tensor       # [n, sink blocks + cap] block ids
-    win_len: torch.Tensor      # [n] int32 window lengths
+    staging: lane_inputs.Staging  # its static inputs (3): pos, slots, tok, win_bt, win_len, target
     batch: HostStreamBatch     # the capture's: its host calls, events, device results
+    end: Any = None            # an event recorded after a replay (the lane's one wait)
     keep: list = field(default_factory=list)
 
 
@@ -126,34 +129,22 @@ class BatchGraphs:
                             tuple(p.kv.data_ptr() for p in c.parts)))
         return tuple(per)
 
-    def _window(self, plan: StepPlan, bt: torch.Tensor):
-        """(block table [n, sb + cap], lengths [n] int32) of the batch's windows, or None when they do not
-        fit the graphs (3)."""
-        sink, bs = self.cfg.sink, self.bs
-        rlen = [s - h for s, h in zip(plan.seq_lens, plan.host_end)]
-        if sink % bs or any(h < sink for h in plan.host_end) or max(rlen) > self.cap * bs:
-            return None
-        dev = bt.device
-        hb = torch.tensor([h // bs for h in plan.host_end], device=dev)
-        ridx = (hb[:, None] + torch.arange(self.cap, device=dev)[None]).clamp_max(bt.shape[1] - 1)
-        win = torch.cat([bt[:, :sink // bs], bt.gather(1, ridx)], 1)
-        return win, torch.tensor([sink + r for r in rlen], dtype=torch.int32, device=dev)
-
-    def run(self, lane, plan: StepPlan, ids, pos, slots, bt: torch.Tensor):
+    def run(self, lane, plan: StepPlan, inp: lane_inputs.LaneInputs, ids: torch.Tensor):
         """The batch as a replay -> (hidden [n, hidden] on the lane stream, the graph's batch for the
-        calls' states), or None: run it enqueued (2, 3, 6). On the lane's stream."""
+        calls' states), or None: run it enqueued (2, 3, 6). On the lane's stream; ``ids`` the batch's
+        tokens on the device, ``inp`` its other inputs on the host (lane_inputs.py)."""
         with self._lock:
             try:
-                return self._run(lane, plan, ids, pos, slots, bt)
+                return self._run(lane, plan, inp, ids)
             finally:
                 self._drop_pending()
 
-    def _run(self, lane, plan: StepPlan, ids, pos, slots, bt: torch.Tensor):
+    def _run(self, lane, plan: StepPlan, inp, ids: torch.Tensor):
         rs = tuple(plan.req_ids)
         if rs in self._broken:
             self.path = "broken"
             return None
-        win = self._window(plan, bt)
+        win = inp.window(self.cfg.sink, self.cap, self.bs)
         if win is None:
             self.path = "no_window"
             return None
@@ -167,14 +158,14 @@ class BatchGraphs:
                 self._seen[rs] = key
                 self.path = "new_key"
                 return None
-            g = self._capture(lane, plan, rs, key, ids, pos, slots, win, bt)
+            g = self._capture(lane, plan, rs, key, inp, ids, win)
             if g is None:
                 self.path = "capture_failed"
                 return None
             self.path = "captured"
         else:
             self.path = "replay"
-            self._inputs(g, plan, ids, pos, slots, win)
+            self._inputs(g, plan, inp, ids, win)
             g.batch.flag.clear()
             for c in g.batch.calls:
                 c.rearm()
@@ -183,13 +174,16 @@ class BatchGraphs:
         self._graphs.move_to_end(rs)
         while len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)
-        return g.size.out.clone(), g.batch
+        out = g.size.out.clone()  # before the end event: the lane's one wait covers it
+        g.end.record(lane.stream)
+        return out, g.batch, g.end
 
-    def _inputs(self, g: _Graph, plan, ids, pos, slots, win) -> None:
-        s = g.size
-        s.ids.copy_(ids), s.pos.copy_(pos), s.slots.copy_(slots)
-        g.target.copy_(budget_targets([plan.host.layer_kv(r, 0) for r in plan.req_ids], self.cfg.budget))
-        g.win_bt.copy_(win[0]), g.win_len.copy_(win[1])
+    def _inputs(self, g: _Graph, plan, inp, ids, win) -> None:
+        """The static inputs of ``g`` for this batch: the tokens, and the rest in one copy per dtype."""
+        g.size.ids.copy_(ids)
+        g.staging.upload(pos=inp.pos, slots=inp.slots, win_bt=win[0], win_len=win[1],
+                         target=lane_inputs.targets([plan.host.layer_kv(r, 0) for r in plan.req_ids],
+                                                    self.cfg.budget))
 
     def _capture(self, lane, plan, rs, key, ids, pos, slots, win, bt) -> _Graph | None:
         from nelssa.vllm_plugin.select_graph import _bound
@@ -198,19 +192,21 @@ class BatchGraphs:
         impl = self.layers[0].impl
         hq, d = impl.num_heads, impl.head_size
         dtype = self.model.model.norm.weight.dtype
-        s = _Size(torch.empty_like(ids), torch.empty_like(pos), torch.empty_like(slots),
+        st = lane_inputs.Staging(lane_inputs.shapes(inp, win), dev)
+        v = st.dev
+        s = _Size(torch.empty(n, dtype=torch.long, device=dev), v["pos"], v["slots"],
                   torch.empty(n, hq, d, dtype=dtype, device=dev), pool=torch.cuda.graph_pool_handle())
-        g = _Graph(key, torch.cuda.CUDAGraph(), s, torch.empty(n, dtype=torch.long, device=dev),
-                   torch.empty_like(win[0]), torch.empty_like(win[1]),
+        g = _Graph(key, torch.cuda.CUDAGraph(), s, st,
                    HostStreamBatch(lane.stream, lane.host_stream, lane._host_buffers, ext().CancelFlag(),
-                                   capturing=True))
-        self._inputs(g, plan, ids, pos, slots, win)
+                                   capturing=True), torch.cuda.Event())
+        st.host["tok"][...] = np.arange(n)
+        self._inputs(g, plan, inp, ids, win)
         # the capture's plan: the per-step tensors the attention reads are the graph's static inputs
         cp = StepPlan(plan.host, list(rs), list(range(n)), plan.token_idx, list(plan.host_end), list(plan.seq_lens))
-        cp.cache.update({"block_size": self.bs, "dtype": plan.cache.get("dtype"), "target": g.target,
-                         "tok": torch.arange(n, device=dev),
+        cp.cache.update({"block_size": self.bs, "dtype": plan.cache.get("dtype"), "target": v["target"],
+                         "tok": v["tok"],
                          ("fa",): {"cu": torch.arange(n + 1, dtype=torch.int32, device=dev),
-                                   "calls": [(g.win_bt, g.win_len, self.cfg.sink + self.cap * self.bs)]}})
+                                   "calls": [(v["win_bt"], v["win_len"], self.cfg.sink + self.cap * self.bs)]}})
         H = plan.host.layer_kv(rs[0], 0).num_kv_heads
         for li in range(len(self.layers)):
             ckvs = [plan.host.layer_kv(r, li) for r in rs]
@@ -219,7 +215,7 @@ class BatchGraphs:
         # the graph reads these by address: kept with it (the capture's plan holds the token index and the
         # window's cu_seqlens, made before the capture outside the graph's pool)
         g.keep.append(cp)
-        md = _Window(g.win_bt)  # unread: the capture's plan has the window's tensors (cp.cache)
+        md = _Window(v["win_bt"])  # unread: the capture's plan has the window's tensors (cp.cache)
         L = len(self.decoder)
         try:
             g.graph.capture_begin(s.pool, capture_error_mode="thread_local")

@@ -177,13 +177,16 @@ class HostStreamBatch:
     def cancel(self) -> None:
         self.flag.set()
 
-    def wait(self, timeout_s: float) -> bool:
+    def wait(self, timeout_s: float, end: torch.cuda.Event | None = None) -> bool:
         """Wait, without the GIL, for the batch's work on both streams. Past ``timeout_s`` (the host tier's
         deadline) the calls not yet run are cancelled, the batch's requests will fail (finish) and False
-        is returned; the caller then synchronises the streams (the call running, if any, ends first)."""
-        end = torch.cuda.Event()
-        self.lane_stream.wait_stream(self.host_stream)
-        end.record(self.lane_stream)
+        is returned; the caller then synchronises the streams (the call running, if any, ends first).
+        ``end``: an event already recorded after all of it (a graph replay: its capture joined the host
+        stream back into the lane's)."""
+        if end is None:
+            end = torch.cuda.Event()
+            self.lane_stream.wait_stream(self.host_stream)
+            end.record(self.lane_stream)
         if ext().wait_event(end.cuda_event, timeout_s):
             return True
         self.cancel()

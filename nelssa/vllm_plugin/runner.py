@@ -243,14 +243,14 @@ class NelssaRunnerMixin:
         """Queue the lane jobs of this step's offloaded rows (lane.py, 2): their sampled tokens as input."""
         from nelssa.vllm_plugin.lane import Job
         ev = torch.cuda.Event() if sampled.is_cuda else None
-        bt = self.input_batch.block_table[0].block_table.gpu
+        bt = self.input_batch.block_table[0].block_table.np  # the rows this step's inputs were made from
         bs = self.cache_config.block_size
         out = []
         for rid, row, pos, h in jobs:
             if rid in runtime.failed:
                 continue
-            out.append(Job(rid, pos, h, sampled[row, :1].clone(), bt[row, :pos // bs + 1].clone(), ev))
-        if ev is not None and out:  # the clones above ran on this stream: record after them
+            out.append(Job(rid, pos, h, sampled[row, :1].to(torch.long, copy=True), bt[row, :pos // bs + 1].copy(), ev))
+        if ev is not None and out:  # the token copies above ran on this stream: record after them
             ev.record()
         self.nelssa_lane.submit(out)
 
