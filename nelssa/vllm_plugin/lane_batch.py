@@ -185,7 +185,7 @@ class BatchGraphs:
                          target=lane_inputs.targets([plan.host.layer_kv(r, 0) for r in plan.req_ids],
                                                     self.cfg.budget))
 
-    def _capture(self, lane, plan, rs, key, ids, pos, slots, win, bt) -> _Graph | None:
+    def _capture(self, lane, plan, rs, key, inp, ids, win) -> _Graph | None:
         from nelssa.vllm_plugin.select_graph import _bound
         t = time.perf_counter()
         n, dev = ids.shape[0], ids.device
