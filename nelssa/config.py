@@ -93,6 +93,8 @@ class NelssaConfig:
                                   # (vllm_plugin/lane_host.py); off: the lane waits for it layer by layer
     lane_batch_graph: bool = True  # CUDA lane with host calls: a batch captured and replayed as one CUDA graph
                                    # (vllm_plugin/lane_batch.py); off: enqueued layer by layer
+    stall_log_ms: float = 0.0     # log every thread's stack when the engine's step thread makes no step for this
+                                  # long while it has work (vllm_plugin/watchdog.py; 0 = off)
     sink: int = 16                # first tokens kept on the device
     recent: int = 64              # last tokens kept on the device
     chunk: int = 1024             # generated tokens clustered and appended to the host tier at once
@@ -170,6 +172,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_GRAPHS": ("graphs", _bool),
     "NELSSA_SELECT_KERNEL": ("select_kernel", _bool),
     "NELSSA_LANE": ("lane", _bool),
+    "NELSSA_STALL_LOG_MS": ("stall_log_ms", float),
     "NELSSA_SINK": ("sink", int),
     "NELSSA_RECENT": ("recent", int),
     "NELSSA_CHUNK": ("chunk", int),

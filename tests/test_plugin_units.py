@@ -241,6 +241,7 @@ def test_lane_inputs_built_on_the_host():
     assert d["pos"].tolist() == [37, 5] and d["slots"].tolist() == inp.slots.tolist()
     assert d["tok"].dtype == torch.int64 and d["bt"].dtype == torch.int32 and d["bt"].tolist() == inp.bt.tolist()
     assert d["pos"].is_contiguous() and d["bt"].is_contiguous()
+    assert all(t.data_ptr() % 64 == 0 for t in d.values())  # aligned fields (Triton specialises on it)
     d2 = st.upload(pos=np.array([1, 2]), slots=inp.slots, tok=np.arange(2), bt=inp.bt)
     assert d2["pos"].tolist() == [1, 2] and d2["bt"].tolist() == inp.bt.tolist()
 
@@ -303,3 +304,25 @@ def test_lane_batch_graph_keys_windows_and_forget():
     bg._run = lane_run
     assert bg.run(None, plan, None, None) is None
     assert inside == [True] and list(bg._graphs) == [("c",)]
+
+
+def test_stall_watchdog_logs_every_thread_once_per_stall(caplog):
+    """watchdog.py: no step for longer than the limit while busy logs, once, every thread's stack (here
+    the test's own thread, in this function), and the next beat logs the stall's end; an idle engine
+    (last beat not busy) logs nothing."""
+    import logging
+    import time
+
+    from nelssa.vllm_plugin.watchdog import Watchdog
+    caplog.set_level(logging.INFO, logger="vllm.nelssa")
+    w = Watchdog(40)
+    w.beat(False)
+    time.sleep(0.15)
+    assert not [r for r in caplog.records if "watchdog" in r.getMessage()]
+    w.beat(True)
+    time.sleep(0.25)
+    stalls = [r.getMessage() for r in caplog.records if "no step for" in r.getMessage()]
+    assert len(stalls) == 1 and "test_stall_watchdog_logs_every_thread_once_per_stall" in stalls[0], stalls
+    assert "[step thread]" in stalls[0]
+    w.beat(True)
+    assert any("stepped again after" in r.getMessage() for r in caplog.records)

@@ -199,7 +199,7 @@ async def _run_mode(mode: str, sc: Scenario, model: str, out_dir: str = "") -> d
     eng.shutdown()
     delta = {k: v - base.get(k, 0.0) for k, v in end.items()
              if "_created" not in k and (k.endswith(("_total", "_sum", "_count")) or k.startswith("nelssa:"))}
-    return {"mode": mode, "wall_s": wall, "requests": recs, "samples": samples, "metrics": delta}
+    return {"mode": mode, "wall_s": wall, "t0_perf": t0, "requests": recs, "samples": samples, "metrics": delta}
 
 
 def _worker(spec: dict) -> None:
@@ -231,7 +231,8 @@ def analyse(run: dict) -> dict:
                 if len(r["stamps"]) > 1 and lo <= r["stamps"][0] and r["stamps"][-1] < hi]
         inside = [t for t in all_stamps if lo <= t < hi]
         end = min(hi, all_stamps[-1] if all_stamps else hi)  # no short token after the last one: no gap
-        gaps = [b - a for a, b in zip([lo] + inside, inside + [end])] if end > lo else []
+        gap_at = [(a, b - a) for a, b in zip([lo] + inside, inside + [end])] if end > lo else []
+        gaps = [g for _, g in gap_at]
         out[name] = {"short_ttft_p50_ms": _pct(ttft, 50), "short_ttft_p99_ms": _pct(ttft, 99),
                      "short_itl_p50_ms": _pct(itl, 50), "short_itl_p99_ms": _pct(itl, 99),
                      "short_tpot_p50_ms": _pct(tpot, 50), "short_tpot_p99_ms": _pct(tpot, 99),
@@ -239,9 +240,14 @@ def analyse(run: dict) -> dict:
                      "n_short_arrivals": len(ttft), "n_short_tokens": len(inside),
                      # where the worst waits are: (seconds into the phase, ms), the 8 longest ITLs and TTFTs
                      "short_itl_worst": [[round(t - lo, 3), round(x, 1)] for t, x in sorted(itl_at, key=lambda p: -p[1])[:8]],
+                     # the longest times without any short token: (start, seconds into the phase; ms)
+                     "short_gaps_worst": [[round(t - lo, 3), round(1e3 * g, 1)] for t, g in sorted(gap_at, key=lambda p: -p[1])[:8]],
                      "short_ttft_worst": [[round(r["start"] - lo, 3), round(1e3 * (r["stamps"][0] - r["start"]), 1)]
                                           for r in sorted((r for r in shorts if lo <= r["start"] < hi),
                                                           key=lambda r: r["start"] - r["stamps"][0])[:8]]}
+    # the run's time 0 on time.perf_counter (system-wide on Linux): engine logs that print perf_counter
+    # stamps (the NELSSA watchdog and lane) line up with the phases
+    out["t0_perf"] = run.get("t0_perf")
     out["long"] = [{"id": r["id"], "ttft_s": (r["stamps"][0] - r["start"]) if r["stamps"] else None,
                     "tpot_ms": 1e3 * (r["stamps"][-1] - r["stamps"][0]) / max(1, len(r["stamps"]) - 1)
                     if len(r["stamps"]) > 1 else None, "tokens": len(r["stamps"]), "finish": r["finish_reason"]}

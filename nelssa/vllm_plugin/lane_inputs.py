@@ -14,7 +14,9 @@ So:
      host ends, sequence lengths, the padded block table and, for the batch graphs (lane_batch.py,
      3), the window's block table and lengths and the budget targets.
   3. ``Staging`` packs named arrays into one pinned buffer per dtype and copies each to its device
-     twin with one asynchronous copy on the current stream; the device tensors are views of the twin.
+     twin with one asynchronous copy on the current stream; the device tensors are views of the twin,
+     each 64-byte aligned (Triton specialises on pointer alignment: H200 run 18 recompiled the
+     selection kernel for a misaligned budget-target view, a ~1.5 s first capture).
      A batch graph owns its staging (its static inputs); the other paths share one per shape. The lane
      waits for each batch before the next, so a pinned buffer is never rewritten under a pending copy.
   4. The tokens are on the device (the step's sampling): one ``cat`` and, for a replay, one copy.
@@ -28,6 +30,8 @@ import numpy as np
 import torch
 
 from nelssa.sparse.search import budget_tokens
+
+_ALIGN = 64  # bytes: the alignment of every staged field (3)
 
 
 @dataclass
@@ -82,15 +86,20 @@ class Staging:
             by_dtype.setdefault(dtype, []).append((name, tuple(shape)))
         cuda = device.type == "cuda"
         for dtype, fields in by_dtype.items():
-            total = sum(int(np.prod(s)) for _, s in fields)
+            # every field starts 64-byte aligned: Triton specialises kernels on pointer alignment, and a
+            # kernel warmed on aligned tensors recompiled (under the GIL, ~1 s) for a misaligned view
+            step = _ALIGN // torch.empty(0, dtype=dtype).element_size()
+            offs, total = [], 0
+            for _, s in fields:
+                offs.append(total)
+                total += -(-int(np.prod(s)) // step) * step
             pinned = torch.empty(total, dtype=dtype, pin_memory=cuda)
             twin = torch.empty(total, dtype=dtype, device=device) if cuda else pinned
-            hv, off = pinned.numpy(), 0
-            for name, s in fields:
+            hv = pinned.numpy()
+            for (name, s), off in zip(fields, offs):
                 k = int(np.prod(s))
                 self.host[name] = hv[off:off + k].reshape(s)
                 self.dev[name] = twin[off:off + k].view(s)
-                off += k
             if cuda:
                 self._pairs.append((twin, pinned))
 

@@ -43,6 +43,7 @@ class NelssaRunnerMixin:
         self.nelssa_host: LocalHostTier | None = None
         self.nelssa_handoff: Handoff | None = None
         self.nelssa_lane = None
+        self.nelssa_watchdog = None
         self._nelssa_so = None
         self._nelssa_step = None  # (plan, moves) of the step, from _prepare_inputs to _model_forward
         self._nelssa_jobs: list[tuple[str, int, int, int]] = []  # this step's lane jobs: (request, row, pos, H)
@@ -81,6 +82,9 @@ class NelssaRunnerMixin:
             # the lane thread launches between host results; the step thread must get the GIL back
             # within a fraction of a decode step, not Python's 5 ms
             sys.setswitchinterval(min(sys.getswitchinterval(), cfg.lane_switch_us * 1e-6))
+        if cfg.stall_log_ms > 0:
+            from nelssa.vllm_plugin.watchdog import Watchdog
+            self.nelssa_watchdog = Watchdog(cfg.stall_log_ms)
         log.info("NELSSA on: T_input=%d budget=%.3f sink=%d recent=%d chunk=%d, %d layers, host pool %d threads",
                  cfg.T_input, cfg.budget, cfg.sink, cfg.recent, cfg.chunk, len(layers), cfg.pool_threads)
 
@@ -104,6 +108,8 @@ class NelssaRunnerMixin:
         host = self.nelssa_host
         if host is None:
             return super().execute_model(scheduler_output, intermediate_tensors)
+        if self.nelssa_watchdog is not None:
+            self.nelssa_watchdog.beat(bool(scheduler_output.total_num_scheduled_tokens))
         preempted = scheduler_output.preempted_req_ids or set()
         lane = self.nelssa_lane
         if lane is not None:  # before this step may reuse their blocks (lane.py, 5)
