@@ -269,17 +269,30 @@ echo "  e.g. curl http://127.0.0.1:$PROXY_PORT/v1/chat/completions -H 'Content-T
 echo "         -d '{\"model\": \"$MODEL\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'"
 echo "Logs: $LOG_DIR   Stop: Ctrl-C, or 'bash $0 stop' from another shell (same LOG_DIR/PROXY_PORT)"
 
-# foreground: until Ctrl-C, a stop from another shell, or a process exiting on its own
-while true; do
-  sleep 1 & wait $! || true
-  [ ! -f "$LOG_DIR/stopping" ] || { log "stopped from another shell"; exit 0; }
+check_once() {  # 0: all running; 3: stopped from another shell; 4: a process exited (said here)
+  [ ! -f "$LOG_DIR/stopping" ] || return 3
   while read -r name pid st _; do
     if ! running "$pid" "$st"; then
-      [ ! -f "$LOG_DIR/stopping" ] || { log "stopped from another shell"; exit 0; }
+      [ ! -f "$LOG_DIR/stopping" ] || return 3
       log "$name (pid $pid) exited; see $LOG_DIR/$name.log; stopping the rest"
-      exit 1
+      return 4
     fi
   done < "$STATE"
+}
+# foreground: until Ctrl-C, a stop from another shell, or a process exiting on its own. Each round runs
+# in the background and is waited for: a SIGINT/SIGTERM sent to this script alone (kill -INT PID) ends
+# the wait and runs the trap at once. Had it arrived while a foreground command of the checks ran
+# (awk, ...), bash would have taken that command's normal exit as "the child handled the signal" and
+# dropped it (its cooperative exit on SIGINT): seen as a Ctrl-C lost in a loaded test run.
+while true; do
+  rc=0
+  { sleep 1; check_once; } & wait $! || rc=$?
+  case $rc in
+    0) ;;
+    3) log "stopped from another shell"; exit 0 ;;
+    4) exit 1 ;;
+    *) log "monitor round failed ($rc)"; exit 1 ;;
+  esac
 done
 exit 0
 }
