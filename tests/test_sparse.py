@@ -451,3 +451,33 @@ def test_store_accounting_and_free():
     assert store.free("r1") and store.nbytes == 0 and store.reserved == 0 and rkv.freed
     with pytest.raises(ValueError):
         rkv.layer(0)
+
+
+def test_prepared_parts_committed_at_once_equal_part_by_part():
+    """ClusteredKV.commit_until makes all the prepared parts that fit visible with one concatenation
+    per table: the same tables, centroids and attention as committing them one by one (append with
+    commit=True), a part that would overshoot stays prepared, and ``perm`` (made when read) lists every
+    stored row's original position; a length the parts do not add up to raises."""
+    from nelssa.sparse.clustered import ClusteredKV
+    g = torch.Generator().manual_seed(3)
+    chunks = [(torch.randn(2, n, 16, generator=g), torch.randn(2, n, 16, generator=g)) for n in (64, 40, 72)]
+
+    def store():
+        return ClusteredKV(2, 16, torch.float32, torch.device("cpu"), cluster_size=8, segment=64, iters=3, seed=1)
+
+    one, many = store(), store()
+    for k, v in chunks:
+        one.append(k, v, commit=True)
+        many.append(k, v, commit=False)
+    with pytest.raises(ValueError, match="104 committed"):
+        many.commit_until(64 + 40 + 71)  # the third part does not fit: stays prepared, and it is said
+    assert many.length == 104 and many.pending_tokens == 72 and len(many.parts) == 2
+    many.commit_until(176)
+    assert many.length == one.length == 176 and many.pending_tokens == 0
+    for name in ("cpart", "cstart", "csize", "perm", "centroids", "sizes", "vmeans"):
+        assert torch.equal(getattr(many, name), getattr(one, name)), name
+    assert sorted(many.perm[1].tolist()) == list(range(176))
+    q = torch.randn(4, 16, generator=g)  # 4 query heads over 2 KV heads
+    out, lse = sparse_attention(q, many, budget=1.0)
+    ref, ref_lse = dense_attention(q, torch.cat([k for k, _ in chunks], 1), torch.cat([v for _, v in chunks], 1))
+    assert rel_err(out, ref) < 1e-4 and lse_err(lse, ref_lse) < 1e-4
