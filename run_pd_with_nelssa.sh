@@ -280,10 +280,9 @@ check_once() {  # 0: all running; 3: stopped from another shell; 4: a process ex
   done < "$STATE"
 }
 # foreground: until Ctrl-C, a stop from another shell, or a process exiting on its own. Each round runs
-# in the background and is waited for: a SIGINT/SIGTERM sent to this script alone (kill -INT PID) ends
-# the wait and runs the trap at once. Had it arrived while a foreground command of the checks ran
-# (awk, ...), bash would have taken that command's normal exit as "the child handled the signal" and
-# dropped it (its cooperative exit on SIGINT): seen as a Ctrl-C lost in a loaded test run.
+# in the background and is waited for: a SIGINT/SIGTERM ends the wait and runs the trap at once, not
+# after the round's commands. (Started in the background of a non-interactive shell, `... &`, the
+# script gets SIGINT ignored and cannot trap it: stop it with `bash run_pd_with_nelssa.sh stop` or TERM.)
 while true; do
   rc=0
   { sleep 1; check_once; } & wait $! || rc=$?

@@ -104,9 +104,12 @@ exec {sys.executable} "$@"
                     "PREFILL_NIXL_PORT": str(pn), "DECODE_NIXL_PORT": str(dn), "NODE_PORT": str(node),
                     "NELSSA_ENGINE": "local", "HEALTH_TIMEOUT": "120", "STOP_TIMEOUT": "10", **env}
         self.env.pop("NELSSA_OFF", None)
+        # SIGINT as a terminal gives it: a suite started in the background of a non-interactive shell
+        # (`cmd &`) passes SIGINT on ignored, and bash cannot trap a signal ignored at its start
         self.p = subprocess.Popen(["bash", str(REPO / "run_pd_with_nelssa.sh")], cwd=REPO, env=self.env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  start_new_session=True)
+                                  start_new_session=True,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.lines: list[str] = []
         self.ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
