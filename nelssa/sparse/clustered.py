@@ -121,6 +121,9 @@ class _Pending:
     cent: torch.Tensor
     sizes: torch.Tensor
     vmean: torch.Tensor
+    # the host cluster table (cpart, cstart, csize) once every part up to this one is committed, made by
+    # the appending thread; kept on the newest prepared part only (None on the others)
+    tables: tuple | None = None
 
 
 def part_stats(keys: torch.Tensor, values: torch.Tensor, labels: torch.Tensor, C: int):
@@ -224,7 +227,17 @@ class ClusteredKV:
         part = _Pending(n=n, kv=pack(keys, values, perm), sizes_cpu=sizes_cpu.to(torch.int32),
                         starts=torch.cumsum(sizes_cpu, 1) - sizes_cpu, perm=perm.cpu(),
                         cent=cent.to(dev), sizes=sizes.to(device=dev, dtype=torch.int32), vmean=vmean.to(dev))
+        # the table after this part, from the newest prepared part's (or the committed one: an empty list
+        # read here means the committer swapped its tables in before it removed the parts)
+        last = self._pending[-1] if self._pending else None
+        prev = last.tables if last is not None else (self.cpart, self.cstart, self.csize)
+        if prev is not None:
+            cpart, cstart, csize = prev
+            part.tables = (torch.cat([cpart, torch.full((part.sizes_cpu.shape[1],), self.num_parts, dtype=torch.int32)]),
+                           torch.cat([cstart, part.starts], 1), torch.cat([csize, part.sizes_cpu], 1))
         self._pending.append(part)
+        if last is not None:
+            last.tables = None  # only the newest keeps one (a commit up to an older part builds its own)
         if commit:
             self.commit_until(self.length + self.pending_tokens)
 
@@ -242,9 +255,10 @@ class ClusteredKV:
         not add up to exactly ``length`` (a hand-off out of step with the policy); a part that would
         overshoot stays prepared."""
         self.check_alive()
-        # all the parts that fit, at once: one concatenation per table and per device tensor (part by part,
-        # the tables were copied once per part: a 100K prompt's 13 parts x 32 layers held the step thread
-        # ~350 ms at its switch on the H200, run 19)
+        # all the parts that fit, at once: the host table the appending thread made for them (else one
+        # concatenation per table) and one concatenation per device tensor. Part by part, the tables were
+        # copied once per part: a 100K prompt's 13 parts x 32 layers held the step thread ~350 ms at its
+        # switch on the H200 (run 19)
         take, n = [], self.length
         for p in list(self._pending):
             if n + p.n > length:
@@ -253,11 +267,14 @@ class ClusteredKV:
             n += p.n
         if take:
             base, off = len(self.parts), self.length
+            tables = take[-1].tables  # made by the appending thread, or (a commit up to an older part) here
+            if tables is None:
+                tables = (torch.cat([self.cpart] + [torch.full((p.sizes_cpu.shape[1],), base + i, dtype=torch.int32)
+                                                    for i, p in enumerate(take)]),
+                          torch.cat([self.cstart] + [p.starts for p in take], 1),
+                          torch.cat([self.csize] + [p.sizes_cpu for p in take], 1))
             self.parts.extend(KVPart(p.kv) for p in take)  # before the tables that index them
-            self.cpart = torch.cat([self.cpart] + [torch.full((p.sizes_cpu.shape[1],), base + i, dtype=torch.int32)
-                                                   for i, p in enumerate(take)])
-            self.cstart = torch.cat([self.cstart] + [p.starts for p in take], 1).contiguous()
-            self.csize = torch.cat([self.csize] + [p.sizes_cpu for p in take], 1).contiguous()
+            self.cpart, self.cstart, self.csize = tables
             for p in take:
                 self._perms.append((p.perm, off))
                 off += p.n
