@@ -225,8 +225,8 @@ def test_lane_inputs_built_on_the_host():
     dtype whose device views hold what was uploaded."""
     from types import SimpleNamespace
 
-    from nelssa.sparse.search import budget_targets
-    from nelssa.vllm_plugin.lane_inputs import Staging, build, shapes, targets
+    from nelssa.sparse.search import budget_targets, host_budget_targets
+    from nelssa.vllm_plugin.lane_inputs import Staging, build, shapes
     jobs = [SimpleNamespace(pos=37, host_end=16, blocks=np.array([7, 9, 4], np.int32)),
             SimpleNamespace(pos=5, host_end=0, blocks=np.array([11], np.int32))]
     inp = build(jobs, 16)
@@ -235,7 +235,7 @@ def test_lane_inputs_built_on_the_host():
     assert inp.bt.tolist() == [[7, 9, 4], [11, 0, 0]] and inp.bt.dtype == np.int32
     g = torch.Generator().manual_seed(1)
     ckvs = [cluster_kv(torch.randn(2, n, 16, generator=g), torch.randn(2, n, 16, generator=g)) for n in (300, 77)]
-    assert targets(ckvs, 0.1).tolist() == budget_targets(ckvs, 0.1).tolist() == [30, 8]
+    assert host_budget_targets(ckvs, 0.1).tolist() == budget_targets(ckvs, 0.1).tolist() == [30, 8]
     st = Staging(shapes(inp), torch.device("cpu"))
     d = st.upload(pos=inp.pos, slots=inp.slots, tok=np.arange(2), bt=inp.bt)
     assert d["pos"].tolist() == [37, 5] and d["slots"].tolist() == inp.slots.tolist()

@@ -39,11 +39,16 @@ def budget_tokens(budget: float, length: int) -> int:
     return min(length, max(1, math.ceil(budget * length - 1e-9)))
 
 
+def host_budget_targets(ckvs: list[ClusteredKV], budget: float) -> torch.Tensor:
+    """Tokens each request may attend at ``budget``, [B] int64 on the host."""
+    return torch.tensor([budget_tokens(budget, c.length) for c in ckvs], dtype=torch.int64)
+
+
 def budget_targets(ckvs: list[ClusteredKV], budget: float) -> torch.Tensor:
-    """Tokens each request may attend at ``budget``, [B] int64 on the centroids' device (on CUDA by a
-    pinned asynchronous copy: no wait for the stream). The same for every layer of a decode step."""
+    """``host_budget_targets`` on the centroids' device (on CUDA by a pinned asynchronous copy: no wait
+    for the stream). The same for every layer of a decode step."""
     dev = ckvs[0].centroids.device
-    target = torch.tensor([budget_tokens(budget, c.length) for c in ckvs])
+    target = host_budget_targets(ckvs, budget)
     if dev.type == "cuda":  # a pageable host->device copy would wait for the stream: pinned + async
         target = target.pin_memory()
     return target.to(dev, non_blocking=True)

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from nelssa._ext import ext
+from nelssa.sparse.search import host_budget_targets
 from nelssa.vllm_plugin import lane_inputs
 from nelssa.vllm_plugin.attention import StepPlan
 from nelssa.vllm_plugin.lane_graphs import _Size, segment
@@ -182,8 +183,8 @@ class BatchGraphs:
         """The static inputs of ``g`` for this batch: the tokens, and the rest in one copy per dtype."""
         g.size.ids.copy_(ids)
         g.staging.upload(pos=inp.pos, slots=inp.slots, win_bt=win[0], win_len=win[1],
-                         target=lane_inputs.targets([plan.host.layer_kv(r, 0) for r in plan.req_ids],
-                                                    self.cfg.budget))
+                         target=host_budget_targets([plan.host.layer_kv(r, 0) for r in plan.req_ids],
+                                                    self.cfg.budget).numpy())
 
     def _capture(self, lane, plan, rs, key, inp, ids, win) -> _Graph | None:
         from nelssa.vllm_plugin.select_graph import _bound

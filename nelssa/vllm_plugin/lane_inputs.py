@@ -12,7 +12,8 @@ So:
      the rows this step's inputs were made from) and its sampled token on the device.
   2. ``build`` computes, with numpy only (no torch operation, the GIL kept): positions, KV slots,
      host ends, sequence lengths, the padded block table and, for the batch graphs (lane_batch.py,
-     3), the window's block table and lengths and the budget targets.
+     3), the window's block table and lengths (``LaneInputs.window``); the graphs' budget targets
+     are sparse.search.host_budget_targets.
   3. ``Staging`` packs named arrays into one pinned buffer per dtype and copies each to its device
      twin with one asynchronous copy on the current stream; the device tensors are views of the twin,
      each 64-byte aligned (Triton specialises on pointer alignment: H200 run 18 recompiled the
@@ -28,8 +29,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from nelssa.sparse.search import budget_tokens
 
 _ALIGN = 64  # bytes: the alignment of every staged field (3)
 
@@ -66,11 +65,6 @@ def build(jobs, block_size: int) -> LaneInputs:
         bt[i, :len(j.blocks)] = j.blocks
     slots = bt[np.arange(n), pos // block_size].astype(np.int64) * block_size + pos % block_size
     return LaneInputs(n, pos, slots, [j.host_end for j in jobs], [j.pos + 1 for j in jobs], bt)
-
-
-def targets(ckvs, budget: float) -> np.ndarray:
-    """Budget tokens per request ([n] int64), as sparse.search.budget_targets, on the host."""
-    return np.fromiter((budget_tokens(budget, c.length) for c in ckvs), dtype=np.int64, count=len(ckvs))
 
 
 class Staging:
