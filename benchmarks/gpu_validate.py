@@ -44,7 +44,8 @@ def exact(model: str, dummy: bool = False, logs: str | None = None) -> dict:
             {"id": "long7k", "text_tokens": 7000, "offset": 60000, "max_tokens": 48},
             {"id": "chat", "chat": "What is the capital of France?", "max_tokens": 48}]
     spec = {"cuda": True, "model": model, "dtype": "bfloat16", "logprobs": 2, "requests": reqs,
-            "nelssa": {"T_input": 2048, "budget": 1.0, "chunk": 128, "segment": 2048},  # segments staged in prefill
+            "nelssa": {"T_input": 2048, "budget": 1.0, "chunk": 128, "segment": 2048,  # segments staged in prefill
+                       "defer_below": 0},  # the host path, however much room
             "engine": {"gpu_memory_utilization": 0.3, "max_num_batched_tokens": 2048}}
     if dummy:
         spec["engine"]["load_format"] = "dummy"

@@ -103,6 +103,9 @@ class NelssaConfig:
                                   # shrinks with the context so the step's cost stays flat (0: vLLM's own)
     migrate: bool = True          # a request that grew past T_input moves to the host tier under pressure
     migrate_watermark: float = 0.9  # device KV blocks in use (fraction) from which such requests migrate
+    defer_below: int = 32768      # long prompts shorter than this stay on the device until device KV is under
+                                  # pressure, then migrate as grown requests do; longer ones (and all, at 0)
+                                  # are host-backed from admission on
     engine: str = "local"         # host tier: "local" (in-process pool) | "node" (a nelssa-node service)
     node_address: str = "127.0.0.1:50151"  # engine "node": the node's gRPC address
     node_token: str = field(default="", repr=False)  # engine "node": shared secret (required off loopback)
@@ -139,6 +142,8 @@ class NelssaConfig:
             f"long_chunk must be an int >= 0, got {self.long_chunk!r}")
         req(isinstance(self.migrate_watermark, (int, float)) and 0 <= self.migrate_watermark <= 1,
             f"migrate_watermark must be in [0, 1], got {self.migrate_watermark!r}")
+        req(isinstance(self.defer_below, int) and self.defer_below >= 0,
+            f"defer_below must be an int >= 0, got {self.defer_below!r}")
         req(self.engine in ("local", "node"), f"engine must be 'local' or 'node', got {self.engine!r}")
         req(self.node_transport in ("auto", "shm", "grpc"),
             f"node_transport must be auto, shm or grpc, got {self.node_transport!r}")
@@ -182,6 +187,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_LONG_CHUNK": ("long_chunk", int),
     "NELSSA_MIGRATE": ("migrate", _bool),
     "NELSSA_MIGRATE_WATERMARK": ("migrate_watermark", float),
+    "NELSSA_DEFER_BELOW": ("defer_below", int),
     "NELSSA_ENGINE": ("engine", str),
     "NELSSA_NODE_ADDRESS": ("node_address", str),
     "NELSSA_NODE_TOKEN": ("node_token", str),

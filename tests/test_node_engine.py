@@ -15,7 +15,7 @@ REQUESTS = [{"id": "long", "text_tokens": 2400, "max_tokens": 24},
 def test_engine_node_equals_nelssa_off(cut_model_dir):
     node = Node("--devices", "2", "--device-memory", "2GiB")
     try:
-        nelssa = {"T_input": 2048, "budget": 1.0, "chunk": 128, "segment": 1024, "engine": "node",
+        nelssa = {"T_input": 2048, "budget": 1.0, "chunk": 128, "segment": 1024, "engine": "node", "defer_below": 0,
                   "node_address": node.address, "node_transport": "shm"}
         spec = {"model": cut_model_dir, "nelssa": nelssa, "requests": REQUESTS, "max_model_len": 4096,
                 "engine": {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 1024}}

@@ -63,6 +63,7 @@ def test_pd_stack_end_to_end(tmp_path):
            "PREFILL_PORT": str(pp), "DECODE_PORT": str(dp), "PROXY_PORT": str(xp),
            "PREFILL_NIXL_PORT": str(pn), "DECODE_NIXL_PORT": str(dn),
            "NELSSA_T_INPUT": "512", "NELSSA_BUDGET": "1.0", "NELSSA_HANDOFF_LAG": "0", "NELSSA_ENGINE": "local",
+           "NELSSA_DEFER_BELOW": "0",  # D moves the long request to the host tier however much room it has
            "VLLM_EXTRA_ARGS": "--dtype float32 --enforce-eager --max-model-len 1024 --max-num-seqs 8",
            "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("NELSSA_OFF", None)

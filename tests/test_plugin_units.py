@@ -43,6 +43,12 @@ def test_migrated_request_anchor():
     assert p.goal(a, 2100) == (2100 - 64) // 128 * 128 == 1920
     assert p.in_use(a, 1920) == 1920 and p.in_use(a, 1792) == 0
     assert p.goal(a, 1920 + 64 + 256) == 1920 + 256
+    # deferred: a long prompt shorter than defer_below is host-backed only from the anchor the scheduler gives it (its length while
+    # it prefills, its tokens with KV once it decodes), like a grown request
+    d = Policy(T_input=2048, sink=16, recent=64, chunk=256, block_size=128, defer_below=8192)
+    assert d.anchor(5000) == 0 and d.anchor(5000, 5000) == 5000 and d.anchor(5000, 5200) == 5200
+    assert d.deferred(5000) and not d.deferred(1950) and not d.deferred(8192) and d.anchor(8192) == 8192
+    assert d.goal(d.anchor(5000, 5000), 5000) == p.goal(p.anchor(5000), 5000)
 
 
 def test_device_only_opt_out():

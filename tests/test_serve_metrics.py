@@ -42,7 +42,7 @@ def test_serve_long_and_short_with_metrics(cut_model_dir, tmp_path):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
     env.pop("NELSSA_OFF", None)
     cmd = [sys.executable, "-m", "nelssa.cli", "serve", "--model", model_dir,
-           "--nelssa", '{"T_input": 2048, "budget": 0.04}', "--host", "127.0.0.1", "--port", str(port),
+           "--nelssa", '{"T_input": 2048, "budget": 0.04, "defer_below": 0}', "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", "4096", "--max-num-batched-tokens", "1024", "--enforce-eager", "--served-model-name", "smol"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"

@@ -112,7 +112,7 @@ def run_set(model_dir: str, lengths, depths, seed: int, *, dtype: str | None = N
     tok = AutoTokenizer.from_pretrained(model_dir)
     reqs, want = needle_requests(tok, lengths, depths, seed, max_tokens, per_haystack)
     dtype = dtype or cpu_dtype()
-    section = {"T_input": T_input, "budget": budget, **(nelssa or {})}
+    section = {"T_input": T_input, "budget": budget, "defer_below": 0, **(nelssa or {})}  # the host tier measured
     # 2048-token chunks: vLLM's CPU warm-up runs one forward of max_num_batched_tokens (4096 by default)
     spec = {"dtype": dtype, "nelssa": section, "requests": reqs,
             "engine": {"enable_prefix_caching": True, "max_num_batched_tokens": 2048}}

@@ -51,7 +51,7 @@ def sweep(model_dir: str, lengths, depths, seed: int, budgets: list[float], *, d
            "dense": {"accuracy": sum(dense_ok) / len(reqs), "by_length": dense_len, "wall_s": time.time() - t,
                      "tok_s": tokens / (time.time() - t)}, "budgets": {}}
     for b in budgets:
-        section = {"T_input": T_input, **(nelssa or {}), "budget": b}
+        section = {"T_input": T_input, "defer_below": 0, **(nelssa or {}), "budget": b}  # the host tier measured
         print(f"[accuracy] NELSSA budget {b:g}", file=sys.stderr, flush=True)
         t = time.time()
         on = run_subprocess({**spec, "mode": "on", "nelssa": section}, timeout=timeout)

@@ -32,7 +32,7 @@ def main(argv=None) -> None:
             {"id": "long5k", "text_tokens": 5000, "offset": 20000, "max_tokens": 32},
             {"id": "long7k", "text_tokens": 7000, "offset": 60000, "max_tokens": 32},
             {"id": "chat", "chat": "What is the capital of France?", "max_tokens": 32}]
-    spec = {"dtype": a.dtype, "requests": reqs, "nelssa": {"T_input": 2048, "budget": 1.0, "chunk": 128},
+    spec = {"dtype": a.dtype, "requests": reqs, "nelssa": {"T_input": 2048, "budget": 1.0, "chunk": 128, "defer_below": 0},
             "engine": {"num_gpu_blocks_override": a.blocks, "max_num_batched_tokens": 1024}}
     res = {"on": run_subprocess({**spec, "mode": "on"}),
            "on_sparse": run_subprocess({**spec, "mode": "on", "nelssa": {**spec["nelssa"], "budget": a.budget}}),

@@ -48,7 +48,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                 long_out=64, prompts="text", dtype="float32", util=0.5, kv_blocks=28, max_model_len=3200,
                 max_num_seqs=16, max_num_batched_tokens=1024, long_prefill_token_threshold=512,
                 enforce_eager=True, load_format="auto",
-                nelssa={"T_input": 2048, "budget": 1.0, "chunk": 128}),
+                nelssa={"T_input": 2048, "budget": 1.0, "chunk": 128, "defer_below": 0}),  # the host path, whatever the room
 }
 
 

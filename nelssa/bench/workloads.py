@@ -50,7 +50,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "server": ["--max-model-len", "3200", "--num-gpu-blocks-override", "28", "--max-num-seqs", "16",
                    "--max-num-batched-tokens", "1024", "--long-prefill-token-threshold", "512", "--enforce-eager",
                    "--no-enable-prefix-caching", "--seed", "0"],
-        "nelssa": {"T_input": 2048, "budget": 0.04, "chunk": 128},
+        "nelssa": {"T_input": 2048, "budget": 0.04, "chunk": 128, "defer_below": 0},  # the host path, whatever the room
         "max_model_len": 3200,
         "single-long": {"n_in": 2600, "n_out": 32},
         "multi-long": {"n": 2, "n_in": 2600, "n_out": 32},

@@ -6,6 +6,11 @@ A request is host-backed from its *anchor* A on: a long request's prompt length 
 >= T_input tokens), or, for a request that grew past T_input and migrates (scheduler.py), the tokens
 with KV when the scheduler decided to migrate it (>= T_input). The scheduler sends migrated requests'
 anchors to the worker in the NELSSA connector's metadata; prompts' anchors each side derives itself.
+A *deferred* long prompt (T_input <= length < ``defer_below``, config ``defer_below``) is not
+host-backed by its length: it stays on the device like a short request until the scheduler migrates
+it under device-KV pressure (scheduler.py), with anchor = its prompt length while it prefills (its
+hand-off follows the prefill segment by segment, as an undeferred one's) or its tokens with KV once
+it decodes; both sides read that anchor from the metadata, as a grown request's.
 Once n >= A tokens have KV, the *goal* is that the host holds [sink, G) and the device the window
 [0, sink) + [G, n):
     G(n) = H0 + chunk * floor(max(0, n - recent - H0) / chunk),   H0 = floor((A - recent) / bs) * bs
@@ -32,6 +37,7 @@ class Policy:
     recent: int
     chunk: int
     block_size: int
+    defer_below: int = 0  # long prompts shorter than this are host-backed only once migrated (0: none)
 
     def __post_init__(self) -> None:
         if self.chunk % self.block_size:
@@ -44,12 +50,16 @@ class Policy:
     def is_long(self, prompt_len: int, device_only: bool = False) -> bool:
         return not device_only and prompt_len >= self.T_input
 
+    def deferred(self, prompt_len: int) -> bool:
+        """A long prompt that stays on the device until it migrates (``defer_below``)."""
+        return self.is_long(prompt_len) and prompt_len < self.defer_below
+
     def anchor(self, prompt_len: int, migrated: int = 0, device_only: bool = False) -> int:
-        """A: ``migrated`` (the anchor the scheduler gave a migrating request) or a long prompt's length;
-        0: the request stays on the device (always for a ``device_only`` request)."""
+        """A: ``migrated`` (the anchor the scheduler gave a migrating request) or an undeferred long
+        prompt's length; 0: the request stays on the device (always for a ``device_only`` request)."""
         if device_only:
             return 0
-        return migrated or (prompt_len if self.is_long(prompt_len) else 0)
+        return migrated or (prompt_len if self.is_long(prompt_len) and not self.deferred(prompt_len) else 0)
 
     def goal(self, anchor: int, n: int) -> int:
         """G: end of the range that should be on the host once n tokens have KV (0: nothing)."""

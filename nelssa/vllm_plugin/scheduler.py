@@ -7,9 +7,9 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
 * Admission: a long request waits outside vLLM's queues (short requests pass it) until
   - host tier: its bytes for prompt + max_tokens fit beside the other admitted long requests'
     (more than the whole capacity: rejected at once with an error result saying so);
-  - prefill: fewer than ``long_prefills`` admitted long requests still hold their whole prompt on the
-    device (until their hand-off is in use and the blocks are freed), and its prompt's blocks fit in
-    the free blocks beside what the running requests still need to finish. So a long prompt never
+  - prefill: fewer than ``long_prefills`` admitted long requests still prefill or, host-backed, hold
+    their whole prompt on the device until their switch, and its prompt's blocks fit in the free
+    blocks beside what the running requests still need to finish (a host-backed one: its window). So a long prompt never
     makes vLLM preempt running short requests to find room (stock vLLM does: head-of-line blocking).
   - while it prefills, vLLM's admission watermark is raised by the blocks its prompt still needs,
     so short requests admitted meanwhile leave them free.
@@ -23,12 +23,18 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   sends it to the worker in the connector's metadata and lets the KV-cache manager free the blocks
   below it. A request whose hand-off is still running keeps decoding from its device blocks: no
   step waits for one. A preemption discards the request's reports (the worker frees its host KV).
-* Migration: when device KV use reaches ``migrate_watermark``, the running request with the largest
-  context that grew past T_input (its prompt was short) migrates: its anchor (policy.Policy.anchor)
-  is its tokens with KV now, sent to the worker in the connector's metadata, whose background
-  hand-off moves [sink, G) while it keeps decoding from its device blocks; the switch and the
-  freeing of its blocks are those of a long prompt. One migration at a time; none with headroom or
-  without host room. A preempted migrated request starts over as a short one (its host KV is freed).
+* Migration: under device-KV pressure the running request with the largest context that grew past
+  T_input (its prompt was short) or that has a deferred long prompt migrates: its anchor
+  (policy.Policy.anchor) is its tokens with KV now (a long prompt still prefilling: its prompt
+  length, so its hand-off follows the prefill), sent to the worker in the connector's metadata,
+  whose background hand-off moves [sink, G) while it keeps computing from its device blocks; the
+  switch and the freeing of its blocks are those of a long prompt. Pressure: device KV use at
+  ``migrate_watermark``, or the first held long request not fitting beside what the running
+  requests still need (_device_room). One migration at a time; none without pressure or host
+  room. A preempted migrated request starts over on the device (a grown one's host KV is freed).
+  A deferred long prompt (shorter than ``defer_below``, 32K by default) is thus served from the
+  device, exactly, as long as the device has room; a longer one is host-backed from admission on
+  (the paper's rule): its dense attention would slow every step of the short requests.
 * Errors: requests the worker reports failed (host-tier exception, timeout, missing KV) are finished
   with FINISHED_ERROR *before* this step's tokens are emitted, so no token computed from a failed
   attention reaches the client.
@@ -56,6 +62,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
+
+import dataclasses
 
 from nelssa.config import mem_available, vllm_nelssa_config
 from nelssa.vllm_plugin import runtime
@@ -96,7 +104,7 @@ class NelssaScheduler(Scheduler):
                              f"{[type(s).__name__ for s in specs]}: is the model a Llama served with the "
                              "nelssa plugin?")
         spec = specs[0]
-        self.nelssa_policy = spec.policy()
+        self.nelssa_policy = dataclasses.replace(spec.policy(), defer_below=cfg.defer_below)
         from nelssa.vllm_plugin.spec import NelssaManager
         managers = [m for m in self.kv_cache_manager.coordinator.single_type_managers if isinstance(m, NelssaManager)]
         conn = find_connector(self.connector)
@@ -146,8 +154,15 @@ class NelssaScheduler(Scheduler):
         return -(-tokens // self.block_size)
 
     def _prefilling_longs(self) -> int:
-        """Admitted long requests that still hold (or will hold) their whole prompt on the device."""
-        return sum(1 for rid in self._reserved if rid in self.requests and not self._host_end.get(rid))
+        """Admitted long requests that still prefill, or that will hold their whole prompt on the device
+        until their switch (host-backed, not switched yet); a deferred one that decodes is not counted."""
+        n = 0
+        for rid in self._reserved:
+            r = self.requests.get(rid)
+            if r is not None and not self._host_end.get(rid) and (
+                    r.num_computed_tokens < r.num_prompt_tokens or self._anchor_of(r)):
+                n += 1
+        return n
 
     def _long(self, r: Request) -> bool:
         return self.nelssa_policy.is_long(r.num_prompt_tokens, device_only(r.sampling_params))
@@ -185,30 +200,49 @@ class NelssaScheduler(Scheduler):
     def _count(self, name: str, n: int = 1) -> None:
         self._conn.sched_stats[name] = self._conn.sched_stats.get(name, 0) + n
 
+    def _pressure(self) -> str:
+        """Why host-backing should grow now ('' when it should not): device KV use at the watermark, or
+        the first held long request not fitting beside what running requests still need."""
+        pool = self.kv_cache_manager.block_pool
+        use = 1.0 - pool.get_num_free_blocks() / max(1, pool.num_gpu_blocks - 1)  # block 0: vLLM's null block
+        if use >= self.nelssa.migrate_watermark:
+            return f"device KV {100 * use:.0f}% in use"
+        if self._held and self._need(self._held[0]) <= self.host_capacity - sum(self._reserved.values()) \
+                and not self._device_room(self._held[0]):
+            return f"long request {self._held[0].request_id} waits for device KV"
+        return ""
+
     def _migrate(self) -> None:
-        """Start migrating the largest grown request when device KV use is at the watermark."""
-        cfg, pol, kvm = self.nelssa, self.nelssa_policy, self.kv_cache_manager
+        """Under pressure, start migrating the running request with the largest context that grew past
+        T_input or has a deferred long prompt."""
+        cfg, pol = self.nelssa, self.nelssa_policy
         if not cfg.migrate or any(rid in self.requests and not self._host_end.get(rid) for rid in self._anchor):
             return  # off, or one in progress
-        pool = kvm.block_pool
-        total = max(1, pool.num_gpu_blocks - 1)  # block 0 is vLLM's null block
-        if 1.0 - pool.get_num_free_blocks() / total < cfg.migrate_watermark:
-            return
-        cands = [r for r in self.running if r.status == RequestStatus.RUNNING and r.request_id not in self._anchor
-                 and not pol.is_long(r.num_prompt_tokens) and not device_only(r.sampling_params)
-                 and r.num_computed_tokens >= r.num_prompt_tokens
-                 and r.num_computed_tokens >= pol.T_input]
+        cands = []
+        for r in self.running:
+            if r.status != RequestStatus.RUNNING or r.request_id in self._anchor or device_only(r.sampling_params):
+                continue
+            if pol.is_long(r.num_prompt_tokens):
+                if pol.deferred(r.num_prompt_tokens):
+                    cands.append((max(r.num_computed_tokens, r.num_prompt_tokens), r))
+            elif r.num_computed_tokens >= max(r.num_prompt_tokens, pol.T_input):
+                cands.append((r.num_computed_tokens, r))
         if not cands:
             return
-        r = max(cands, key=lambda x: x.num_computed_tokens)
-        need = host_bytes(min(r.num_prompt_tokens + (r.max_tokens or 0), self.max_model_len), *self._bytes_per)
-        if need > self.host_capacity - sum(self._reserved.values()):
+        why = self._pressure()
+        if not why:
             return
-        self._anchor[r.request_id] = r.num_computed_tokens
-        self._reserved[r.request_id] = need
+        _, r = max(cands, key=lambda x: x[0])
+        long = pol.is_long(r.num_prompt_tokens)
+        if not long:  # a long prompt's host bytes were reserved at its admission
+            need = host_bytes(min(r.num_prompt_tokens + (r.max_tokens or 0), self.max_model_len), *self._bytes_per)
+            if need > self.host_capacity - sum(self._reserved.values()):
+                return
+            self._reserved[r.request_id] = need
+        self._anchor[r.request_id] = max(r.num_computed_tokens, r.num_prompt_tokens if long else 0)
         self._count("migrations_started")
-        log.info("NELSSA: migrating request %s (%d tokens) to the host tier: device KV %.0f%% in use",
-                 r.request_id, r.num_computed_tokens, 100 * (1.0 - pool.get_num_free_blocks() / total))
+        log.info("NELSSA: migrating %s request %s (%d tokens) to the host tier: %s",
+                 "long" if long else "grown", r.request_id, self._anchor[r.request_id], why)
 
     def _preempt_request(self, request: Request, timestamp: float) -> None:
         rid = request.request_id
@@ -217,7 +251,7 @@ class NelssaScheduler(Scheduler):
         self._switching.pop(rid, None)
         self._switched.discard(rid)
         self._host_end.pop(rid, None)
-        if self._anchor.pop(rid, None) is not None:  # it comes back as a short request
+        if self._anchor.pop(rid, None) is not None and not self._long(request):  # it comes back as a short one
             self._reserved.pop(rid, None)
         return super()._preempt_request(request, timestamp)
 
