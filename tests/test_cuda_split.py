@@ -199,12 +199,50 @@ def test_host_call_on_a_stream():
             assert torch.equal(out_d.cpu(), ref) and torch.equal(lse_d.cpu(), rlse)
 
 
+def uva_copy_case(device: str) -> None:
+    """uva.copy (the lane's transfers without the copy engines): a sliced [n, H, :bound] source, a
+    flat one, bf16 and int64; on CUDA through the device views of pinned buffers, both directions."""
+    from nelssa.vllm_plugin import uva
+    ids = torch.arange(2 * 8 * 40, device=device).view(2, 8, 40)
+    q = torch.randn(3, 32, 128, device=device).to(torch.bfloat16)
+    for src in (ids[..., :27], q, ids.view(-1)):
+        host = torch.zeros(src.shape, dtype=src.dtype, pin_memory=device == "cuda")
+        dst = uva.view(host) if device == "cuda" else host
+        assert dst is not None
+        uva.copy(src, dst)
+        back = torch.zeros_like(src)
+        uva.copy(dst, back)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(host, src.cpu()) and torch.equal(back, src)
+    with pytest.raises(ValueError):
+        uva.copy(q, torch.zeros(3, 32, 64, dtype=q.dtype, device=device))
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_host_call_captured_in_a_graph():
+def test_uva_copy_cuda():
+    uva_copy_case("cuda")
+
+
+@pytest.mark.skipif(CUDA, reason="the CUDA test covers it")
+def test_uva_copy_interpreted():
+    pytest.importorskip("triton")
+    code = "import sys; sys.path.insert(0, 'tests'); from test_cuda_split import uva_copy_case; uva_copy_case('cpu')"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_host_call_captured_in_a_graph(zero_copy):
     """A host call captured as a graph's host node (lane_batch.py): each replay, after ``rearm``, runs it
     on the queries the replay copied to pinned memory, and the replay's later copies see its results;
-    two replays with different queries give attend's results for each, bit for bit."""
+    two replays with different queries give attend's results for each, bit for bit. ``zero_copy``: the
+    transfers are kernels through the pinned buffers' device views (uva.py), as the lane's with UVA."""
     from nelssa.sparse import attend, prepare_attend
+    from nelssa.vllm_plugin import uva
     ckvs = [cluster_kv(*(torch.randn(8, n, 128).to(torch.bfloat16) for _ in range(2))) for n in (3000, 5000)]
     qs = [torch.randn(2, 32, 128).to(torch.bfloat16) for _ in range(2)]
     sel = select_clusters(qs[0], ckvs, 0.05)
@@ -219,16 +257,22 @@ def test_host_call_captured_in_a_graph():
         ready.record(lane), done.record(lane)
         lane.synchronize()
         graph.capture_begin(capture_error_mode="thread_local")
-        q_h.copy_(q_in * 1, non_blocking=True)
+        if zero_copy:
+            uva.copy(q_in * 1, uva.view(q_h))
+        else:
+            q_h.copy_(q_in * 1, non_blocking=True)
         ready.record(lane)
         hs.wait_event(ready)
         call.launch_borrowed(hs.cuda_stream)
-        with torch.cuda.stream(hs):
-            out_d = out_h.to("cuda", non_blocking=True)
-            lse_d = lse_h.to("cuda", non_blocking=True)
+        if zero_copy:
+            out_d, lse_d = uva.view(out_h), uva.view(lse_h)
+        else:
+            with torch.cuda.stream(hs):
+                out_d = out_h.to("cuda", non_blocking=True)
+                lse_d = lse_h.to("cuda", non_blocking=True)
         done.record(hs)
         lane.wait_event(done)
-        res = out_d * 1
+        res, lse_r = out_d * 1, lse_d * 1
         graph.capture_end()
     for q in qs:
         ref, rlse = attend(q, ckvs, sel)
@@ -238,7 +282,7 @@ def test_host_call_captured_in_a_graph():
             graph.replay()
         lane.synchronize()
         assert call.state == "done", call.error
-        assert torch.equal(res.cpu(), ref) and torch.equal(lse_d.cpu(), rlse)
+        assert torch.equal(res.cpu(), ref) and torch.equal(lse_r.cpu(), rlse)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

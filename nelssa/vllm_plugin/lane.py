@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nelssa.vllm_plugin import lane_host, lane_inputs, runtime
+from nelssa.vllm_plugin import lane_host, lane_inputs, runtime, uva
 from nelssa.vllm_plugin.attention import StepPlan, split_attention
 from nelssa.vllm_plugin.lane_graphs import CaptureFailed, DenseGraphs, call_op, post_attention, pre_attention
 
@@ -157,6 +157,12 @@ class Lane:
             est = [sel.estimate] if sel.estimate is not None else []
             merge_into(out, tok, [win, *est, host])          # the usual window: one FlashAttention call
             merge_into(out, tok, [win, win, *est, host])     # sink and recent apart
+            if uva.available():  # the lane's transfers through pinned memory (uva.py), each dtype they move
+                for dt in {torch.int64, torch.int32, torch.float32, self.dtype}:
+                    src = torch.zeros(2, 3, dtype=dt, device=dev)
+                    pinned = torch.zeros(2, 3, dtype=dt, pin_memory=True)
+                    uva.copy(src, uva.view(pinned))
+                    uva.copy(uva.view(pinned), src)
         except Exception as e:  # noqa: BLE001 - a warm-up only
             log.warning("NELSSA lane: compiling the split attention's kernels at start-up failed (%s: %s); the "
                         "first lane batch compiles them", type(e).__name__, e)

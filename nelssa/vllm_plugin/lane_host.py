@@ -14,7 +14,8 @@ kernel was 40: most of the rest was this orchestration. Here, per layer and on t
   2. on the host stream (``host_stream``): a wait for that event, the host attention as a CUDA host
      function (``LocalHostTier.prepare_call`` -> a C++ ``HostCall``, csrc/host_call.cpp: the driver
      runs the kernel on its callback thread once the copies are done, no Python involved), the copies
-     of its (out, LSE) from pinned memory to the device, an event;
+     of its (out, LSE) from pinned memory to the device, an event (with UVA, uva.py: no copies, the
+     merge reads them from the pinned memory; the transfers of 1 are kernels too);
   3. on the lane stream, overlapping 2: the window attention (``flash_window_parts``), a wait for 2's
      event, and the merge of window, estimate and host result into the layer's attention output.
 So the lane thread enqueues a whole batch (dense graphs between the layers, lane_graphs.py) and then
@@ -43,6 +44,7 @@ import time
 import torch
 
 from nelssa._ext import ext
+from nelssa.vllm_plugin import uva
 from nelssa.sparse.search import Selection, select_clusters
 from nelssa.vllm_plugin.attention import StepPlan, _token_index, flash_window_parts, layer_search
 
@@ -74,14 +76,24 @@ class HostStreamBatch:
         self.events: dict = {}
         self.timed_out = 0.0          # wait(): seconds after which the batch was given up on (0: it was not)
 
-    def _pinned(self, kind: str, layer: int, shape, dtype) -> torch.Tensor:
+    def _pinned(self, kind: str, layer: int, shape, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A pinned buffer and its device view (uva.py; None without UVA)."""
         key = (kind, layer, tuple(shape), dtype)
         b = self.buffers.get(key)
         if b is None:
             if len(self.buffers) > 1024:  # batch shapes come and go
                 self.buffers.clear()
-            b = self.buffers[key] = torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+            t = torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+            b = self.buffers[key] = (t, uva.view(t))
         return b
+
+    @staticmethod
+    def _to_host(src: torch.Tensor, dst: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        """Device -> pinned on the current stream: a kernel through the view (uva.py), else a copy."""
+        if dst[1] is not None:
+            uva.copy(src, dst[1])
+        else:
+            dst[0].copy_(src, non_blocking=True)
 
     def attend(self, impl, layer, q: torch.Tensor, kv_cache: torch.Tensor, o: torch.Tensor, md,
                plan: StepPlan) -> None:
@@ -100,17 +112,15 @@ class HostStreamBatch:
                 ckvs, sel, q_host, q_off = layer_search(plan, li, q, tok, cfg, impl.scale)
             if q_host.is_cuda:  # the eager search (1): its queries to pinned memory
                 staged = self._pinned("q", li, q_host.shape, q_host.dtype)
-                staged.copy_(q_host, non_blocking=True)
-                q_host = staged
-            out_h = self._pinned("out", li, (n, hq, d), torch.float32)
-            lse_h = self._pinned("lse", li, (n, hq), torch.float32)
+                self._to_host(q_host, staged)
+                q_host = staged[0]
+            (out_h, out_v), (lse_h, lse_v) = (self._pinned("out", li, (n, hq, d), torch.float32),
+                                              self._pinned("lse", li, (n, hq), torch.float32))
             call = host.prepare_call(q_host, ckvs, sel, impl.scale, li, out_h, lse_h, self.flag)
             if call is None:
                 raise RuntimeError("the host tier's C++ extension is not available")
             ready, done = self.event(li, 0), self.event(li, 1)
             ready.record(self.lane_stream)
-            out_d = torch.empty(n, hq, d, dtype=torch.float32, device=q.device)
-            lse_d = torch.empty(n, hq, dtype=torch.float32, device=q.device)
             hs = self.host_stream
             hs.wait_event(ready)
             if self.capturing:
@@ -118,9 +128,14 @@ class HostStreamBatch:
             else:
                 call.launch(hs.cuda_stream)  # (2)
             self.calls.append(call)
-            with torch.cuda.stream(hs):
-                out_d.copy_(out_h, non_blocking=True)
-                lse_d.copy_(lse_h, non_blocking=True)
+            if out_v is not None and lse_v is not None:  # the merge reads the host memory (uva.py)
+                out_d, lse_d = out_v, lse_v
+            else:
+                out_d = torch.empty(n, hq, d, dtype=torch.float32, device=q.device)
+                lse_d = torch.empty(n, hq, dtype=torch.float32, device=q.device)
+                with torch.cuda.stream(hs):
+                    out_d.copy_(out_h, non_blocking=True)
+                    lse_d.copy_(lse_h, non_blocking=True)
             done.record(hs)
             self.keep += [out_d, lse_d, ready, done, q_host, out_h, lse_h]  # a captured graph reads them by address
         except Exception as e:  # noqa: BLE001 - any host-tier failure fails these requests, loudly
@@ -156,12 +171,12 @@ class HostStreamBatch:
         n, H = q_off.shape[0], ckvs[0].num_kv_heads
         bound = _bound(cfg.budget, ckvs, max(c.num_clusters for c in ckvs))
         sel = select_clusters(q_off, ckvs, cfg.budget, scale, estimate=cfg.estimate, target=target, device_out=True)
-        ids_h = self._pinned("ids", li, (n, H, bound), torch.long)
-        cnt_h = self._pinned("cnt", li, (n, H), torch.long)
-        q_h = self._pinned("q", li, q_off.shape, q_off.dtype)
-        ids_h.copy_(sel.ids[..., :bound], non_blocking=True)
-        cnt_h.copy_(sel.counts, non_blocking=True)
-        q_h.copy_(q_off, non_blocking=True)
+        ids, cnt, qb = (self._pinned("ids", li, (n, H, bound), torch.long), self._pinned("cnt", li, (n, H), torch.long),
+                        self._pinned("q", li, q_off.shape, q_off.dtype))
+        self._to_host(sel.ids[..., :bound], ids)
+        self._to_host(sel.counts, cnt)
+        self._to_host(q_off, qb)
+        (ids_h, _), (cnt_h, _), (q_h, _) = ids, cnt, qb
         self.keep += [ids_h, cnt_h]
         return Selection([ids_h[b] for b in range(n)], [cnt_h[b] for b in range(n)], sel.estimate), q_h, q_off
 

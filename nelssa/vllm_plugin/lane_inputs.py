@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nelssa.vllm_plugin import uva
+
 _ALIGN = 64  # bytes: the alignment of every staged field (3)
 
 
@@ -94,16 +96,19 @@ class Staging:
                 k = int(np.prod(s))
                 self.host[name] = hv[off:off + k].reshape(s)
                 self.dev[name] = twin[off:off + k].view(s)
-            if cuda:
-                self._pairs.append((twin, pinned))
+            if cuda:  # the upload a kernel through the pinned buffer's device view where there is one (uva.py)
+                self._pairs.append((twin, pinned, uva.view(pinned)))
 
     def upload(self, **arrays) -> dict[str, torch.Tensor]:
         """Write ``arrays`` into the pinned buffers and copy them to the device (current stream); the
         device views of every field."""
         for name, a in arrays.items():
             self.host[name][...] = a
-        for twin, pinned in self._pairs:
-            twin.copy_(pinned, non_blocking=True)
+        for twin, pinned, view in self._pairs:
+            if view is not None:
+                uva.copy(view, twin)
+            else:
+                twin.copy_(pinned, non_blocking=True)
         return self.dev
 
 
