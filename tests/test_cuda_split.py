@@ -292,3 +292,24 @@ def test_wait_event_is_bounded():
         e.record(s)
     assert C.wait_event(e.cuda_event, 0.005) is False
     assert C.wait_event(e.cuda_event, 5.0) is True
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_step_timer_logs_long_device_spans(caplog):
+    """watchdog.StepTimer: a step whose enqueued work spans ~50 ms on the device is logged (limit 20 ms),
+    a short one is not, and nothing waits for the device: spans are read at later steps."""
+    import logging
+
+    from nelssa.vllm_plugin.watchdog import StepTimer
+    timer = StepTimer(100.0)  # logs spans over 20 ms
+    with caplog.at_level(logging.INFO, logger="vllm.nelssa"):
+        s = timer.start()
+        torch.cuda._sleep(50_000_000)
+        timer.end(s, "long")
+        torch.cuda.synchronize()
+        s = timer.start()
+        timer.end(s, "short")  # reads both finished spans
+        torch.cuda.synchronize()
+        timer.end(timer.start(), "last")
+    msgs = [r.getMessage() for r in caplog.records if "NELSSA step" in r.getMessage()]
+    assert len(msgs) == 1 and "long" in msgs[0], msgs

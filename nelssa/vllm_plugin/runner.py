@@ -43,7 +43,8 @@ class NelssaRunnerMixin:
         self.nelssa_host: LocalHostTier | None = None
         self.nelssa_handoff: Handoff | None = None
         self.nelssa_lane = None
-        self.nelssa_watchdog = None
+        self.nelssa_watchdog = self.nelssa_step_timer = None
+        self._nelssa_lane_rows = 0  # lane rows of the last forward (StepTimer's log)
         self._nelssa_so = None
         self._nelssa_step = None  # (plan, moves) of the step, from _prepare_inputs to _model_forward
         self._nelssa_jobs: list[tuple[str, int, int, int]] = []  # this step's lane jobs: (request, row, pos, H)
@@ -83,8 +84,10 @@ class NelssaRunnerMixin:
             # within a fraction of a decode step, not Python's 5 ms
             sys.setswitchinterval(min(sys.getswitchinterval(), cfg.lane_switch_us * 1e-6))
         if cfg.stall_log_ms > 0:
-            from nelssa.vllm_plugin.watchdog import Watchdog
+            from nelssa.vllm_plugin.watchdog import StepTimer, Watchdog
             self.nelssa_watchdog = Watchdog(cfg.stall_log_ms)
+            if self.device.type == "cuda":
+                self.nelssa_step_timer = StepTimer(cfg.stall_log_ms)
         log.info("NELSSA on: T_input=%d budget=%.3f sink=%d recent=%d chunk=%d, %d layers, host pool %d threads",
                  cfg.T_input, cfg.budget, cfg.sink, cfg.recent, cfg.chunk, len(layers), cfg.pool_threads)
 
@@ -121,10 +124,17 @@ class NelssaRunnerMixin:
             host.free(rid)
             runtime.forget(rid)
         self._nelssa_so = scheduler_output
+        timer = self.nelssa_step_timer
+        started = timer.start() if timer is not None else None
+        self._nelssa_lane_rows = 0
         try:
             return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
             self._nelssa_so = self._nelssa_step = None
+            if started is not None:
+                so = scheduler_output
+                timer.end(started, f"{len(so.num_scheduled_tokens)} requests, {so.total_num_scheduled_tokens} "
+                                   f"tokens, {self._nelssa_lane_rows} lane rows")
 
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         """vLLM's input preparation, then the step's plan (which rows are split, which the lane computed)
@@ -169,6 +179,7 @@ class NelssaRunnerMixin:
         self._nelssa_step = None
         plan, moves = step
         set_plan(plan)
+        self._nelssa_lane_rows = len(plan.lane_rows)
         if plan.lane_rows:
             self.get_model().nelssa_inject = (
                 self._nelssa_lane_index(plan)[0],
