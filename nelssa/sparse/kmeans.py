@@ -5,6 +5,14 @@ from __future__ import annotations
 import torch
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; to CUDA from pinned memory: a pageable copy is staged by the CUDA
+    driver's worker thread, which can be busy running the long lane's host functions for tens of ms."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def segments(length: int, segment: int) -> list[tuple[int, int]]:
     """Split [0, length) into round(length / segment) (at least 1) near-equal segments."""
     n = max(1, round(length / segment))
@@ -42,7 +50,7 @@ def segmented_kmeans(keys: torch.Tensor, *, cluster_size: int = 16, segment: int
     for lo, hi in segments(L, segment):
         n = hi - lo
         c = min(n, max(1, round(n / cluster_size)))
-        init = torch.randperm(n, generator=gen)[:c].sort().values.to(keys.device)
+        init = _to(torch.randperm(n, generator=gen)[:c].sort().values, keys.device)
         xs = xn[:, lo:hi]
         cent = xs[:, init].clone()
         for _ in range(max(0, iters - 1)):

@@ -76,9 +76,12 @@ class Handoff:
     def _copy(self, rid: str, blocks: list[int], lo: int, hi: int) -> None:
         """Read [lo, hi) of every layer from the paged cache, cluster, prepare it on the host."""
         t, bs = time.perf_counter(), self.block_size
-        blocks_t, pos = torch.tensor(blocks, dtype=torch.long), torch.arange(lo, hi)
         dev = self.layers[0].kv_cache.device
-        b, o = blocks_t[pos // bs].to(dev), (pos % bs).to(dev)
+        blocks_t = torch.tensor(blocks, dtype=torch.long)
+        if dev.type == "cuda":  # from pinned memory: a pageable copy waits for the driver's worker thread,
+            blocks_t = blocks_t.pin_memory()  # which runs the lane's host attention (runner._nelssa_lane_index)
+        pos = torch.arange(lo, hi, device=dev)
+        b, o = blocks_t.to(dev, non_blocking=True)[pos // bs], pos % bs
         ks, vs = [], []
         for layer in self.layers:  # layer order = nelssa_layer order
             k, v = self._read_kv(layer.kv_cache, layer.impl.nelssa_kv_layout, b, o, layer.num_kv_heads,
