@@ -164,6 +164,12 @@ class NelssaConfig:
     def enabled(self) -> bool:
         return not self.off
 
+    @property
+    def defer_limit(self) -> int:
+        """``defer_below`` in effect: 0 with ``migrate`` off (a deferred prompt leaves the device only by
+        migrating, so without migration long prompts are host-backed from admission)."""
+        return self.defer_below if self.migrate else 0
+
     def replace(self, **kw: Any) -> "NelssaConfig":
         return dataclasses.replace(self, **kw)
 

@@ -134,6 +134,10 @@ def test_config_sources_and_errors():
                                                                            "NELSSA_AFFINITY_CORES": "0-1,4"})
     assert (cfg.T_input, cfg.budget, cfg.pool_threads, cfg.affinity_cores) == (4096, 0.02, 3, (0, 1, 4))
     assert load_config({"nelssa": {"budget": 0.5}}, env={"NELSSA_BUDGET": "0.1"}).budget == 0.1  # env wins
+    # deferral needs migration: with migrate off, long prompts are host-backed from admission
+    assert load_config({"nelssa": {}}, env={}).defer_limit == 32768
+    assert load_config({"nelssa": {"migrate": False}}, env={}).defer_limit == 0
+    assert load_config(None, env={"NELSSA_DEFER_BELOW": "4096"}).defer_limit == 4096
     assert load_config(None, env={"NELSSA_PREFETCH": "l2", "NELSSA_PREFETCH_ROWS": "16"}).prefetch == "l2"
     assert vllm_nelssa_config({}) is None and vllm_nelssa_config(None) is None
     assert vllm_nelssa_config({"nelssa": {}}) is not None

@@ -64,7 +64,7 @@ class NelssaRunnerMixin:
         layers = [m for m in model.modules() if isinstance(m, NelssaAttention)]
         self._nelssa_layers = sorted(layers, key=lambda m: m.nelssa_layer)
         bs = self.cache_config.block_size
-        self._nelssa_policy = Policy(cfg.T_input, cfg.sink, cfg.recent, cfg.chunk, bs, cfg.defer_below)
+        self._nelssa_policy = Policy(cfg.T_input, cfg.sink, cfg.recent, cfg.chunk, bs, cfg.defer_limit)
         set_config(cfg)
         self.nelssa_host = host_tier(cfg, num_layers=len(layers))  # engine local | node
         self.nelssa_handoff = Handoff(self.nelssa_host, self._nelssa_layers, bs, cfg.sink, read_kv,

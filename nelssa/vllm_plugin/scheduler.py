@@ -104,7 +104,7 @@ class NelssaScheduler(Scheduler):
                              f"{[type(s).__name__ for s in specs]}: is the model a Llama served with the "
                              "nelssa plugin?")
         spec = specs[0]
-        self.nelssa_policy = dataclasses.replace(spec.policy(), defer_below=cfg.defer_below)
+        self.nelssa_policy = dataclasses.replace(spec.policy(), defer_below=cfg.defer_limit)
         from nelssa.vllm_plugin.spec import NelssaManager
         managers = [m for m in self.kv_cache_manager.coordinator.single_type_managers if isinstance(m, NelssaManager)]
         conn = find_connector(self.connector)
