@@ -39,6 +39,13 @@ case "$what" in
     rc=0
     python3 -m nelssa.cli bench hol --model .gpumodel/dummy-llama-3.1-8b --out "$OUT/hol" "$@" 2>&1 \
       | tee "$OUT/hol.log" | grep -E "^\[hol|^(on|off) |^targets|Traceback|Error|error" || rc=$?
+    # engine logs: the diagnostic lines (watchdog, slow device steps, lane batches, migrations) apart,
+    # the whole log compressed (fewer and smaller files to bring back)
+    for lg in "$OUT"/hol/hol_*.log; do
+      [ -f "$lg" ] || continue
+      grep -E "NELSSA (watchdog|step:|lane: batch)|migrating|Traceback|Error" "$lg" > "${lg%.log}_diag.txt" || true
+      gzip -f "$lg"
+    done
     # profiles (--set profile_at=...): a summary next to the results; the trace itself when small enough
     for d in "$OUT"/hol/profile_*; do
       [ -d "$d" ] || continue
