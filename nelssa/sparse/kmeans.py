@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``; to CUDA from pinned memory: a pageable copy is staged by the CUDA
-    driver's worker thread, which can be busy running the long lane's host functions for tens of ms."""
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; to CUDA asynchronously from pinned memory. A pageable host->device
+    copy waits for the stream, and is staged by the CUDA driver's worker thread, which can be busy
+    running the long lane's host functions for tens of ms (H200, hol run 23)."""
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
@@ -50,7 +51,7 @@ def segmented_kmeans(keys: torch.Tensor, *, cluster_size: int = 16, segment: int
     for lo, hi in segments(L, segment):
         n = hi - lo
         c = min(n, max(1, round(n / cluster_size)))
-        init = _to(torch.randperm(n, generator=gen)[:c].sort().values, keys.device)
+        init = to_device(torch.randperm(n, generator=gen)[:c].sort().values, keys.device)
         xs = xn[:, lo:hi]
         cent = xs[:, init].clone()
         for _ in range(max(0, iters - 1)):

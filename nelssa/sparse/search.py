@@ -10,6 +10,7 @@ import torch
 
 from nelssa.config import get_config
 from nelssa.sparse.clustered import ClusteredKV
+from nelssa.sparse.kmeans import to_device
 
 
 @dataclass
@@ -47,11 +48,7 @@ def host_budget_targets(ckvs: list[ClusteredKV], budget: float) -> torch.Tensor:
 def budget_targets(ckvs: list[ClusteredKV], budget: float) -> torch.Tensor:
     """``host_budget_targets`` on the centroids' device (on CUDA by a pinned asynchronous copy: no wait
     for the stream). The same for every layer of a decode step."""
-    dev = ckvs[0].centroids.device
-    target = host_budget_targets(ckvs, budget)
-    if dev.type == "cuda":  # a pageable host->device copy would wait for the stream: pinned + async
-        target = target.pin_memory()
-    return target.to(dev, non_blocking=True)
+    return to_device(host_budget_targets(ckvs, budget), ckvs[0].centroids.device)
 
 
 _RING = 4  # pinned output buffers per shape: a selection's ids are read by the host before the 2nd next call

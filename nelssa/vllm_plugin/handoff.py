@@ -30,6 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from nelssa.sparse.kmeans import to_device
+
 
 class Handoff:
     def __init__(self, host, layers: list, block_size: int, sink: int, read_kv, on_done=None):
@@ -77,11 +79,8 @@ class Handoff:
         """Read [lo, hi) of every layer from the paged cache, cluster, prepare it on the host."""
         t, bs = time.perf_counter(), self.block_size
         dev = self.layers[0].kv_cache.device
-        blocks_t = torch.tensor(blocks, dtype=torch.long)
-        if dev.type == "cuda":  # from pinned memory: a pageable copy waits for the driver's worker thread,
-            blocks_t = blocks_t.pin_memory()  # which runs the lane's host attention (runner._nelssa_lane_index)
         pos = torch.arange(lo, hi, device=dev)
-        b, o = blocks_t.to(dev, non_blocking=True)[pos // bs], pos % bs
+        b, o = to_device(torch.tensor(blocks, dtype=torch.long), dev)[pos // bs], pos % bs
         ks, vs = [], []
         for layer in self.layers:  # layer order = nelssa_layer order
             k, v = self._read_kv(layer.kv_cache, layer.impl.nelssa_kv_layout, b, o, layer.num_kv_heads,

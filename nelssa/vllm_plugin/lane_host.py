@@ -44,8 +44,8 @@ import time
 import torch
 
 from nelssa._ext import ext
-from nelssa.vllm_plugin import uva
 from nelssa.sparse.search import Selection, select_clusters
+from nelssa.vllm_plugin import uva
 from nelssa.vllm_plugin.attention import StepPlan, _token_index, flash_window_parts, layer_search
 
 log = logging.getLogger("vllm.nelssa")

@@ -25,6 +25,7 @@ import torch
 
 from nelssa.config import set_config, vllm_nelssa_config
 from nelssa.node import LocalHostTier, host_tier
+from nelssa.sparse.kmeans import to_device
 from nelssa.vllm_plugin import runtime
 from nelssa.vllm_plugin.attention import StepPlan, read_kv, set_plan
 from nelssa.vllm_plugin.connector import step_anchors, step_host_ends, step_switching
@@ -165,10 +166,7 @@ class NelssaRunnerMixin:
         got = plan.cache.get("lane_index")
         if got is None:
             n = len(plan.lane_rows)
-            h = torch.tensor(plan.lane_rows + plan.lane_tokens, dtype=torch.long)
-            if self.device.type == "cuda":
-                h = h.pin_memory()
-            d = h.to(self.device, non_blocking=True)
+            d = to_device(torch.tensor(plan.lane_rows + plan.lane_tokens, dtype=torch.long), self.device)
             got = plan.cache["lane_index"] = (d[:n], d[n:])
         return got
 

@@ -55,6 +55,7 @@ Reservations are released when a request finishes (preemption keeps it: the requ
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 
@@ -62,8 +63,6 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
-
-import dataclasses
 
 from nelssa.config import mem_available, vllm_nelssa_config
 from nelssa.vllm_plugin import runtime
@@ -218,7 +217,7 @@ class NelssaScheduler(Scheduler):
         cfg, pol = self.nelssa, self.nelssa_policy
         if not cfg.migrate or any(rid in self.requests and not self._host_end.get(rid) for rid in self._anchor):
             return  # off, or one in progress
-        cands = []
+        cands = []  # (anchor, request): a long prompt's length while it prefills, else its tokens with KV
         for r in self.running:
             if r.status != RequestStatus.RUNNING or r.request_id in self._anchor or device_only(r.sampling_params):
                 continue
@@ -232,17 +231,17 @@ class NelssaScheduler(Scheduler):
         why = self._pressure()
         if not why:
             return
-        _, r = max(cands, key=lambda x: x[0])
+        anchor, r = max(cands, key=lambda x: x[0])
         long = pol.is_long(r.num_prompt_tokens)
         if not long:  # a long prompt's host bytes were reserved at its admission
             need = host_bytes(min(r.num_prompt_tokens + (r.max_tokens or 0), self.max_model_len), *self._bytes_per)
             if need > self.host_capacity - sum(self._reserved.values()):
                 return
             self._reserved[r.request_id] = need
-        self._anchor[r.request_id] = max(r.num_computed_tokens, r.num_prompt_tokens if long else 0)
+        self._anchor[r.request_id] = anchor
         self._count("migrations_started")
         log.info("NELSSA: migrating %s request %s (%d tokens) to the host tier: %s",
-                 "long" if long else "grown", r.request_id, self._anchor[r.request_id], why)
+                 "long" if long else "grown", r.request_id, anchor, why)
 
     def _preempt_request(self, request: Request, timestamp: float) -> None:
         rid = request.request_id

@@ -3,12 +3,11 @@
 A captured lane batch (lane_batch.py, lane_host.py) has, per layer, transfers that wait for the host
 tier: the host attention's (out, LSE) go to the device after the layer's host call, and the queries
 and selected cluster ids go to the host after the layer's centroid search, which waits for the
-previous layer's host result. Enqueued as ``cudaMemcpyAsync`` they sit in a copy engine's queue, which
-runs in order, and the engine step's own copies (its inputs, its sampled tokens) queued behind them
-wait for the rest of the lane batch. Seen on the H200 (hol run 23, torch profiler in the long-decode
-phase): once per lane batch a decode step's input copy stood 37.8 ms behind the lane's copies and the
-next step waited for that step's output: the decode phase's worst short-request latencies, and the
-device idle 48% of the time. So the lane moves these bytes with kernels on its own stream instead:
+previous layer's host result. Enqueued as ``cudaMemcpyAsync`` they sit in a copy engine's in-order
+queue for most of the batch. The lane moves these bytes with kernels on its own stream instead, so
+nothing of the lane waits in a copy engine. (Written for hol run 23's ~38-ms decode steps; run 24
+showed the copy engines were not their cause — a pageable copy of the step was, see
+runner._nelssa_lane_index — and no change in the benchmark. Kept: five fewer memcpy nodes per layer.)
 
   1. ``view(pinned)``: the device's view of a pinned host tensor (UVA; vLLM's
      ``get_accelerator_view_from_cpu_tensor``), or None where the platform has none. A kernel reads
