@@ -25,7 +25,10 @@ the chain's start). No coupling: ``other_done_ms`` ~ 0; coupling: ~ ``lane_ms``.
 ``--shape``: the chain on one stream (``single``) or with the host work on a branch joined back by
 events per layer (``branched``, the lane's shape); ``--other``: the other kernel on a stream of torch's
 pool (non-blocking) or on the legacy default stream (``default``).
-Measured on the H200 (2026-12-03, docs/results.md): ``--shape single --other pool`` only.
+``--steps WAYS`` (``none``, ``hostfn-native``: libc's usleep as the host function, no GIL; ``hostfn``;
+``memop``; ``memop-native``: the poller as a C thread, compiled with gcc at run time) runs the engine-like
+experiment instead (``measure_steps``), with ``--step-graph/--step-eager/--step-pageable/--busy-us/--copies``.
+Measured on the H200 (2026-12-03, docs/results.md, thirteenth and fourteenth sessions).
 """
 
 from __future__ import annotations
@@ -68,6 +71,37 @@ def _cu():
     return write, wait, host, devptr
 
 
+_POLLER_C = r"""
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+static volatile int *flags; static int n, us; static atomic_int run; static pthread_t th;
+static void work(int us) { struct timespec a, b; clock_gettime(CLOCK_MONOTONIC, &a);
+  do { clock_gettime(CLOCK_MONOTONIC, &b); } while ((b.tv_sec - a.tv_sec) * 1000000L + (b.tv_nsec - a.tv_nsec) / 1000 < us); }
+static void *loop(void *x) { (void)x; while (atomic_load(&run)) { for (int i = 0; i < n; i++) if (flags[i] == 1) {
+  flags[i] = 0; work(us); atomic_thread_fence(memory_order_seq_cst); flags[n + i] = 1; } } return 0; }
+void start(volatile int *f, int layers, int work_us) { flags = f; n = layers; us = work_us; atomic_store(&run, 1);
+  pthread_create(&th, 0, loop, 0); }
+void stop(void) { atomic_store(&run, 0); pthread_join(th, 0); }
+"""
+
+
+def _native_poller():
+    """The memop poller as a C thread, compiled here (gcc): spins over the ready flags, works ``us``
+    microseconds (busy, like the host attention), sets done."""
+    import os
+    import subprocess
+    import tempfile
+    d = tempfile.mkdtemp()
+    src, lib = os.path.join(d, "poller.c"), os.path.join(d, "poller.so")
+    with open(src, "w") as f:
+        f.write(_POLLER_C)
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-pthread", src, "-o", lib], check=True)
+    so = ctypes.CDLL(lib)
+    so.start.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    return so
+
+
 def _check(r: int, what: str) -> None:
     if r != 0:
         raise RuntimeError(f"{what} failed (CUresult {r})")
@@ -82,11 +116,22 @@ def _spin(ms: float) -> None:
 class Chain:
     """``layers`` x (kernel -> host work) on ``stream``, in one of the two ways (module docstring)."""
 
-    def __init__(self, way: str, layers: int, host_ms: float, branched: bool = True, kernels: int = 1):
+    def __init__(self, way: str, layers: int, host_ms: float, branched: bool = True, kernels: int = 1,
+                 copies: bool = False):
         self.way, self.layers, self.host_ms, self.branched, self.kernels = way, layers, host_ms, branched, kernels
+        # copies: per layer the lane's transfers around its host work (queries device -> pinned, result
+        # pinned -> device), as memcpy nodes in the graph
+        self.copies = copies
+        self.q = torch.zeros(2, 4096, dtype=torch.bfloat16, device="cuda")
+        self.q_host = torch.zeros(2, 4096, dtype=torch.bfloat16, pin_memory=True)
+        self.o_host = torch.zeros(2, 4096, dtype=torch.float32, pin_memory=True)
+        self.o = torch.zeros(2, 4096, dtype=torch.float32, device="cuda")
         self.write, self.wait, self.host, devptr = _cu()
         self.x = torch.zeros(1024, device="cuda")
         self.cb = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: _spin(self.host_ms))  # hostfn
+        # hostfn-native: libc's usleep as the host function (its argument, the microseconds, passed as the
+        # user data): no Python, no GIL on the driver's callback thread, as with csrc/host_call.cpp
+        self.usleep = ctypes.cast(ctypes.CDLL("libc.so.6").usleep, ctypes.c_void_p)
         self.flags = torch.zeros(2 * layers, dtype=torch.int32, pin_memory=True)  # ready[i], done[i]
         self.view = self.flags.numpy()
         d = ctypes.c_uint64()
@@ -99,6 +144,10 @@ class Chain:
         if way == "memop":
             self.poller = threading.Thread(target=self._poll, daemon=True)
             self.poller.start()
+        self.native = None
+        if way == "memop-native":  # the poller in C (no GIL): a thread of ours, as a real fix would have
+            self.native = _native_poller()
+            self.native.start(ctypes.c_void_p(self.flags.data_ptr()), layers, ctypes.c_int(int(host_ms * 1e3)))
 
     def _poll(self) -> None:
         v, n = self.view, self.layers
@@ -120,21 +169,36 @@ class Chain:
             with torch.cuda.stream(stream):
                 for _ in range(self.kernels):
                     self.x.add_(1.0)
+                if self.copies:
+                    self.q_host.copy_(self.q, non_blocking=True)
                 ready.record(stream)
             if hs is not stream:
                 hs.wait_event(ready)
             with torch.cuda.stream(hs):
                 if self.way == "hostfn":
                     _check(self.host(s, ctypes.cast(self.cb, ctypes.c_void_p), None), "cuLaunchHostFunc")
+                elif self.way == "hostfn-native":
+                    _check(self.host(s, self.usleep, ctypes.c_void_p(max(1, int(self.host_ms * 1e3)))),
+                           "cuLaunchHostFunc")
+                elif self.way == "none":
+                    pass
+                elif self.way == "memop-native":
+                    _check(self.write(s, self.dev + 4 * i, 1, 0), "cuStreamWriteValue32")
+                    _check(self.wait(s, self.dev + 4 * (n + i), 1, CU_STREAM_WAIT_VALUE_EQ), "cuStreamWaitValue32")
+                    _check(self.write(s, self.dev + 4 * (n + i), 0, 0), "cuStreamWriteValue32")
                 else:
                     _check(self.write(s, self.dev + 4 * i, 1, 0), "cuStreamWriteValue32")
                     _check(self.wait(s, self.dev + 4 * (n + i), 1, CU_STREAM_WAIT_VALUE_EQ), "cuStreamWaitValue32")
                     _check(self.write(s, self.dev + 4 * (n + i), 0, 0), "cuStreamWriteValue32")
+                if self.copies:
+                    self.o.copy_(self.o_host, non_blocking=True)
                 done.record(hs)
             if hs is not stream:
                 stream.wait_event(done)
 
     def close(self) -> None:
+        if self.native is not None:
+            self.native.stop()
         self.stop.set()
         if self.poller is not None:
             self.poller.join()
@@ -183,6 +247,75 @@ def measure(way: str, mode: str, layers: int, host_ms: float, reps: int, other_k
         chain.close()
 
 
+def measure_steps(way: str, layers: int, host_ms: float, reps: int, kernels: int, step_graph: int,
+                  step_eager: int, pageable: int = 0, copies: bool = False, busy_us: int = 0) -> dict:
+    """Engine-like: while the chain's graph replays on the lane stream, the main thread runs "steps" one
+    after another on its own stream, each a graph of ``step_graph`` small kernels (vLLM's full-graph
+    decode forward) and ``step_eager`` eager kernels (logits, sampler), waiting for each (vLLM waits for
+    the step before last: close enough), and ``pageable`` host-to-device copies from pageable memory (as
+    ``torch.tensor(list, device=...)`` makes) issued ``busy_us`` into a kernel of the step's (the stream
+    still busy, as with vLLM's async scheduling: the driver then stages the copy later, on its worker
+    thread, instead of in the call). Per step: the device span (events around it) and the host's
+    enqueue time; alone (``alone_*``) and while the chain runs (``during_*``)."""
+    lane = torch.cuda.Stream(priority=-1)
+    other = torch.cuda.Stream()
+    chain = Chain(way, layers, host_ms, True, kernels, copies)
+    y = torch.zeros(1024, device="cuda")
+    src = torch.ones(256)  # pageable
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=lane):
+            chain.enqueue(lane)
+        sg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(sg, stream=other):
+            for _ in range(step_graph):
+                y.add_(1.0)
+        torch.cuda.synchronize()
+
+        def step():
+            t = time.perf_counter()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(other):
+                a.record(other)
+                if busy_us:
+                    torch.cuda._sleep(int(busy_us * 2000))  # ~2 GHz: cycles
+                sg.replay()
+                for _ in range(step_eager):
+                    y.mul_(1.0)
+                for _ in range(pageable):
+                    y[:256].add_(src.to("cuda", non_blocking=True))
+                b.record(other)
+            host = (time.perf_counter() - t) * 1e3
+            b.synchronize()
+            return a.elapsed_time(b), host
+
+        alone = [step() for _ in range(reps + 2)][2:]
+        during, lane_ms = [], []
+        for _ in range(reps + 2):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(lane)
+            with torch.cuda.stream(lane):
+                graph.replay()
+            end.record(lane)
+            while not end.query():
+                during.append(step())
+            end.synchronize()
+            lane_ms.append(start.elapsed_time(end))
+        q = lambda xs, f: round(f(xs), 3) if xs else None  # noqa: E731
+        p99 = lambda xs: sorted(xs)[int(0.99 * (len(xs) - 1))]  # noqa: E731
+        return {"experiment": "steps", "way": way, "kernels": kernels, "layers": layers, "host_ms": host_ms,
+                "step_graph": step_graph, "step_eager": step_eager, "pageable": pageable, "copies": copies, "busy_us": busy_us, "lane_ms": q(lane_ms[2:], statistics.median),
+                "alone_span_ms": q([s for s, _ in alone], statistics.median),
+                "alone_host_ms": q([h for _, h in alone], statistics.median),
+                "during_steps": len(during), "during_span_ms": q([s for s, _ in during], statistics.median),
+                "during_span_p99_ms": q([s for s, _ in during], p99),
+                "during_host_ms": q([h for _, h in during], statistics.median),
+                "during_host_p99_ms": q([h for _, h in during], p99)}
+    finally:
+        torch.cuda.synchronize()
+        chain.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
@@ -192,12 +325,33 @@ def main() -> None:
     ap.add_argument("--other", default="pool,default", help="where the other work goes: pool, default")
     ap.add_argument("--kernels", default="1", help="kernels per layer before the host work, e.g. 1,45 (the "
                     "lane's graph has ~46 nodes per layer: does a large graph's launch hold back other streams?)")
+    ap.add_argument("--steps", default="", help="engine-like experiment instead (measure_steps): ways, e.g. "
+                    "none,hostfn-native,hostfn; with --step-graph/--step-eager")
+    ap.add_argument("--step-graph", type=int, default=300)
+    ap.add_argument("--step-eager", type=int, default=40)
+    ap.add_argument("--step-pageable", type=int, default=0, help="pageable host-to-device copies per step")
+    ap.add_argument("--busy-us", type=int, default=0, help="each step starts with a kernel this long, so its "
+                    "pageable copies are issued while its stream is busy")
+    ap.add_argument("--copies", action="store_true", help="the chain copies to/from pinned memory around its "
+                    "host work per layer, as the lane does")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
     sys.setswitchinterval(1e-4)  # the memop poller is a Python thread: let the enqueueing thread in
     rows = []
+    if a.steps:
+        for k in (int(x) for x in a.kernels.split(",")):
+            for way in a.steps.split(","):
+                r = measure_steps(way, a.layers, a.host_ms, a.reps, k, a.step_graph, a.step_eager, a.step_pageable,
+                                  a.copies, a.busy_us)
+                print(json.dumps(r), flush=True)
+                rows.append(r)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f,
+                          indent=1)
+        return
     cases = [(k, shape, other, way, mode) for k in (int(x) for x in a.kernels.split(","))
              for shape in a.shape.split(",") for other in a.other.split(",")
              for way in ("hostfn", "memop") for mode in ("stream", "graph")]

@@ -127,12 +127,19 @@ struct HostCall {
   std::string error;                    // a failed call's message
   bool value_error = false;             // ... raised as a ValueError (bad input) by the kernel
   double seconds = 0;                   // time in the kernel
+  int flag_slot = -1;                   // launch_flags: its ready/done flags (flag_wait.cpp), for its lifetime
   void run() noexcept;
+  ~HostCall();
 };
 void launch_host_call(const std::shared_ptr<HostCall>& call, int64_t stream);  // on a CUDA stream
 void run_host_call(const std::shared_ptr<HostCall>& call);                     // here, now
 void launch_host_call_borrowed(const std::shared_ptr<HostCall>& call, int64_t stream);  // graph capture
 void rearm_host_call(HostCall& call);
+// the device waits for the call through flags a thread of ours serves (flag_wait.cpp has the contract)
+void launch_host_call_flags(const std::shared_ptr<HostCall>& call, int64_t stream, bool arm);
+void rearm_flags(HostCall& call);
+void release_flag_slot(int slot);
+std::pair<int64_t, int64_t> arm_flags_for_test(const std::shared_ptr<HostCall>& call);
 bool wait_event(int64_t event, double timeout_s);  // a CUDA event completed within timeout_s (no GIL)
 const char* host_call_state(const HostCall& call);
 

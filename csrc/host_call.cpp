@@ -18,6 +18,8 @@
 //   5. Captured into a CUDA graph (launch_borrowed while the stream captures: a host node), a call
 //      runs at every replay: the graph's owner keeps it as long as the graph, re-arms it before each
 //      replay (state "launched") and reads its state after the replay, as in 4.
+//   6. Or launch_flags (flag_wait.cpp): the device waits on flags that a thread of ours serves, and the
+//      driver's worker thread never runs host attention (config lane_host_wait "flags").
 #include "common.h"
 
 #include <dlfcn.h>
@@ -130,7 +132,10 @@ void rearm_host_call(HostCall& call) {
   call.value_error = false;
   call.seconds = 0;
   call.state.store(LAUNCHED, std::memory_order_release);
+  rearm_flags(call);  // served by flags (flag_wait.cpp): counts as armed again
 }
+
+HostCall::~HostCall() { release_flag_slot(flag_slot); }
 
 bool wait_event(int64_t event, double timeout_s) {
   using Query = int (*)(void* event);

@@ -91,6 +91,9 @@ class NelssaConfig:
                                   # come back, so they run as one batch
     lane_host_calls: bool = True  # CUDA lane: a batch enqueued whole, host attention as CUDA host functions
                                   # (vllm_plugin/lane_host.py); off: the lane waits for it layer by layer
+    lane_host_wait: str = "flags"  # CUDA lane with host calls: how the device waits for each: "flags" (stream
+                                   # memory ops on pinned flags, served by the extension's own thread,
+                                   # csrc/flag_wait.cpp) | "hostfn" (CUDA host functions, the driver's thread)
     lane_batch_graph: bool = True  # CUDA lane with host calls: a batch captured and replayed as one CUDA graph
                                    # (vllm_plugin/lane_batch.py); off: enqueued layer by layer
     stall_log_ms: float = 0.0     # log every thread's stack when the engine's step thread makes no step for this
@@ -152,6 +155,8 @@ class NelssaConfig:
         req(self.node_lease_s > 0, f"node_lease_s must be > 0, got {self.node_lease_s!r}")
         req(self.cluster_size >= 1 and self.segment >= self.cluster_size and self.iters >= 1,
             "cluster_size >= 1, segment >= cluster_size and iters >= 1 required")
+        req(self.lane_host_wait in ("flags", "hostfn"),
+            f"lane_host_wait must be 'flags' or 'hostfn', got {self.lane_host_wait!r}")
         req(self.pool_threads >= 1, f"pool_threads must be >= 1, got {self.pool_threads}")
         req(self.host_capacity >= 0 and self.host_timeout_s > 0, "host_capacity >= 0 and host_timeout_s > 0 required")
         req(self.work_tokens >= 16, f"work_tokens must be >= 16, got {self.work_tokens}")
@@ -189,6 +194,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_CHUNK": ("chunk", int),
     "NELSSA_LANE_HOST_CALLS": ("lane_host_calls", _bool),
     "NELSSA_LANE_BATCH_GRAPH": ("lane_batch_graph", _bool),
+    "NELSSA_LANE_HOST_WAIT": ("lane_host_wait", str),
     "NELSSA_LONG_PREFILLS": ("long_prefills", int),
     "NELSSA_LONG_CHUNK": ("long_chunk", int),
     "NELSSA_MIGRATE": ("migrate", _bool),

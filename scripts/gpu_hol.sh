@@ -2,7 +2,8 @@
 # The head-of-line benchmark on the lent H200 host (no network there; /tmp survives while the machine
 # stays warm), in back-to-back calls:
 #   bash scripts/gpu_hol.sh stage .bundle/N          # once per vLLM bundle part (the last one installs)
-#   bash scripts/gpu_hol.sh bench [hol args ...]     # build nelssa._C, run `nelssa bench hol` (both modes)
+#   bash scripts/gpu_hol.sh bench [hol args ...]     # build nelssa._C, run `nelssa bench hol` (both modes);
+#                                                    # HOL_TAG=x: results in $OUT/hol_x (several runs per call)
 #   bash scripts/gpu_hol.sh check [exact|throughput] # CUDA unit tests + benchmarks/gpu_validate.py (dummy 8B)
 #   bash scripts/gpu_hol.sh select                   # benchmarks/bench_select_gpu.py (centroid search, torch vs kernel)
 # Carried folders: .bundle/N (../shared/gpu/make-vllm-bundle.sh .bundle), .gpumodel/dummy-llama-3.1-8b
@@ -34,27 +35,28 @@ case "$what" in
         ${1:+--only "$1"} 2>&1 | tee "$OUT/validate.log" | grep -vE "^(INFO|WARNING|DEBUG)" | tail -n 60
       exit 0
     fi
-    mkdir -p "$OUT/hol"
+    out="$OUT/hol${HOL_TAG:+_$HOL_TAG}"
+    mkdir -p "$out"
     set -o pipefail
     rc=0
-    python3 -m nelssa.cli bench hol --model .gpumodel/dummy-llama-3.1-8b --out "$OUT/hol" "$@" 2>&1 \
-      | tee "$OUT/hol.log" | grep -E "^\[hol|^(on|off) |^targets|Traceback|Error|error" || rc=$?
+    python3 -m nelssa.cli bench hol --model .gpumodel/dummy-llama-3.1-8b --out "$out" "$@" 2>&1 \
+      | tee "$out.log" | grep -E "^\[hol|^(on|off) |^targets|Traceback|Error|error" || rc=$?
     # engine logs: the diagnostic lines (watchdog, slow device steps, lane batches, migrations) apart,
     # the whole log compressed (fewer and smaller files to bring back)
-    for lg in "$OUT"/hol/hol_*.log; do
+    for lg in "$out"/hol_*.log; do
       [ -f "$lg" ] || continue
       grep -E "NELSSA (watchdog|step:|lane: batch)|migrating|Traceback|Error" "$lg" > "${lg%.log}_diag.txt" || true
       gzip -f "$lg"
     done
     # profiles (--set profile_at=...): a summary next to the results; the trace itself when small enough
-    for d in "$OUT"/hol/profile_*; do
+    for d in "$out"/profile_*; do
       [ -d "$d" ] || continue
       m=$(basename "$d")
       for t in "$d"/*.pt.trace.json*; do
-        python3 -m nelssa.bench.trace_summary "$t" --out "$OUT/hol/${m}_summary.json" > /dev/null || true
-        [ "$(stat -c %s "$t")" -lt 15000000 ] && cp "$t" "$OUT/hol/${m}.trace.json.gz"
+        python3 -m nelssa.bench.trace_summary "$t" --out "$out/${m}_summary.json" > /dev/null || true
+        [ "$(stat -c %s "$t")" -lt 15000000 ] && cp "$t" "$out/${m}.trace.json.gz"
       done
-      [ -f "$d/profiler_out_0.txt" ] && cp "$d/profiler_out_0.txt" "$OUT/hol/${m}_table.txt"
+      [ -f "$d/profiler_out_0.txt" ] && cp "$d/profiler_out_0.txt" "$out/${m}_table.txt"
       rm -rf "$d"
     done
     exit $rc ;;

@@ -165,8 +165,10 @@ def test_select_graph_equals_eager(estimate):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_host_call_on_a_stream():
-    """The lane's host call as a CUDA host function (csrc/host_call.cpp, lane_host.py): it runs after the
+@pytest.mark.parametrize("way", ["hostfn", "flags"])
+def test_host_call_on_a_stream(way):
+    """The lane's host call as a CUDA host function (csrc/host_call.cpp, lane_host.py) or served through
+    flags by the extension's thread (``flags``, csrc/flag_wait.cpp): it runs after the
     stream's earlier work (queries computed behind a 50 ms kernel, copied to pinned memory) and the
     stream's later copies see its results: equal to attend, bit for bit; a failing call leaves NaN."""
     from nelssa.sparse import attend, prepare_attend
@@ -186,7 +188,10 @@ def test_host_call_on_a_stream():
             ready = torch.cuda.Event()
             ready.record(lane)
         hs.wait_event(ready)
-        call.launch(hs.cuda_stream)
+        if way == "flags":
+            call.launch_flags(hs.cuda_stream)
+        else:
+            call.launch(hs.cuda_stream)
         with torch.cuda.stream(hs):
             out_d = out_h.to("cuda", non_blocking=True)
             lse_d = lse_h.to("cuda", non_blocking=True)
@@ -231,8 +236,10 @@ def test_uva_copy_interpreted():
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("zero_copy", [False, True])
-def test_host_call_captured_in_a_graph(zero_copy):
-    """A host call captured as a graph's host node (lane_batch.py): each replay, after ``rearm``, runs it
+@pytest.mark.parametrize("way", ["hostfn", "flags"])
+def test_host_call_captured_in_a_graph(zero_copy, way):
+    """A host call captured as a graph's host node (lane_batch.py), or as memory-operation nodes on its
+    flags (``flags``, csrc/flag_wait.cpp): each replay, after ``rearm``, runs it
     on the queries the replay copied to pinned memory, and the replay's later copies see its results;
     two replays with different queries give attend's results for each, bit for bit. ``zero_copy``: the
     transfers are kernels through the pinned buffers' device views (uva.py), as the lane's with UVA."""
@@ -258,7 +265,10 @@ def test_host_call_captured_in_a_graph(zero_copy):
             q_h.copy_(q_in * 1, non_blocking=True)
         ready.record(lane)
         hs.wait_event(ready)
-        call.launch_borrowed(hs.cuda_stream)
+        if way == "flags":
+            call.launch_flags(hs.cuda_stream, arm=False)
+        else:
+            call.launch_borrowed(hs.cuda_stream)
         if zero_copy:
             out_d, lse_d = uva.view(out_h), uva.view(lse_h)
         else:

@@ -139,12 +139,15 @@ def test_config_sources_and_errors():
     assert load_config({"nelssa": {"migrate": False}}, env={}).defer_limit == 0
     assert load_config(None, env={"NELSSA_DEFER_BELOW": "4096"}).defer_limit == 4096
     assert load_config(None, env={"NELSSA_PREFETCH": "l2", "NELSSA_PREFETCH_ROWS": "16"}).prefetch == "l2"
+    assert load_config(None, env={}).lane_host_wait == "flags"
+    assert load_config(None, env={"NELSSA_LANE_HOST_WAIT": "hostfn"}).lane_host_wait == "hostfn"
     assert vllm_nelssa_config({}) is None and vllm_nelssa_config(None) is None
     assert vllm_nelssa_config({"nelssa": {}}) is not None
     assert parse_bytes("64GiB") == 64 << 30 and parse_cores("2") == (2,)
     for bad, msg in [({"nelssa": {"budget": 0}}, "budget"), ({"nelssa": {"bogus": 1}}, "unknown nelssa config"),
                      ({"nelssa": {"engine": "x"}}, "engine"), ({"nelssa": []}, "must be an object"),
-                     ({"nelssa": {"prefetch": "t0"}}, "prefetch must be one of")]:
+                     ({"nelssa": {"prefetch": "t0"}}, "prefetch must be one of"),
+                     ({"nelssa": {"lane_host_wait": "event"}}, "lane_host_wait must be")]:
         with pytest.raises(ValueError, match=msg):
             load_config(bad, env={})
     with pytest.raises(ValueError, match="NELSSA_AFFINITY_CORES"):

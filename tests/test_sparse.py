@@ -119,14 +119,10 @@ def test_non_finite_results_raise(cpp, use_cpp):
         attend(q, [ckv], sel)
 
 
-def test_prepared_host_call(use_cpp):
-    """The long lane's host call (csrc/host_call.cpp) run on this thread: the same results as attend, bit
-    for bit, written into the given outputs; a failure (a selection out of range, an injected fault)
-    is a state with its message and NaN outputs, never an exception on the runner nor a plausible
-    result; a set CancelFlag skips the work; it runs once; without a CUDA driver launch says so."""
-    import nelssa._C as C
+def _host_call_case():
+    """Two requests' clustered KV, queries and a selection; attend's results; and ``call(**kw)`` -> a prepared
+    host call over them with fresh outputs (filled with 7.0), the outputs."""
     from nelssa.sparse import attend, prepare_attend
-    use_cpp(True)
     ckvs = [cluster_kv(*rand_kv(2, n, 64, torch.bfloat16, seed=n)) for n in (700, 1300)]
     q = torch.randn(2, 8, 64).to(torch.bfloat16)
     sel = select_clusters(q, ckvs, 0.2)
@@ -136,6 +132,18 @@ def test_prepared_host_call(use_cpp):
         out, lse = torch.full((2, 8, 64), 7.0), torch.full((2, 8), 7.0)
         return prepare_attend(q, ckvs, sel, 64 ** -0.5, out, lse, **kw), out, lse
 
+    return q, ckvs, sel, ref, rlse, call
+
+
+def test_prepared_host_call(use_cpp):
+    """The long lane's host call (csrc/host_call.cpp) run on this thread: the same results as attend, bit
+    for bit, written into the given outputs; a failure (a selection out of range, an injected fault)
+    is a state with its message and NaN outputs, never an exception on the runner nor a plausible
+    result; a set CancelFlag skips the work; it runs once; without a CUDA driver launch says so."""
+    import nelssa._C as C
+    from nelssa.sparse import prepare_attend
+    use_cpp(True)
+    q, ckvs, sel, ref, rlse, call = _host_call_case()
     c, out, lse = call()
     assert c.state == "prepared"
     c.run()
@@ -169,6 +177,57 @@ def test_prepared_host_call(use_cpp):
         assert c.state == "prepared"
         with pytest.raises(RuntimeError, match="libcuda|cuEventQuery"):
             C.wait_event(0, 1.0)
+
+
+def test_host_call_served_through_flags(use_cpp):
+    """csrc/flag_wait.cpp without a GPU, the test playing the device's part: an armed call waits for its
+    ready flag; once it is 1 the extension's poller thread clears it, runs the call and then sets done
+    (outputs equal to attend, bit for bit, written before done); re-armed it runs again; a failing call
+    sets done too, with NaN outputs (the device never waits forever); a destroyed call's slot is reused
+    with its flags cleared; without a CUDA driver launch_flags says so."""
+    import ctypes
+    import gc
+    import time
+    use_cpp(True)
+    _, _, _, ref, rlse, call = _host_call_case()
+    def serve(ready, done):  # the device: ready = 1, wait for done == 1, done = 0
+        assert ready.value == 0 and done.value == 0
+        ready.value = 1
+        t = time.monotonic()
+        while done.value != 1:
+            assert time.monotonic() - t < 10, "the poller did not serve the call"
+            time.sleep(0.0005)
+        assert ready.value == 0
+        done.value = 0
+
+    c, out, lse = call()
+    r, d = (ctypes.c_int32.from_address(a) for a in c.arm_flags_for_test())
+    time.sleep(0.02)
+    assert c.state == "launched" and (out == 7.0).all()  # nothing runs before the device says ready
+    serve(r, d)
+    assert c.state == "done", c.error
+    assert torch.equal(out, ref) and torch.equal(lse, rlse)
+    out.fill_(7.0)
+    c.rearm()  # a graph replay's call: armed again, served again
+    assert c.state == "launched"
+    serve(r, d)
+    assert c.state == "done" and torch.equal(out, ref)
+    addr = ctypes.addressof(r)
+    f, fout, flse = call(fault="injected host-tier fault")
+    fr, fd = (ctypes.c_int32.from_address(a) for a in f.arm_flags_for_test())
+    serve(fr, fd)
+    assert f.state == "failed" and "injected" in f.error and fout.isnan().all() and flse.isnan().all()
+    del c, r, d
+    gc.collect()
+    c2, out2, _ = call()
+    r2, d2 = (ctypes.c_int32.from_address(a) for a in c2.arm_flags_for_test())
+    assert ctypes.addressof(r2) == addr  # the freed slot, its flags cleared
+    serve(r2, d2)
+    assert c2.state == "done" and torch.equal(out2, ref)
+    if not torch.cuda.is_available():
+        c3, _, _ = call()
+        with pytest.raises(RuntimeError, match="libcuda|memory operations"):
+            c3.launch_flags(0)
 
 
 def test_device_group_runs_calls_on_native_workers(use_cpp):

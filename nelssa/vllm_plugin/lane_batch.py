@@ -3,7 +3,8 @@
 lane_host.py enqueues a batch layer by layer from Python: ~47 ms per batch on the H200 (run 11), on a
 thread that shares the GIL with vLLM's step thread, whose own launches slow down meanwhile (steps with
 a prefill chunk: 45-66 ms instead of ~25). A host call launched while a stream captures becomes a
-host node, so the batch can be captured once and replayed:
+host node (with ``lane_host_wait`` "flags": memory-operation nodes on its flags), so the batch
+can be captured once and replayed:
 
   1. Key: the requests in batch order and, per layer and request, what the layer's search and host
      call read — the centroid, size and value-mean tensors and the cluster count, the KV parts and
@@ -25,7 +26,7 @@ host node, so the batch can be captured once and replayed:
      A batch whose window does not fit the capacity (a hand-off lagging far behind) or whose sink is
      not whole blocks runs enqueued.
   4. The capture runs lane_graphs.segment and lane_host.HostStreamBatch.attend (``capturing``: the
-     search without its own graphs, host calls as host nodes; pinned buffers and events made before
+     search without its own graphs, host calls as graph nodes; pinned buffers and events made before
      the capture) for every layer: the same operations as the enqueued batch, in the same order.
   5. Before a replay every host call is re-armed and the cancel flag cleared; after the lane
      synchronised, the calls' states decide as in lane_host.py (4): a failed call fails the batch's

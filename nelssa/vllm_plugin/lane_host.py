@@ -11,9 +11,11 @@ kernel was 40: most of the rest was this orchestration. Here, per layer and on t
   1. the centroid search (``SelectGraphs.select``: a graph replay that also copies the queries, the
      selected ids and their counts to pinned memory; or the eager search whose ids go to pinned
      buffers, its queries copied here), then an event;
-  2. on the host stream (``host_stream``): a wait for that event, the host attention as a CUDA host
-     function (``LocalHostTier.prepare_call`` -> a C++ ``HostCall``, csrc/host_call.cpp: the driver
-     runs the kernel on its callback thread once the copies are done, no Python involved), the copies
+  2. on the host stream (``host_stream``): a wait for that event, the host attention
+     (``LocalHostTier.prepare_call`` -> a C++ ``HostCall``, no Python involved) as the device's wait on
+     a flag that the extension's poller thread sets once it ran the call (config ``lane_host_wait``
+     "flags", csrc/flag_wait.cpp; the default) or as a CUDA host function ("hostfn",
+     csrc/host_call.cpp: the driver runs it on its worker thread once the copies are done), the copies
      of its (out, LSE) from pinned memory to the device, an event (with UVA, uva.py: no copies, the
      merge reads them from the pinned memory; the transfers of 1 are kernels too);
   3. on the lane stream, overlapping 2: the window attention (``flash_window_parts``), a wait for 2's
@@ -71,7 +73,7 @@ class HostStreamBatch:
         self.calls: list = []
         self.keep: list = []          # device results and events, alive until finish (4)
         # while lane_batch.py captures the batch into a graph: the search without its own graphs, the
-        # host calls as host nodes (kept by the graph); buffers and events made before the capture
+        # host calls as graph nodes (kept by the graph); buffers and events made before the capture
         self.capturing = capturing
         self.events: dict = {}
         self.timed_out = 0.0          # wait(): seconds after which the batch was given up on (0: it was not)
@@ -123,7 +125,9 @@ class HostStreamBatch:
             ready.record(self.lane_stream)
             hs = self.host_stream
             hs.wait_event(ready)
-            if self.capturing:
+            if cfg.lane_host_wait == "flags":  # (2) served by the extension's thread (csrc/flag_wait.cpp)
+                call.launch_flags(hs.cuda_stream, arm=not self.capturing)
+            elif self.capturing:
                 call.launch_borrowed(hs.cuda_stream)
             else:
                 call.launch(hs.cuda_stream)  # (2)
