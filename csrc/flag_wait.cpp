@@ -71,13 +71,14 @@ class Flags {
   // a slot for call (3: armed or not)
   int acquire(const std::shared_ptr<HostCall>& call) {
     std::lock_guard<std::mutex> lk(m_);
-    TORCH_CHECK(!free_.empty() || high_ < kSlots, "no free host-call flag slot (", kSlots, " in use)");
+    TORCH_CHECK(!free_.empty() || high_.load() < kSlots, "no free host-call flag slot (", kSlots, " in use)");
     int s;
     if (!free_.empty()) {
       s = free_.back();
       free_.pop_back();
     } else {
-      s = high_++;
+      s = high_.load(std::memory_order_relaxed);
+      high_.store(s + 1, std::memory_order_release);
     }
     ready_[s] = 0, done_[s] = 0;
     table_[s] = call;
@@ -94,9 +95,9 @@ class Flags {
 
   void arm() {
     armed_.fetch_add(1, std::memory_order_acq_rel);
+    last_arm_ns_.store(now_ns(), std::memory_order_release);
     {
       std::lock_guard<std::mutex> lk(m_);
-      last_ = std::chrono::steady_clock::now();
       start_locked();
     }
     cv_.notify_one();
@@ -139,15 +140,18 @@ class Flags {
     }
   }
 
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+
+  // the scan takes no lock while nothing is ready (the lane thread re-arms calls holding the GIL)
   void loop() {
-    auto last_seen = std::chrono::steady_clock::now();
+    int64_t last_seen = now_ns();
+    constexpr int64_t spin_after = std::chrono::duration_cast<std::chrono::nanoseconds>(kSpinAfter).count();
     for (;;) {
       bool ran = false;
-      int high;
-      {
-        std::lock_guard<std::mutex> lk(m_);
-        high = high_;
-      }
+      const int high = high_.load(std::memory_order_acquire);
       for (int s = 0; s < high; ++s) {
         if (ready_[s] != 1) continue;
         ready_[s] = 0;
@@ -165,17 +169,13 @@ class Flags {
         c.reset();  // may destroy the call (4): after done, outside the lock
         ran = true;
       }
-      const auto now = std::chrono::steady_clock::now();
+      const int64_t now = now_ns();
       if (ran) {
         last_seen = now;
         continue;
       }
-      std::chrono::steady_clock::time_point last_arm;
-      {
-        std::lock_guard<std::mutex> lk(m_);
-        last_arm = last_;
-      }
-      if (armed_.load(std::memory_order_acquire) > 0 && now - std::max(last_seen, last_arm) < kSpinAfter) {
+      const int64_t last_arm = last_arm_ns_.load(std::memory_order_acquire);
+      if (armed_.load(std::memory_order_acquire) > 0 && now - std::max(last_seen, last_arm) < spin_after) {
         std::this_thread::yield();
         continue;
       }
@@ -188,10 +188,10 @@ class Flags {
   std::condition_variable cv_;
   std::vector<std::weak_ptr<HostCall>> table_;
   std::vector<int> free_;
-  int high_ = 0;
+  std::atomic<int> high_{0};
   bool thread_started_ = false;
   std::atomic<int64_t> armed_{0};
-  std::chrono::steady_clock::time_point last_{};
+  std::atomic<int64_t> last_arm_ns_{0};
   volatile int32_t* ready_ = nullptr;
   volatile int32_t* done_ = nullptr;
   uint64_t dev_ = 0;
