@@ -135,6 +135,10 @@ void launch_host_call(const std::shared_ptr<HostCall>& call, int64_t stream);  /
 void run_host_call(const std::shared_ptr<HostCall>& call);                     // here, now
 void launch_host_call_borrowed(const std::shared_ptr<HostCall>& call, int64_t stream);  // graph capture
 void rearm_host_call(HostCall& call);
+void mark_launched(HostCall& call);  // prepared -> launched, or "a host call runs once"
+// a CUDA driver entry point (or its fallback name), looked up in libcuda.so.1 (the extension links no
+// CUDA library: CPU builds of torch load it too); nullptr without a driver
+void* cuda_driver_symbol(const char* name, const char* fallback = nullptr);
 // the device waits for the call through flags a thread of ours serves (flag_wait.cpp has the contract)
 void launch_host_call_flags(const std::shared_ptr<HostCall>& call, int64_t stream, bool arm);
 void rearm_flags(HostCall& call);

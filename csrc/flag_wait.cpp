@@ -24,8 +24,6 @@
 //      can play the device's part.
 #include "common.h"
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -41,18 +39,9 @@ namespace {
 constexpr int kSlots = 8192;
 constexpr auto kSpinAfter = std::chrono::milliseconds(200);
 
-void* driver() {
-  static void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  return lib;
-}
-
 template <typename F>
-F sym(const char* a, const char* b = nullptr) {
-  void* lib = driver();
-  if (!lib) return nullptr;
-  void* p = dlsym(lib, a);
-  if (!p && b) p = dlsym(lib, b);
-  return reinterpret_cast<F>(p);
+F sym(const char* name, const char* fallback = nullptr) {
+  return reinterpret_cast<F>(cuda_driver_symbol(name, fallback));
 }
 
 using MemHostAlloc = int (*)(void** pp, size_t bytes, unsigned int flags);
@@ -96,16 +85,12 @@ class Flags {
   void arm() {
     armed_.fetch_add(1, std::memory_order_acq_rel);
     last_arm_ns_.store(now_ns(), std::memory_order_release);
-    {
-      std::lock_guard<std::mutex> lk(m_);
-      start_locked();
-    }
+    start();
     cv_.notify_one();
   }
 
-  void ensure_thread() {
-    std::lock_guard<std::mutex> lk(m_);
-    start_locked();
+  void start() {
+    std::call_once(started_, [this] { std::thread(&Flags::loop, this).detach(); });
   }
 
   volatile int32_t* ready(int s) { return ready_ + s; }
@@ -131,13 +116,6 @@ class Flags {
     done_ = ready_ + kSlots;
     for (int i = 0; i < 2 * kSlots; ++i) ready_[i] = 0;
     table_.resize(kSlots);
-  }
-
-  void start_locked() {
-    if (!thread_started_) {
-      std::thread(&Flags::loop, this).detach();
-      thread_started_ = true;
-    }
   }
 
   static int64_t now_ns() {
@@ -189,7 +167,7 @@ class Flags {
   std::vector<std::weak_ptr<HostCall>> table_;
   std::vector<int> free_;
   std::atomic<int> high_{0};
-  bool thread_started_ = false;
+  std::once_flag started_;
   std::atomic<int64_t> armed_{0};
   std::atomic<int64_t> last_arm_ns_{0};
   volatile int32_t* ready_ = nullptr;
@@ -200,11 +178,6 @@ class Flags {
 int slot_of(const std::shared_ptr<HostCall>& call) {
   if (call->flag_slot < 0) call->flag_slot = Flags::get().acquire(call);
   return call->flag_slot;
-}
-
-void set_launched(HostCall& call) {
-  int expected = 0;  // PREPARED
-  TORCH_CHECK(call.state.compare_exchange_strong(expected, 1), "a host call runs once");  // -> LAUNCHED
 }
 
 }  // namespace
@@ -223,10 +196,10 @@ void launch_host_call_flags(const std::shared_ptr<HostCall>& call, int64_t strea
   if (r == 0) r = write(st, f.dev_done(s), 0, 0);
   TORCH_CHECK(r == 0, "a stream memory operation failed (CUresult ", r, ")");
   if (arm) {
-    set_launched(*call);
+    mark_launched(*call);
     f.arm();
   } else {
-    f.ensure_thread();
+    f.start();
   }
 }
 
@@ -241,7 +214,7 @@ void release_flag_slot(int slot) {
 std::pair<int64_t, int64_t> arm_flags_for_test(const std::shared_ptr<HostCall>& call) {
   Flags& f = Flags::get();
   const int s = slot_of(call);
-  set_launched(*call);
+  mark_launched(*call);
   f.arm();
   return {reinterpret_cast<int64_t>(f.ready(s)), reinterpret_cast<int64_t>(f.done(s))};
 }

@@ -80,17 +80,9 @@ extern "C" void nelssa_host_call_trampoline(void* p) {
   delete call;  // the caller still holds the call (4): this never frees its tensors here
 }
 
-// A CUDA driver entry point, looked up once per name (the extension links no CUDA library: CPU builds
-// of torch load it too); nullptr without a driver.
-void* driver_lib() {
-  static void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  return lib;
-}
-
 template <typename F>
 F driver_symbol(const char* name) {
-  void* lib = driver_lib();
-  return lib ? reinterpret_cast<F>(dlsym(lib, name)) : nullptr;
+  return reinterpret_cast<F>(cuda_driver_symbol(name));
 }
 
 using LaunchHostFunc = int (*)(void* stream, void (*fn)(void*), void* user_data);
@@ -102,11 +94,22 @@ LaunchHostFunc driver_launch() {
 
 }  // namespace
 
+void* cuda_driver_symbol(const char* name, const char* fallback) {
+  static void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) return nullptr;
+  void* p = dlsym(lib, name);
+  return p != nullptr || fallback == nullptr ? p : dlsym(lib, fallback);
+}
+
+void mark_launched(HostCall& call) {
+  int expected = PREPARED;
+  TORCH_CHECK(call.state.compare_exchange_strong(expected, LAUNCHED), "a host call runs once");
+}
+
 void launch_host_call(const std::shared_ptr<HostCall>& call, int64_t stream) {
   LaunchHostFunc fn = driver_launch();
   TORCH_CHECK(fn != nullptr, "cuLaunchHostFunc is not available: no CUDA driver (libcuda.so.1) in this process");
-  int expected = PREPARED;
-  TORCH_CHECK(call->state.compare_exchange_strong(expected, LAUNCHED), "a host call runs once");
+  mark_launched(*call);
   auto* p = new std::shared_ptr<HostCall>(call);
   const int r = fn(reinterpret_cast<void*>(stream), &nelssa_host_call_trampoline, p);
   if (r != 0) {
@@ -153,8 +156,7 @@ bool wait_event(int64_t event, double timeout_s) {
 }
 
 void run_host_call(const std::shared_ptr<HostCall>& call) {
-  int expected = PREPARED;
-  TORCH_CHECK(call->state.compare_exchange_strong(expected, LAUNCHED), "a host call runs once");
+  mark_launched(*call);
   call->run();
 }
 

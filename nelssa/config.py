@@ -89,8 +89,9 @@ class NelssaConfig:
     lane_switch_us: int = 200     # with the lane: Python's GIL switch interval (us) in the worker
     lane_gather_ms: float = 50.0  # the lane waits up to this long for the long requests it reported to
                                   # come back, so they run as one batch
-    lane_host_calls: bool = True  # CUDA lane: a batch enqueued whole, host attention as CUDA host functions
-                                  # (vllm_plugin/lane_host.py); off: the lane waits for it layer by layer
+    lane_host_calls: bool = True  # CUDA lane: a batch enqueued whole, the device waiting for each layer's host
+                                  # attention (vllm_plugin/lane_host.py, lane_host_wait); off: the lane thread
+                                  # waits for it layer by layer
     lane_host_wait: str = "flags"  # CUDA lane with host calls: how the device waits for each: "flags" (stream
                                    # memory ops on pinned flags, served by the extension's own thread,
                                    # csrc/flag_wait.cpp) | "hostfn" (CUDA host functions, the driver's thread)
