@@ -68,7 +68,50 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("error", [](const nelssa::HostCall& c) { return c.error; })
       .def_property_readonly("value_error", [](const nelssa::HostCall& c) { return c.value_error; },
                              "whether the failure was the kernel's ValueError (bad input, e.g. NaN queries)")
-      .def_property_readonly("seconds", [](const nelssa::HostCall& c) { return c.seconds; });
+      .def_property_readonly("seconds", [](const nelssa::HostCall& c) { return c.seconds; })
+      .def_property_readonly("node_times", [](const nelssa::HostCall& c) -> py::object {
+        if (!c.remote) return py::none();
+        return py::make_tuple(c.remote->node_s, c.remote->kernel_s);
+      }, "a remote call's last answer: (node seconds, slowest kernel seconds); None for a local call")
+      .def_static("remote", [](std::shared_ptr<nelssa::NodeChannel> ch, uint64_t plan, uint64_t layer,
+                               std::vector<int64_t> dims, std::vector<int64_t> bounds, std::vector<int64_t> q_off,
+                               std::vector<int64_t> ids_off, std::vector<int64_t> counts_off,
+                               std::vector<int64_t> out_off, std::vector<int64_t> lse_off, double timeout_s,
+                               at::Tensor q, std::vector<at::Tensor> sel, std::vector<at::Tensor> nsel, at::Tensor out,
+                               at::Tensor lse, std::shared_ptr<nelssa::CancelFlag> cancel, std::string fault) {
+             TORCH_CHECK(ch && dims.size() == 6, "remote: a channel and dims (B, Hq, H, D, S, q_itemsize)");
+             auto j = std::make_shared<nelssa::RemoteJob>();
+             j->channel = std::move(ch), j->plan = plan, j->layer = layer;
+             j->B = dims[0], j->Hq = dims[1], j->H = dims[2], j->D = dims[3], j->S = dims[4], j->q_itemsize = dims[5];
+             TORCH_CHECK(j->H > 0 && j->Hq % j->H == 0, "remote: query heads must be a multiple of KV heads");
+             j->bounds = std::move(bounds), j->q_off = std::move(q_off), j->ids_off = std::move(ids_off);
+             j->counts_off = std::move(counts_off), j->out_off = std::move(out_off), j->lse_off = std::move(lse_off);
+             j->timeout_s = timeout_s;
+             auto c = std::make_shared<nelssa::HostCall>();
+             c->q = std::move(q), c->sel = std::move(sel), c->nsel = std::move(nsel);
+             c->out = std::move(out), c->lse = std::move(lse), c->cancel = std::move(cancel);
+             c->fault = std::move(fault), c->remote = std::move(j);
+             return c;
+           },
+           py::arg("channel"), py::arg("plan"), py::arg("layer"), py::arg("dims"), py::arg("bounds"), py::arg("q_off"),
+           py::arg("ids_off"), py::arg("counts_off"), py::arg("out_off"), py::arg("lse_off"), py::arg("timeout_s"),
+           py::arg("q"), py::arg("sel"), py::arg("nsel"), py::arg("out"), py::arg("lse"), py::arg("cancel") = nullptr,
+           py::arg("fault") = "",
+           "a call whose work nelssa-node does through a native channel (csrc/node_plane.cpp, 3); the "
+           "offsets are wire.plan_layout's");
+  py::class_<nelssa::PlanTable, std::shared_ptr<nelssa::PlanTable>>(
+      m, "PlanTable", "nelssa-node: one client's plans, shared by its native channels' responders")
+      .def(py::init(&nelssa::make_plan_table))
+      .def("add", &nelssa::plan_table_add, py::arg("plan"), py::arg("layers"),
+           "layers[l][d]: the prepared HostCall of layer l on device d (None: no heads there)")
+      .def("drop", &nelssa::plan_table_drop, py::arg("plan"))
+      .def("__len__", &nelssa::plan_table_size);
+  py::class_<nelssa::NodeChannel, std::shared_ptr<nelssa::NodeChannel>>(
+      m, "NodeChannel", "a client's end of a native nelssa-node channel (csrc/node_plane.cpp)")
+      .def(py::init(&nelssa::attach_node_channel), py::arg("mem"), py::arg("slot"), py::arg("stale_s"))
+      .def_property_readonly("broken", &nelssa::node_channel_broken);
+  m.def("native_header_words", &nelssa::native_header_words,
+        "the native channel's header word indices, header bytes, magic and version (wire.py must match)");
   py::class_<nelssa::DeviceGroup, std::shared_ptr<nelssa::DeviceGroup>>(
       m, "DeviceGroup", "nelssa-node's emulated devices: one native worker per device, pinned to its cores; "
                         "see csrc/device_group.cpp for the contract")
@@ -77,6 +120,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "calls[i] (a prepared HostCall or None) on device i; returns when all returned")
       .def("close", &nelssa::DeviceGroup::close, release())
       .def("__len__", &nelssa::DeviceGroup::size);
+  py::class_<nelssa::ShmResponder, std::shared_ptr<nelssa::ShmResponder>>(
+      m, "ShmResponder", "nelssa-node's native thread serving one client's channel (csrc/node_plane.cpp)")
+      .def(py::init<at::Tensor, int64_t, std::shared_ptr<nelssa::DeviceGroup>, std::shared_ptr<nelssa::PlanTable>,
+                    int64_t, int64_t>(),
+           py::arg("mem"), py::arg("slot"), py::arg("group"), py::arg("plans"), py::arg("spin_us"), py::arg("sleep_us"))
+      .def("stop", &nelssa::ShmResponder::stop, release())
+      .def("counts", &nelssa::ShmResponder::counts, "(jobs, errors) answered");
   m.def("wait_event", &nelssa::wait_event, release(), py::arg("event"), py::arg("timeout_s"),
         "wait, without the GIL, until the CUDA event (torch.cuda.Event.cuda_event) completed -> True, or "
         "timeout_s passed -> False");

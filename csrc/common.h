@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 #include <atomic>
+#include <map>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -114,6 +116,8 @@ struct CancelFlag {
   std::atomic<bool> is_set{false};
 };
 
+struct RemoteJob;  // node_plane.cpp: the call's work done by nelssa-node through a native channel
+
 struct HostCall {
   at::Tensor q;
   std::vector<std::vector<at::Tensor>> parts;
@@ -128,6 +132,7 @@ struct HostCall {
   bool value_error = false;             // ... raised as a ValueError (bad input) by the kernel
   double seconds = 0;                   // time in the kernel
   int flag_slot = -1;                   // launch_flags: its ready/done flags (flag_wait.cpp), for its lifetime
+  std::shared_ptr<RemoteJob> remote;    // set: run() is a round trip to nelssa-node (node_plane.cpp, 3)
   void run() noexcept;
   ~HostCall();
 };
@@ -160,5 +165,56 @@ class DeviceGroup {
   struct Impl;
   std::unique_ptr<Impl> impl;
 };
+
+// ---- nelssa-node's native data plane (node_plane.cpp has the contract) ----
+struct Plan {
+  std::vector<std::vector<std::shared_ptr<HostCall>>> layers;  // [layer][device] (nullptr: no heads there)
+};
+struct PlanTable {
+  std::mutex m;
+  std::map<uint64_t, std::shared_ptr<Plan>> plans;
+  std::shared_ptr<Plan> get(uint64_t id);
+};
+std::shared_ptr<PlanTable> make_plan_table();
+void plan_table_add(PlanTable& t, uint64_t id, std::vector<std::vector<std::shared_ptr<HostCall>>> layers);
+bool plan_table_drop(PlanTable& t, uint64_t id);
+int64_t plan_table_size(PlanTable& t);
+
+class ShmResponder {  // the node's end of a client's native channel
+ public:
+  ShmResponder(at::Tensor mem, int64_t slot, std::shared_ptr<DeviceGroup> group, std::shared_ptr<PlanTable> plans,
+               int64_t spin_us, int64_t sleep_us);
+  ~ShmResponder();
+  void stop();
+  std::pair<int64_t, int64_t> counts() const;  // (jobs, errors)
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl;
+};
+
+struct NodeChannel {  // the client's end
+  at::Tensor mem;  // keeps the mapping
+  uint64_t* w = nullptr;
+  uint8_t *req = nullptr, *resp = nullptr;
+  int64_t slot = 0;
+  double stale_s = 5.0;
+  std::mutex m;
+  uint64_t seq = 0;
+  std::string broken;  // set: every later job fails at once
+};
+std::shared_ptr<NodeChannel> attach_node_channel(at::Tensor mem, int64_t slot, double stale_s);
+std::string node_channel_broken(NodeChannel& ch);
+
+struct RemoteJob {  // one layer of one plan: the layout of wire.plan_layout
+  std::shared_ptr<NodeChannel> channel;
+  uint64_t plan = 0, layer = 0;
+  int64_t B = 0, Hq = 0, H = 0, D = 0, S = 0, q_itemsize = 0;
+  std::vector<int64_t> bounds, q_off, ids_off, counts_off, out_off, lse_off;
+  double timeout_s = 30.0;
+  double node_s = 0, kernel_s = 0;  // the last answer's node and kernel time
+  void run(HostCall& call);         // throws on any failure (HostCall::run keeps it as its state)
+};
+std::vector<int64_t> native_header_words();
 
 }  // namespace nelssa

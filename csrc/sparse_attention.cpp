@@ -724,7 +724,8 @@ void sparse_attention_into(
     }
   }
   for (int bh = 0; bh < BH && failed; ++bh)
-    TORCH_CHECK(!bad[bh], "request ", bh / Hkv, " kv head ", bh % Hkv, ": selection out of range of its cluster table");
+    TORCH_CHECK_VALUE(!bad[bh], "request ", bh / Hkv, " kv head ", bh % Hkv,
+                      ": selection out of range of its cluster table");  // bad input: a ValueError
   // the results are checked here, not by the caller (torch ops on its Python thread cost GIL hand-offs):
   // NaN/Inf in an output, or a NaN LSE (-inf is an empty selection), is an error, never an answer
   bool bad_out = !touch_only && any_nonfinite(reinterpret_cast<const uint32_t*>(o), static_cast<int64_t>(B) * Hq * D,

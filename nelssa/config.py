@@ -113,7 +113,7 @@ class NelssaConfig:
     engine: str = "local"         # host tier: "local" (in-process pool) | "node" (a nelssa-node service)
     node_address: str = "127.0.0.1:50151"  # engine "node": the node's gRPC address
     node_token: str = field(default="", repr=False)  # engine "node": shared secret (required off loopback)
-    node_transport: str = "auto"  # engine "node" data plane: shm | grpc | auto (shm when the node is on loopback)
+    node_transport: str = "auto"  # engine "node" data plane: native | shm | grpc | auto (native on loopback)
     node_lease_s: float = 30.0    # engine "node": lease; the node drops a client's KV this long after its last call
     cluster_size: int = 8         # mean tokens per cluster (8 measured better than 16 on needles, see README)
     segment: int = 8192           # k-means segment length (tokens)
@@ -149,8 +149,8 @@ class NelssaConfig:
         req(isinstance(self.defer_below, int) and self.defer_below >= 0,
             f"defer_below must be an int >= 0, got {self.defer_below!r}")
         req(self.engine in ("local", "node"), f"engine must be 'local' or 'node', got {self.engine!r}")
-        req(self.node_transport in ("auto", "shm", "grpc"),
-            f"node_transport must be auto, shm or grpc, got {self.node_transport!r}")
+        req(self.node_transport in ("auto", "native", "shm", "grpc"),
+            f"node_transport must be auto, native, shm or grpc, got {self.node_transport!r}")
         req(isinstance(self.node_address, str) and ":" in self.node_address,
             f"node_address must be host:port, got {self.node_address!r}")
         req(self.node_lease_s > 0, f"node_lease_s must be > 0, got {self.node_lease_s!r}")

@@ -91,10 +91,12 @@ def nodes():
 @pytest.fixture(autouse=True, scope="module")
 def _no_shm_left_behind():
     """Clients unlink their channel's name once mapped: even killed nodes leave nothing in /dev/shm."""
-    before = {f for f in os.listdir("/dev/shm") if f.startswith("nelssa-node-")}
+    def ours():
+        return {f for f in os.listdir("/dev/shm") if f.startswith(("nelssa-node-", "nelssa-native-"))}
+    before = ours()
     yield
     time.sleep(0.5)
-    assert {f for f in os.listdir("/dev/shm") if f.startswith("nelssa-node-")} <= before
+    assert ours() <= before
 
 
 def _cfg(node: Node, transport: str, **kw) -> NelssaConfig:
@@ -115,8 +117,9 @@ def _attend(tier, rids, layer, q, budget):
     return tier.wait(tier.submit_attend(q, ckvs, sel, SCALE, layer), layer)
 
 
-@pytest.mark.parametrize("name,transport", [("head1", "shm"), ("head1", "grpc"), ("head3", "shm"),
-                                            ("head3", "grpc"), ("cluster2", "shm")])
+@pytest.mark.parametrize("name,transport", [("head1", "native"), ("head1", "shm"), ("head1", "grpc"),
+                                            ("head3", "native"), ("head3", "grpc"), ("cluster2", "shm"),
+                                            ("cluster2", "native")])
 def test_node_equals_local_and_dense(nodes, name, transport):
     node = nodes(name)
     cfg = _cfg(node, transport)
@@ -147,6 +150,8 @@ def test_node_equals_local_and_dense(nodes, name, transport):
                         do, dl = dense_attention(q[0], ka, va, SCALE)
                         torch.testing.assert_close(ro[0].double(), do, atol=1e-5, rtol=1e-5)
                         torch.testing.assert_close(rl[0].double(), dl, atol=1e-5, rtol=1e-5)
+        # the native plane where it serves (head-wise, or one device), else the protobuf planes
+        assert (remote._native is not None) == (transport == "native" and name != "cluster2")
         held = node.stats().devices
         assert sum(d.used_bytes for d in held) == remote.nbytes > 0
         assert remote.free("a") and remote.free("b") and not remote.free("a")
@@ -281,19 +286,23 @@ def test_malformed_jobs_get_errors_and_the_node_keeps_serving(nodes):
 
 def test_killed_node_fails_calls_within_the_deadline_and_a_restarted_node_serves():
     node = Node("--devices", "2")
-    tiers = {tr: NodeHostTier(_cfg(node, tr, host_timeout_s=8.0, node_lease_s=4.0), L) for tr in ("shm", "grpc")}
+    tiers = {tr: NodeHostTier(_cfg(node, tr, host_timeout_s=8.0, node_lease_s=4.0), L)
+             for tr in ("native", "shm", "grpc")}
+    assert tiers["native"]._native is not None
     q = torch.randn(1, HQ, D)
     try:
         for t in tiers.values():
             t.put_layers("a", *_kv(200, 1))
             assert torch.isfinite(_attend(t, ["a"], 0, q, 1.0)[0]).all()
-        os.killpg(node.proc.pid, signal.SIGSTOP)     # a node that stalls: the shm client sees no heartbeat
-        t0 = time.monotonic()
-        with pytest.raises(HostError, match="heartbeat"):
-            _attend(tiers["shm"], ["a"], 1, q, 1.0)
-        assert time.monotonic() - t0 < 8.0
+        os.killpg(node.proc.pid, signal.SIGSTOP)     # a node that stalls: shared-memory clients see no heartbeat
+        for tr in ("native", "shm"):
+            t0 = time.monotonic()
+            with pytest.raises(HostError, match="heartbeat"):
+                _attend(tiers[tr], ["a"], 1, q, 1.0)
+            assert time.monotonic() - t0 < 8.0
         os.killpg(node.proc.pid, signal.SIGCONT)     # back: the next job gets a fresh channel and is served
-        assert torch.isfinite(_attend(tiers["shm"], ["a"], 1, q, 1.0)[0]).all()
+        for tr in ("native", "shm"):
+            assert torch.isfinite(_attend(tiers[tr], ["a"], 1, q, 1.0)[0]).all()
         node.kill()
         for t in tiers.values():
             t0 = time.monotonic()
@@ -315,11 +324,93 @@ def test_killed_node_fails_calls_within_the_deadline_and_a_restarted_node_serves
             assert torch.isfinite(_attend(t, ["c"], 1, q, 1.0)[0]).all()
             with pytest.raises(HostError, match="no longer holds"):  # what the old node held is gone
                 t.layer_kv("a", 0)
-        assert node.stats().requests == 2
+        assert node.stats().requests == len(tiers)
         for t in tiers.values():
             t.close()
     finally:
         node.kill()
+
+
+def test_native_plane_header_and_layout_agree_with_the_extension():
+    """wire.py's native header words are the C++ ones; a plan's layout is aligned, disjoint and in order."""
+    from nelssa._ext import ext
+    from nelssa.node import wire
+    mod = ext()
+    if mod is None:
+        pytest.skip("no C++ extension")
+    words = [wire.N_MAGIC, wire.N_VERSION, wire.N_SLOT, wire.N_REQ_SEQ, wire.N_REQ_PLAN, wire.N_REQ_LAYER,
+             wire.N_RESP_SEQ, wire.N_RESP_CODE, wire.N_RESP_MSG, wire.N_RESP_NODE_NS, wire.N_RESP_KERNEL_NS,
+             wire.N_BEAT, wire.N_CLOSED, 256, wire.NATIVE_MAGIC, wire.NATIVE_VERSION]
+    assert mod.native_header_words() == words
+    lay = wire.plan_layout(3, 32, 8, 128, 40, 2, [0, 3, 6, 8])
+    spans = sorted([(o, 3 * (b - a) * 4 * 128 * 2) for o, a, b in zip(lay.q_off, lay.bounds, lay.bounds[1:])] +
+                   [(o, 8 * 40 * 8) for o in lay.ids_off] + [(o, 64) for o in lay.counts_off])
+    assert all(o % 64 == 0 for o, _ in spans) and spans[-1][0] + spans[-1][1] <= lay.request_bytes
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
+    with pytest.raises(wire.WireError):
+        wire.plan_layout(1, 12, 8, 64, 4, 2, [0, 8])  # query heads not a multiple of KV heads
+
+
+def test_native_plane_refuses_bad_jobs_and_freed_plans_and_keeps_serving(nodes):
+    """Native jobs with layers outside the plan, ids and counts outside the request's clusters, NaN
+    queries -> error answers (never a result); the next valid job is bit-identical; a request freed drops
+    its plans (a job of one is NOT_FOUND, not a stale answer)."""
+    node = nodes("head3")
+    t = NodeHostTier(_cfg(node, "native"), L)
+    try:
+        t.put_layers("a", *_kv(150, 1))
+        q = torch.randn(1, HQ, D)
+        ckvs = [t.layer_kv("a", 0)]
+        sel = select_clusters(q, ckvs, 0.5, SCALE)
+        want = _attend(t, ["a"], 0, q, 0.5)
+        plane = t._native
+        S = 1 << max(4, (sel.ids[0].shape[1] - 1).bit_length())
+        ids = torch.nn.functional.pad(sel.ids[0].long(), (0, S - sel.ids[0].shape[1])).contiguous()
+        counts = sel.counts[0].long().contiguous()
+        from nelssa.sparse import Selection
+
+        def run(q_, ids_, counts_, layer=0):
+            out, lse = torch.empty(1, HQ, D), torch.empty(1, HQ)
+            c = plane.call(ckvs, q_, Selection([ids_], [counts_]), SCALE, layer, out, lse)
+            c.run()
+            return c, out, lse
+
+        c, out, _ = run(q, ids, counts)
+        assert c.state == "done"
+        torch.testing.assert_close(out, want[0], atol=0, rtol=0)
+        bad = []
+        g = torch.Generator().manual_seed(3)
+        C = ckvs[0].num_clusters
+        for k in range(60):  # ids and counts outside the request's clusters, negative, beyond S
+            i2, c2 = ids.clone(), counts.clone()
+            h = k % H
+            if k % 3 == 0:
+                i2[h, 0] = C + int(torch.randint(0, 1000, (1,), generator=g))
+                c2[h] = max(1, int(c2[h]))
+            elif k % 3 == 1:
+                i2[h, 0] = -1 - k
+                c2[h] = max(1, int(c2[h]))
+            else:
+                c2[h] = S + 1 + k if k % 2 else -k
+            bad.append((q, i2, c2, 0))
+        qn = q.clone()
+        qn[0, 1, 2] = float("nan")
+        bad += [(qn, ids, counts, 0), (q, ids, counts, L), (q, ids, counts, 1 << 40)]
+        for q_, i_, c_, layer in bad:
+            c, out, lse = run(q_, i_, c_, layer)
+            assert c.state == "failed" and "nelssa-node job" in c.error, (layer, c.error)
+            assert out.isnan().all() and lse.isnan().all()  # never a plausible answer
+        c, out, _ = run(q, ids, counts)
+        torch.testing.assert_close(out, want[0], atol=0, rtol=0)
+        assert not plane.chan.broken
+        # a plan of a freed request: dropped on the node with it
+        c = plane.call(ckvs, q, Selection([ids], [counts]), SCALE, 0, torch.empty(1, HQ, D), torch.empty(1, HQ))
+        t._free_remote("a")  # the node frees it (the client's own free would also forget its plans)
+        c.run()
+        assert c.state == "failed" and "NOT_FOUND" in c.error and "plan" in c.error
+    finally:
+        t.close()
+    assert node.stats().job_errors >= len(bad) + 1
 
 
 def test_generated_code_is_reproducible(tmp_path):

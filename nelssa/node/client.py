@@ -4,7 +4,10 @@ The client clusters where the keys are (as the local tier does, same seeds, so t
 keeps each layer's centroids / sizes / value means on that device for the centroid search
 (``RemoteKV``), and streams the packed K/V to the node. Per layer and step one decode job carries
 the queries and selected cluster ids of every long request to the node over shared memory (same host)
-or a gRPC bidi stream and returns (output, LSE). Every failure raises HostError; a result is never
+or a gRPC bidi stream and returns (output, LSE). On the same host with the C++ extension on both sides
+the jobs take the native plane (csrc/node_plane.cpp): a plan per job shape, made once over gRPC, then
+each job a round trip of raw arrays done in C++ (``prepare_call`` gives it as a HostCall, so the long
+lane enqueues node jobs as it does local ones). Every failure raises HostError; a result is never
 partial. Failures: a node that stops answering fails the call within ``host_timeout_s`` (a shared-
 memory client sees a dead node's stale heartbeat within ``STALE_S``); a node that lost the client
 (restart, lease expiry) makes the client register again: its old requests fail, new ones are served.
@@ -18,19 +21,22 @@ import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 import torch
 
+from nelssa._ext import ext
 from nelssa.config import NelssaConfig
-from nelssa.node.local import HostError, HostStats, pin_if, stage_queries
+from nelssa.node.local import HostError, HostStats, call_results, pin_if, stage_queries
 from nelssa.node.proto import nelssa_node_pb2 as pb
 from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
 from nelssa.node.server import is_loopback
-from nelssa.node.wire import (DTYPE_IDS, TOKEN_HEADER, W_BEAT, W_CLOSED, W_REQ_SEQ, W_RESP_SEQ, Limits, ShmChannel,
-                              decode_result, encode_job, tensor_bytes)
+from nelssa.node.wire import (DTYPE_IDS, TOKEN_HEADER, W_BEAT, W_CLOSED, W_REQ_SEQ, W_RESP_SEQ, Limits,
+                              NativeChannel, PlanLayout, ShmChannel, decode_result, encode_job, plan_layout,
+                              tensor_bytes)
 from nelssa.sparse import Selection, pack
 from nelssa.sparse.clustered import cluster_layers, part_stats
 
@@ -203,6 +209,89 @@ class _ShmPlane:
             self.ch = None
 
 
+class _NativePlane:
+    """Decode jobs through a native channel (csrc/node_plane.cpp has the contract): ``plan`` once per
+    job shape (requests, their lengths, heads, selection width, dtype, scale; the node prepares every
+    layer's calls), then ``call`` gives a C++ HostCall whose run() is the round trip."""
+
+    name = "native"
+    MAX_PLANS = 32   # kept per client (the node allows 64); the least recently used is dropped
+
+    def __init__(self, tier: "NodeHostTier"):
+        self.tier = tier
+        self.plans: OrderedDict[tuple, tuple[int, PlanLayout]] = OrderedDict()
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.chan = None
+        self._open()
+
+    def _open(self) -> None:
+        t = self.tier
+        rep = t._rpc("OpenShm", pb.ShmRequest(client_id=t.client_id, slot_bytes=t.limits.max_message_bytes,
+                                              native=True))
+        ch = NativeChannel.attach(rep.path, rep.slot_bytes)
+        ch.unlink()  # both sides hold the mapping now
+        self.chan = ext().NodeChannel(ch.mem, rep.slot_bytes, STALE_S)
+
+    def _channel(self):
+        """The channel, reopened when a job broke it (timeout, closed, stale heartbeat: the jobs that saw
+        it failed; the node's plans of this client stay)."""
+        with self._lock:
+            if self.chan.broken:
+                log.warning("reopening the native channel (%s)", self.chan.broken)
+                self._open()
+            return self.chan
+
+    def plan(self, ckvs: list, Hq: int, D: int, S: int, dtype: torch.dtype, scale: float) -> tuple[int, PlanLayout]:
+        key = (tuple((c.req_id, c.length) for c in ckvs), Hq, D, S, dtype, float(scale))
+        with self._lock:
+            hit = self.plans.get(key)
+            if hit is not None:
+                self.plans.move_to_end(key)
+                return hit
+        t, pid = self.tier, next(self._ids)
+        rep = t._rpc("Plan", pb.PlanRequest(client_id=t.client_id, plan_id=pid, req_ids=[c.req_id for c in ckvs],
+                                            lengths=[c.length for c in ckvs], num_heads=Hq, head_dim=D,
+                                            q_dtype=DTYPE_IDS[dtype], selected=S, scale=scale))
+        lay = plan_layout(len(ckvs), Hq, ckvs[0].num_kv_heads, D, S, torch.tensor([], dtype=dtype).element_size(),
+                          list(rep.head_bounds))
+        if (lay.request_bytes, lay.response_bytes) != (rep.request_bytes, rep.response_bytes):
+            raise HostError(f"nelssa-node plan layout differs from this client's: {rep} vs {lay}")
+        drop = []
+        with self._lock:
+            self.plans[key] = (pid, lay)
+            while len(self.plans) > self.MAX_PLANS:
+                drop.append(self.plans.popitem(last=False)[1][0])
+        for old in drop:
+            try:
+                t._rpc("DropPlan", pb.DropPlanRequest(client_id=t.client_id, plan_id=old))
+            except HostError as e:  # its requests may be gone (the node dropped the plan with them)
+                log.debug("dropping plan %d: %s", old, e)
+        return pid, lay
+
+    def forget(self, req_id: str) -> None:
+        """The request was freed: the node dropped its plans with it."""
+        with self._lock:
+            for k in [k for k in self.plans if any(r == req_id for r, _ in k[0])]:
+                del self.plans[k]
+
+    def call(self, ckvs: list, q: torch.Tensor, sel: Selection, scale: float, layer: int, out: torch.Tensor,
+             lse: torch.Tensor, cancel=None, fault: str = ""):
+        """A HostCall for one layer: q [B, Hq, D], sel ids [H, S] / counts [H] int64 per request (host
+        memory, read when it runs), out/lse fp32 written when it returns."""
+        B, Hq, D = q.shape
+        S = sel.ids[0].shape[1]
+        pid, lay = self.plan(ckvs, Hq, D, S, q.dtype, scale)
+        dims = [B, Hq, ckvs[0].num_kv_heads, D, S, q.element_size()]
+        return ext().HostCall.remote(self._channel(), pid, layer, dims, list(lay.bounds), list(lay.q_off),
+                                     list(lay.ids_off), list(lay.counts_off), list(lay.out_off), list(lay.lse_off),
+                                     self.tier.cfg.host_timeout_s, q, list(sel.ids), list(sel.counts), out, lse,
+                                     cancel, fault)
+
+    def close(self) -> None:
+        self.chan = None
+
+
 class NodeHostTier:
     """Host tier on a nelssa-node (config ``engine: node``, ``node_address``, ``node_token``,
     ``node_transport``); same interface as LocalHostTier."""
@@ -221,6 +310,7 @@ class NodeHostTier:
         self._to_free: list[str] = []
         self._closed = threading.Event()
         self._plane = None
+        self._native: _NativePlane | None = None
         self._plane_lock = threading.Lock()  # the data plane is swapped only between jobs
         self._register()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="nelssa-node-client")
@@ -235,9 +325,11 @@ class NodeHostTier:
             raise HostError(f"nelssa-node {method} at {self.cfg.node_address}: {_status(e)}") from None
 
     def _transport(self) -> str:
+        """native (shared memory: native jobs, protobuf ones where the native plane does not serve),
+        shm (protobuf jobs through shared memory) or grpc."""
         t = self.cfg.node_transport
         if t == "auto":
-            return "shm" if is_loopback(self.cfg.node_address.rsplit(":", 1)[0]) else "grpc"
+            return "native" if is_loopback(self.cfg.node_address.rsplit(":", 1)[0]) else "grpc"
         return t
 
     def _register(self) -> None:
@@ -247,9 +339,16 @@ class NodeHostTier:
         self.node_devices = len(rep.devices)
         if self._plane is not None:
             self._plane.close()
-        self._plane = _ShmPlane(self) if self._transport() == "shm" else _GrpcPlane(self)
+        tr = self._transport()
+        self._plane = _GrpcPlane(self) if tr == "grpc" else _ShmPlane(self)
+        self._native = None
+        if tr == "native" and ext() is not None and (self.node_devices == 1 or rep.partition == pb.HEAD):
+            try:
+                self._native = _NativePlane(self)
+            except HostError as e:  # a node without the extension: the protobuf planes only
+                log.warning("nelssa-node offers no native data plane (%s); jobs take the %s plane", e, self._plane.name)
         log.info("nelssa-node %s: client %s, %d devices, data plane %s", self.cfg.node_address, self.client_id,
-                 self.node_devices, self._plane.name)
+                 self.node_devices, "native" if self._native is not None else self._plane.name)
 
     def _renew_loop(self) -> None:
         while not self._closed.wait(max(0.05, self.lease_s / 3)):
@@ -370,6 +469,8 @@ class NodeHostTier:
         for c in r.layers:
             if c is not None:
                 c.freed = True
+        if self._native is not None:
+            self._native.forget(req_id)
         if not r.lost:
             self._free_remote(req_id)
         return True
@@ -393,11 +494,15 @@ class NodeHostTier:
         fault = self.cfg.fault
         timeout = self.cfg.host_timeout_s
 
+        native = self._native
+
         def run():
             if ready is not None:
                 ready.synchronize()
             if fault == "attend":
                 raise HostError("injected host-tier fault (NELSSA_FAULT=attend)")
+            if native is not None:
+                return self._run_native(native, q_cpu, ckvs, sel, scale, layer, pinned)
             t = time.perf_counter()
             B, Hq, D = q_cpu.shape
             with self._plane_lock:
@@ -416,6 +521,47 @@ class NodeHostTier:
             return pin_if((out, lse), pinned)
 
         return self._pool.submit(run)
+
+    def _run_native(self, plane: _NativePlane, q: torch.Tensor, ckvs: list, sel: Selection, scale: float, layer: int,
+                    pinned: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One job on the native plane, on this thread (the C++ round trip releases the GIL). Selections of
+        different widths are padded to a power of two (fewer plans: one per shape)."""
+        B, Hq, D = q.shape
+        w = max(i.shape[1] for i in sel.ids)
+        S = 1 << max(4, (w - 1).bit_length())
+        ids = []
+        for i in sel.ids:
+            i = i.to(device="cpu", dtype=torch.int64)
+            ids.append(torch.nn.functional.pad(i, (0, S - i.shape[1])).contiguous() if i.shape[1] != S else i.contiguous())
+        counts = [c.to(device="cpu", dtype=torch.int64).contiguous() for c in sel.counts]
+        out = torch.empty(B, Hq, D, pin_memory=pinned)
+        lse = torch.empty(B, Hq, pin_memory=pinned)
+        call = plane.call(ckvs, q.contiguous(), Selection(ids, counts), scale, layer, out, lse)
+        call.run()
+        err = call_results(self.stats, [call])
+        if err is not None:
+            raise HostError(err)
+        return out, lse
+
+    # -------- prepared calls (the long lane: lane_host.py)
+    @property
+    def prepared_calls(self) -> bool:
+        """Whether ``prepare_call`` works: the native plane is open."""
+        return self._native is not None
+
+    def prepare_call(self, q: torch.Tensor, ckvs: list, sel: Selection, scale: float, layer: int,
+                     out: torch.Tensor, lse: torch.Tensor, cancel=None):
+        """As LocalHostTier.prepare_call, the work done by the node through the native plane (a plan per
+        shape; the call's run() is the round trip). HostError without the native plane."""
+        if self._native is None:
+            raise HostError("prepared host calls need the node's native plane (same host, C++ extension)")
+        for c in ckvs:
+            c.check_alive()
+        fault = "injected host-tier fault (NELSSA_FAULT=attend)" if self.cfg.fault == "attend" else ""
+        return self._native.call(ckvs, q, sel, scale, layer, out, lse, cancel, fault)
+
+    def call_results(self, calls: list) -> str | None:
+        return call_results(self.stats, calls)
 
     def wait(self, fut: Future, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         try:
@@ -454,6 +600,8 @@ class NodeHostTier:
             self.reqs.clear()
         if self._plane is not None:
             self._plane.close()
+        if self._native is not None:
+            self._native.close()
         self._channel.close()
 
 

@@ -15,6 +15,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
+from nelssa._ext import ext
 from nelssa.config import NelssaConfig
 from nelssa.sparse import ClusteredKV, RequestKV, Selection, attend, prepare_attend
 from nelssa.sparse.clustered import cluster_layers
@@ -99,6 +100,21 @@ def stage_queries(q: torch.Tensor, sel: Selection, pin_result: bool | None):
 
 def pin_if(out: tuple[torch.Tensor, torch.Tensor], pinned: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(x.pin_memory() for x in out) if pinned else out
+
+
+def call_results(stats: HostStats, calls: list) -> str | None:
+    """Prepared calls the stream (or thread) has passed: their host attention time added to ``stats``;
+    the first failure's message, or None. A call neither done nor skipped is a failure too."""
+    err = None
+    for c in calls:
+        state = c.state
+        if state == "done":
+            stats.add(attn_s=c.seconds)
+        elif state != "skipped" and err is None:
+            err = c.error if state == "failed" else f"host call {state} after its stream passed it"
+    if err is not None:
+        stats.add(failures=1)
+    return err
 
 
 class LocalHostTier:
@@ -209,19 +225,13 @@ class LocalHostTier:
         fault = "injected host-tier fault (NELSSA_FAULT=attend)" if self.cfg.fault == "attend" else ""
         return prepare_attend(q, ckvs, sel, scale, out, lse, cancel, fault)
 
+    @property
+    def prepared_calls(self) -> bool:
+        """Whether ``prepare_call`` works (the C++ extension is there)."""
+        return ext() is not None
+
     def call_results(self, calls: list) -> str | None:
-        """Prepared calls the stream has passed: their host attention time added to the stats; the first
-        failure's message, or None. A call neither done nor skipped is a failure too."""
-        err = None
-        for c in calls:
-            state = c.state
-            if state == "done":
-                self.stats.add(attn_s=c.seconds)
-            elif state != "skipped" and err is None:
-                err = c.error if state == "failed" else f"host call {state} after its stream passed it"
-        if err is not None:
-            self.stats.add(failures=1)
-        return err
+        return call_results(self.stats, calls)
 
     def wait(self, fut: Future, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         try:

@@ -13,7 +13,10 @@ over it per decode job (the paper's NelssaHost: KV partitioner, job dispatcher, 
 * Control plane: gRPC (proto/nelssa_node.proto), a deadline required on every call, a shared-secret
   token (metadata ``x-nelssa-token``) checked on every call when set and required off loopback.
 * Data plane: the same AttendJob/AttendResult over a gRPC bidi stream or a shared-memory channel
-  served by a polling responder thread per client.
+  served by a polling responder thread per client; and for same-host clients the native plane
+  (csrc/node_plane.cpp): a plan (``Plan``) fixes a job's shape, each job is raw arrays at the plan's
+  offsets in a native channel, served by a C++ thread that runs the plan's prepared calls on the
+  devices (head-wise partitioning; no Python per job).
 * Leases: every call renews the caller's lease; a client whose lease runs out is dropped with all
   its KV (and its shared-memory channel).
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import math
 import os
 import threading
 import time
@@ -38,11 +42,12 @@ from nelssa._ext import ext
 from nelssa.config import get_config, set_config
 from nelssa.node.proto import nelssa_node_pb2 as pb
 from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
-from nelssa.node.wire import (DTYPES, TOKEN_HEADER, W_REQ_SEQ, Limits, ShmChannel, WireError, decode_job,
-                              dtype_of, tensor_bytes)
+from nelssa.node.wire import (DTYPES, TOKEN_HEADER, W_REQ_SEQ, Limits, NativeChannel, ShmChannel, WireError,
+                              decode_job, dtype_of, plan_layout, tensor_bytes)
 from nelssa.sparse import KVPart, Selection, attend, host_empty, merge_states, prepare_attend
 
 log = logging.getLogger("nelssa.node")
+_ITEM = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int64: 8}
 
 
 class NodeError(Exception):
@@ -177,6 +182,12 @@ class Client:
         self.shm_thread: threading.Thread | None = None
         self.shm_stop: threading.Event | None = None
         self.stop = threading.Event()
+        # native plane: its channel and responder (one at a time), its plans (C++ table) and their requests
+        self.native: NativeChannel | None = None
+        self.responder = None
+        self.plan_table = None
+        self.plan_reqs: dict[int, frozenset[str]] = {}
+        self.native_counts = (0, 0)  # (jobs, errors) of responders already stopped
 
 
 class Device:
@@ -289,6 +300,7 @@ class NodeState:
         self.lock = threading.Lock()   # clients map and byte accounting
         self.t0 = time.monotonic()
         self.jobs = self.job_errors = self.ingested = self.expired_clients = 0
+        self.native_done = (0, 0)  # native (jobs, errors) of clients dropped
         self.metrics = Metrics(self)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="nelssa-lease", daemon=True)
@@ -329,6 +341,9 @@ class NodeState:
         if c is None:
             return
         c.stop.set()
+        with self.lock:
+            self._stop_native(c)
+            self.native_done = (self.native_done[0] + c.native_counts[0], self.native_done[1] + c.native_counts[1])
         for rid in list(c.reqs):
             self.free(c, rid)
         if c.shm_thread is not None and c.shm_thread is not threading.current_thread():
@@ -355,6 +370,11 @@ class NodeState:
             r = c.reqs.pop(req_id, None)
         if r is None:
             return False, 0
+        with self.lock:  # its plans go first: a job of one that is running keeps its own references
+            gone = [p for p, rs in c.plan_reqs.items() if req_id in rs]
+            for p in gone:
+                del c.plan_reqs[p]
+                c.plan_table.drop(p)
         with r.lock:
             held, r.bytes = r.bytes, [0] * len(r.bytes)
             r.shards = []  # a job in flight keeps its own references until it returns
@@ -616,13 +636,140 @@ class NodeState:
             ch.write("resp", seq, payload)
             idle = time.perf_counter()
 
+    # -------- native plane (csrc/node_plane.cpp)
+    MAX_PLANS = 64  # per client
+
+    def open_native(self, c: Client, slot: int) -> NativeChannel:
+        """A new native channel for the client (one it had before is closed: its responder stops); its
+        plans stay (the plan table is the client's)."""
+        mod, group = ext(), self.workers._group
+        if mod is None or group is None:
+            raise NodeError(grpc.StatusCode.UNIMPLEMENTED, "this node has no native data plane (C++ extension not built)")
+        slot = min(max(slot, 1 << 16), self.s.limits.max_message_bytes)
+        ch = NativeChannel.create(slot, self.s.shm_dir)
+        with self.lock:
+            self._stop_native(c)
+            if c.plan_table is None:
+                c.plan_table = mod.PlanTable()
+            c.native = ch
+            c.responder = mod.ShmResponder(ch.mem, slot, group, c.plan_table, self.s.poll_spin_us,
+                                           self.s.poll_sleep_us)
+        return ch
+
+    def _stop_native(self, c: Client) -> None:
+        """(Under the lock.) The client's native responder stopped (its channel marked closed: a waiting
+        client fails at once) and the file unlinked."""
+        if c.responder is not None:
+            c.responder.stop()
+            j, e = c.responder.counts()
+            c.native_counts = (c.native_counts[0] + j, c.native_counts[1] + e)
+            c.responder = None
+        if c.native is not None:
+            c.native.unlink()
+            c.native = None
+
+    def plan(self, c: Client, m: pb.PlanRequest) -> pb.PlanReply:
+        """Prepare every layer's calls of a plan (csrc/node_plane.cpp, 1): validated here once, so a job
+        of it needs no Python."""
+        lim, n = self.s.limits, len(self.devices)
+        ch = c.native
+        if ch is None or c.responder is None:
+            raise NodeError(grpc.StatusCode.FAILED_PRECONDITION, "open a native channel (OpenShm native) first")
+        if n > 1 and self.s.partition != "head":
+            raise NodeError(grpc.StatusCode.FAILED_PRECONDITION, "the native plane serves head-wise partitioning only")
+        B, Hq, D, S = len(m.req_ids), m.num_heads, m.head_dim, m.selected
+        if not 1 <= B <= lim.max_batch or len(m.lengths) != B or len(set(m.req_ids)) != B:
+            raise WireError(f"a plan needs 1..{lim.max_batch} distinct requests, each with its length")
+        if not 1 <= Hq <= lim.max_heads or not 1 <= D <= lim.max_head_dim or S < 1:
+            raise WireError(f"plan of {Hq} heads of dim {D}, {S} ids per head: outside the limits")
+        if not math.isfinite(m.scale) or m.scale <= 0:
+            raise WireError(f"bad scale {m.scale}")
+        qdt = dtype_of(m.q_dtype)
+        with self.lock:
+            if m.plan_id in c.plan_reqs:
+                raise WireError(f"plan {m.plan_id} exists")
+            if len(c.plan_reqs) >= self.MAX_PLANS:
+                raise NodeError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.MAX_PLANS} plans held: drop some first")
+            reqs = [c.reqs.get(rid) for rid in m.req_ids]
+        for rid, r in zip(m.req_ids, reqs):
+            if r is None:
+                raise NodeError(grpc.StatusCode.NOT_FOUND, f"request {rid!r} holds no KV on this node")
+        H, L = reqs[0].H, reqs[0].num_layers
+        if any(r.H != H or r.D != D or r.dtype != reqs[0].dtype or r.num_layers != L for r in reqs) or Hq % H:
+            raise WireError(f"plan: requests must share KV heads, layers, dim {D} and dtype; query heads a multiple")
+        for r, length in zip(reqs, m.lengths):
+            for layer in range(L):
+                r.visible(layer, length)  # commits parts up to it; an error unless it matches exactly
+        bounds = [h0 for h0, _ in reqs[0].head_ranges] + [H]
+        lay = plan_layout(B, Hq, H, D, S, _ITEM[qdt], bounds)
+        if max(lay.request_bytes, lay.response_bytes) > ch.slot:
+            raise NodeError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"a job of this plan needs "
+                            f"{max(lay.request_bytes, lay.response_bytes)} B, the channel's slot holds {ch.slot}")
+        req_t, resp_t = ch.request(), ch.response()
+
+        def view(t: torch.Tensor, off: int, dt: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+            return t[off:off + math.prod(shape) * _ITEM[dt]].view(dt).view(shape)
+
+        G = Hq // H
+        ids = [view(req_t, o, torch.int64, (H, S)) for o in lay.ids_off]
+        counts = [view(req_t, o, torch.int64, (H,)) for o in lay.counts_off]
+        layers = []
+        for layer in range(L):
+            shards = []
+            for r in reqs:
+                with r.lock:
+                    if not r.shards:
+                        raise NodeError(grpc.StatusCode.NOT_FOUND, f"request {r.req_id} was freed")
+                    shards.append(r.shards[layer])
+            row = []
+            for d in range(n):
+                h0, h1 = bounds[d], bounds[d + 1]
+                if h1 == h0:
+                    row.append(None)
+                    continue
+                hq = (h1 - h0) * G
+                row.append(prepare_attend(view(req_t, lay.q_off[d], qdt, (B, hq, D)), [s[d] for s in shards],
+                                          Selection([i[h0:h1] for i in ids], [k[h0:h1] for k in counts]), m.scale,
+                                          view(resp_t, lay.out_off[d], torch.float32, (B, hq, D)),
+                                          view(resp_t, lay.lse_off[d], torch.float32, (B, hq))))
+            layers.append(row)
+        with self.lock:
+            if c.native is not ch:
+                raise NodeError(grpc.StatusCode.ABORTED, "the native channel was replaced meanwhile")
+            if any(rid not in c.reqs for rid in m.req_ids):
+                raise NodeError(grpc.StatusCode.NOT_FOUND, "a request of the plan was freed meanwhile")
+            c.plan_table.add(m.plan_id, layers)
+            c.plan_reqs[m.plan_id] = frozenset(m.req_ids)
+        return pb.PlanReply(head_bounds=bounds, request_bytes=lay.request_bytes, response_bytes=lay.response_bytes)
+
+    def drop_plan(self, c: Client, plan_id: int) -> bool:
+        with self.lock:
+            if c.plan_reqs.pop(plan_id, None) is None:
+                return False
+            c.plan_table.drop(plan_id)
+            return True
+
     # -------- reports
+    def native_jobs(self) -> tuple[int, int]:
+        """(jobs, errors) the native responders answered, all clients (dropped ones included)."""
+        with self.lock:
+            cs = list(self.clients.values())
+            j, e = self.native_done
+        for c in cs:
+            j, e = j + c.native_counts[0], e + c.native_counts[1]
+            r = c.responder
+            if r is not None:
+                a, b = r.counts()
+                j, e = j + a, e + b
+        return j, e
+
     def stats(self) -> pb.StatsReply:
         with self.lock:
             clients = list(self.clients.values())
             devs = [d.info() for d in self.devices]
+        nj, ne = self.native_jobs()
         return pb.StatsReply(devices=devs, clients=len(clients), requests=sum(len(c.reqs) for c in clients),
-                             jobs=self.jobs, job_errors=self.job_errors, ingested_bytes=self.ingested,
+                             jobs=self.jobs + nj, job_errors=self.job_errors + ne, ingested_bytes=self.ingested,
                              expired_clients=self.expired_clients)
 
     def close(self) -> None:
@@ -760,9 +907,17 @@ class Servicer(pb_grpc.NelssaNodeServicer):
 
     def OpenShm(self, request, context):
         def f():
-            ch = self.node.open_shm(self.node.client(request.client_id), request.slot_bytes)
+            c = self.node.client(request.client_id)
+            ch = (self.node.open_native if request.native else self.node.open_shm)(c, request.slot_bytes)
             return pb.ShmReply(path=ch.path, slot_bytes=ch.slot, node_pid=os.getpid())
         return self._call(context, f)
+
+    def Plan(self, request, context):
+        return self._call(context, lambda: self.node.plan(self.node.client(request.client_id), request))
+
+    def DropPlan(self, request, context):
+        return self._call(context, lambda: pb.FreeReply(
+            existed=self.node.drop_plan(self.node.client(request.client_id), request.plan_id)))
 
     def Attend(self, request_iterator, context):
         _need_deadline(context)

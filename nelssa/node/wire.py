@@ -233,3 +233,105 @@ class ShmChannel:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+# ---------------------------------------------------------------- native channel (csrc/node_plane.cpp)
+#
+# A second kind of channel file: the same header size and a request and a response slot, but its jobs
+# are raw arrays at the offsets a plan fixes (plan_layout), served by a native thread of the node. The
+# word indices below are the C++ ones (``nelssa._C.native_header_words()``; a test compares).
+
+NATIVE_MAGIC = 0x4E454C5353415031  # "NELSSAP1"
+NATIVE_VERSION = 1
+(N_MAGIC, N_VERSION, N_SLOT, N_REQ_SEQ, N_REQ_PLAN, N_REQ_LAYER, N_RESP_SEQ, N_RESP_CODE, N_RESP_MSG,
+ N_RESP_NODE_NS, N_RESP_KERNEL_NS, N_BEAT, N_CLOSED) = (0, 1, 2, 8, 9, 10, 16, 17, 18, 19, 20, 24, 25)
+_ALIGN = 64
+
+
+def _up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """Where a plan's job lives in a native channel's slots (byte offsets from each slot's start)."""
+    bounds: tuple[int, ...]       # device d attends KV heads [bounds[d], bounds[d+1])
+    q_off: tuple[int, ...]        # per device: queries [B, Hq_d, D] (the plan's dtype)
+    ids_off: tuple[int, ...]      # per request: ids int64 [H, S]
+    counts_off: tuple[int, ...]   # per request: counts int64 [H]
+    out_off: tuple[int, ...]      # per device (response slot): out fp32 [B, Hq_d, D]
+    lse_off: tuple[int, ...]      # per device (response slot): lse fp32 [B, Hq_d]
+    request_bytes: int
+    response_bytes: int
+
+
+def plan_layout(B: int, Hq: int, H: int, D: int, S: int, q_itemsize: int, bounds: list[int]) -> PlanLayout:
+    """The one layout of a plan's job, derived by the node (views for its prepared calls) and the client
+    (where its RemoteJob writes and reads): nothing about it travels but the plan's parameters."""
+    if H < 1 or Hq % H or len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != H or list(bounds) != sorted(bounds):
+        raise WireError(f"bad plan shape: {Hq} query heads over {H} KV heads, device bounds {bounds}")
+    G, off = Hq // H, 0
+    q_off = []
+    for d in range(len(bounds) - 1):
+        q_off.append(off)
+        off += _up(B * (bounds[d + 1] - bounds[d]) * G * D * q_itemsize)
+    ids_off, counts_off = [], []
+    for _ in range(B):
+        ids_off.append(off)
+        off += _up(H * S * 8)
+        counts_off.append(off)
+        off += _up(H * 8)
+    req, off = off, 0
+    out_off, lse_off = [], []
+    for d in range(len(bounds) - 1):
+        hq = (bounds[d + 1] - bounds[d]) * G
+        out_off.append(off)
+        off += _up(B * hq * D * 4)
+        lse_off.append(off)
+        off += _up(B * hq * 4)
+    return PlanLayout(tuple(bounds), tuple(q_off), tuple(ids_off), tuple(counts_off), tuple(out_off), tuple(lse_off),
+                      req, off)
+
+
+class NativeChannel:
+    """A native channel's mapped file: ``create`` on the node, ``attach`` on the client. ``mem`` is a
+    uint8 tensor over the whole mapping (the C++ side keeps it, and with it the mapping)."""
+
+    def __init__(self, path: str, fd: int, slot: int, create: bool):
+        self.path, self.slot = path, slot
+        size = _HDR + 2 * slot
+        if create:
+            os.ftruncate(fd, size)
+        elif os.fstat(fd).st_size != size:
+            os.close(fd)
+            raise WireError(f"{path}: {os.fstat(fd).st_size} bytes, {size} expected")
+        mm = mmap.mmap(fd, size)
+        os.close(fd)
+        self.mem = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor holds the buffer: mm stays mapped
+        self.w = self.mem[:_HDR].view(torch.int64).numpy().view(np.uint64)
+        if create:
+            self.w[N_MAGIC], self.w[N_VERSION], self.w[N_SLOT] = NATIVE_MAGIC, NATIVE_VERSION, slot
+        elif int(self.w[N_MAGIC]) != NATIVE_MAGIC or int(self.w[N_VERSION]) != NATIVE_VERSION or int(self.w[N_SLOT]) != slot:
+            raise WireError(f"{path}: not a native nelssa-node channel of slot {slot}")
+
+    def request(self) -> torch.Tensor:
+        return self.mem[_HDR:_HDR + self.slot]
+
+    def response(self) -> torch.Tensor:
+        return self.mem[_HDR + self.slot:_HDR + 2 * self.slot]
+
+    @classmethod
+    def create(cls, slot: int, directory: str = "/dev/shm") -> "NativeChannel":
+        import tempfile
+        fd, path = tempfile.mkstemp(prefix="nelssa-native-", dir=directory)  # mode 0600
+        return cls(path, fd, slot, create=True)
+
+    @classmethod
+    def attach(cls, path: str, slot: int) -> "NativeChannel":
+        return cls(path, os.open(path, os.O_RDWR), slot, create=False)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

@@ -55,9 +55,9 @@ log = logging.getLogger("vllm.nelssa")
 
 def batch(host, impl, lane_stream, host_stream, buffers: dict) -> "HostStreamBatch | None":
     """A batch that runs this way, or None when it cannot: a host tier without prepared calls (the node
-    client), another attention backend than FlashAttention, no C++ extension."""
+    client without its native plane), another attention backend than FlashAttention, no C++ extension."""
     mod = ext()
-    if mod is None or not hasattr(host, "prepare_call") or getattr(impl, "nelssa_backend", None) != "flash":
+    if mod is None or not getattr(host, "prepared_calls", False) or getattr(impl, "nelssa_backend", None) != "flash":
         return None
     return HostStreamBatch(lane_stream, host_stream, buffers, mod.CancelFlag())
 

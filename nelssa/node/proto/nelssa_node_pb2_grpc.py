@@ -84,6 +84,16 @@ class NelssaNodeStub:
                 request_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AttendJob.SerializeToString,
                 response_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AttendResult.FromString,
                 _registered_method=True)
+        self.Plan = channel.unary_unary(
+                '/nelssa.node.v1.NelssaNode/Plan',
+                request_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.PlanRequest.SerializeToString,
+                response_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.PlanReply.FromString,
+                _registered_method=True)
+        self.DropPlan = channel.unary_unary(
+                '/nelssa.node.v1.NelssaNode/DropPlan',
+                request_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.DropPlanRequest.SerializeToString,
+                response_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.FreeReply.FromString,
+                _registered_method=True)
 
 
 class NelssaNodeServicer:
@@ -150,6 +160,18 @@ class NelssaNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Plan(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropPlan(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NelssaNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +224,16 @@ def add_NelssaNodeServicer_to_server(servicer, server):
                     servicer.Attend,
                     request_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AttendJob.FromString,
                     response_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AttendResult.SerializeToString,
+            ),
+            'Plan': grpc.unary_unary_rpc_method_handler(
+                    servicer.Plan,
+                    request_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.PlanRequest.FromString,
+                    response_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.PlanReply.SerializeToString,
+            ),
+            'DropPlan': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropPlan,
+                    request_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.DropPlanRequest.FromString,
+                    response_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.FreeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -474,6 +506,60 @@ class NelssaNode:
             '/nelssa.node.v1.NelssaNode/Attend',
             nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AttendJob.SerializeToString,
             nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AttendResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Plan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nelssa.node.v1.NelssaNode/Plan',
+            nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.PlanRequest.SerializeToString,
+            nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.PlanReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropPlan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nelssa.node.v1.NelssaNode/DropPlan',
+            nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.DropPlanRequest.SerializeToString,
+            nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.FreeReply.FromString,
             options,
             channel_credentials,
             insecure,
