@@ -1,4 +1,5 @@
-"""nelssa-node data-plane benchmark: per-layer decode-job round trip over shared memory vs gRPC, for
+"""nelssa-node data-plane benchmark: per-layer decode-job round trip over the native plane (a plan, then raw
+arrays through shared memory, C++ on both sides), protobuf over shared memory, and gRPC, for
 1..N devices, with an empty selection (pure overhead) and a real one; and decode-job latency with
 and without a concurrent large store (ingestion isolation, paper 5.1).
 
@@ -40,12 +41,14 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
-def _start(devices: int, cores: int, memory: str, ingest: int = 0) -> tuple[subprocess.Popen, int]:
+def _start(devices: int, cores: int, memory: str, ingest: int = 0, spin_us: int | None = None) -> tuple[subprocess.Popen, int]:
     """A node whose devices share ``cores`` - ``ingest`` cores of this process's affinity; ``ingest``
     > 0: the last ones handle stores (--ingest-cores)."""
     avail = sorted(os.sched_getaffinity(0))
     per = max(1, (cores - ingest) // devices)
     extra = ["--ingest-cores", ",".join(str(c) for c in avail[-ingest:])] if ingest else []
+    if spin_us is not None:
+        extra += ["--poll-spin-us", str(spin_us)]
     p = subprocess.Popen([sys.executable, "-m", "nelssa.node", "--port", "0", "--devices", str(devices),
                           "--cores-per-device", str(per), "--device-memory", memory, "--log-level", "WARNING",
                           *extra],
@@ -66,6 +69,8 @@ def _jobs(tier: NodeHostTier, rids: list[str], q: torch.Tensor, budget: float | 
         sel = Selection([torch.zeros(H, 0, dtype=torch.int64)] * len(rids), [torch.zeros(H, dtype=torch.int64)] * len(rids))
     else:
         sel = select_clusters(q, ckvs, budget, scale)
+    if tier._native is not None:
+        return _native_jobs(tier, ckvs, q, sel, scale, iters, warmup)
     job = encode_job(1, tier.client_id, 0, scale, q, rids, [c.length for c in ckvs], list(sel.ids), list(sel.counts))
     rt, node, comp = [], [], []
     for i in range(warmup + iters):
@@ -78,6 +83,40 @@ def _jobs(tier: NodeHostTier, rids: list[str], q: torch.Tensor, budget: float | 
             rt.append(dt)
             node.append(res.node_s)
             comp.append(res.compute_s)
+    return _summary(rt, node, comp, iters)
+
+
+def _padded(sel: Selection) -> Selection:
+    """int64 ids padded to the native plane's width (a power of two >= 16, as NodeHostTier pads)."""
+    w = max(i.shape[1] for i in sel.ids)
+    S = 1 << max(4, (w - 1).bit_length())
+    return Selection([torch.nn.functional.pad(i.long(), (0, S - i.shape[1])).contiguous() for i in sel.ids],
+                     [c.long().contiguous() for c in sel.counts])
+
+
+def _native_jobs(tier: NodeHostTier, ckvs: list, q: torch.Tensor, sel: Selection, scale: float, iters: int,
+                 warmup: int) -> dict:
+    """The native plane: each job a prepared HostCall's run() (the C++ round trip, what the long lane's
+    calls do); node and kernel times from the node's answer."""
+    sel = _padded(sel)
+    B, Hq, D = q.shape
+    out, lse = torch.empty(B, Hq, D), torch.empty(B, Hq)
+    rt, node, comp = [], [], []
+    for i in range(warmup + iters):
+        c = tier._native.call(ckvs, q, sel, scale, 0, out, lse)
+        t = time.perf_counter()
+        c.run()
+        dt = time.perf_counter() - t
+        if c.state != "done":
+            raise RuntimeError(c.error)
+        if i >= warmup:
+            rt.append(dt)
+            node.append(c.node_times[0])
+            comp.append(c.node_times[1])
+    return _summary(rt, node, comp, iters)
+
+
+def _summary(rt: list[float], node: list[float], comp: list[float], iters: int) -> dict:
     over = [a - b for a, b in zip(rt, node)]
     outside = [a - c for a, c in zip(rt, comp)]
     return {"rt_p50_us": _pct(rt, 0.5) * 1e6, "rt_p99_us": _pct(rt, 0.99) * 1e6, "node_p50_us": _pct(node, 0.5) * 1e6,
@@ -124,6 +163,50 @@ def _store_loop(port: int, stop: threading.Event, tokens: int, layers: int, H: i
     ch.close()
 
 
+def _fuzz_native(tier: NodeHostTier, pid: int, rids: list[str], q: torch.Tensor, budget: float, scale: float,
+                 n: int, nd: int, plane: str) -> dict:
+    """``n`` malformed native jobs (ids outside the clusters or negative, counts beyond the width or
+    negative, NaN queries, layers outside the plan): each must fail with NaN outputs; then a valid job
+    must still give the same bytes and the channel stay usable."""
+    ckvs = [tier.layer_kv(r, 0) for r in rids]
+    sel = _padded(select_clusters(q, ckvs, budget, scale))
+    B, Hq, D = q.shape
+    H, S = sel.ids[0].shape
+    g = torch.Generator().manual_seed(nd)
+
+    def run(q_, s_, layer=0):
+        out, lse = torch.empty(B, Hq, D), torch.empty(B, Hq)
+        c = tier._native.call(ckvs, q_, s_, scale, layer, out, lse)
+        c.run()
+        return c, out, lse
+
+    _, want, _ = run(q, sel)
+    rss0, accepted, nan_out = _rss(pid), 0, 0
+    for k in range(n):
+        ids, counts, q_, layer = [i.clone() for i in sel.ids], [c.clone() for c in sel.counts], q, 0
+        b, h, kind = k % B, int(torch.randint(0, H, (1,), generator=g)), k % 5
+        if kind == 0:
+            ids[b][h, 0] = ckvs[b].num_clusters + int(torch.randint(0, 1 << 40, (1,), generator=g))
+            counts[b][h] = max(1, int(counts[b][h]))
+        elif kind == 1:
+            ids[b][h, 0] = -int(torch.randint(1, 1 << 40, (1,), generator=g))
+            counts[b][h] = max(1, int(counts[b][h]))
+        elif kind == 2:
+            counts[b][h] = S + int(torch.randint(1, 1 << 40, (1,), generator=g))
+        elif kind == 3:
+            q_ = q.clone()
+            q_.view(-1)[int(torch.randint(0, q.numel(), (1,), generator=g))] = float("nan")
+        else:
+            layer = int(torch.randint(1, 1 << 40, (1,), generator=g))
+        c, out, lse = run(q_, Selection(ids, counts), layer)
+        accepted += c.state == "done"
+        nan_out += bool(out.isnan().all() and lse.isnan().all())
+    c, after, _ = run(q, sel)
+    return {"devices": nd, "plane": plane, "job": "fuzz", "n": n, "accepted": accepted, "nan_outputs": nan_out,
+            "valid_after_same": bool(c.state == "done" and torch.equal(after, want)),
+            "rss_before_mb": rss0 / 2**20, "rss_after_mb": _rss(pid) / 2**20}
+
+
 def _rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
@@ -149,7 +232,9 @@ def _fuzz(tier: NodeHostTier, pid: int, rids: list[str], q: torch.Tensor, budget
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", default="1,2")
-    ap.add_argument("--planes", default="shm,grpc")
+    ap.add_argument("--planes", default="native,shm,grpc")
+    ap.add_argument("--poll-spin-us", type=int, default=None,
+                    help="the node's --poll-spin-us (default: the node's; 0 on machines without cores to spare)")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per long request")
     ap.add_argument("--batch", type=int, default=2, help="long requests per job")
     ap.add_argument("--heads", type=int, default=4, help="KV heads")
@@ -181,7 +266,7 @@ def main() -> None:
     vals = [torch.randn(H, n, D, generator=g) for _ in range(a.batch)]
     q = torch.randn(a.batch, Hq, D, generator=g)
     for nd in [int(x) for x in a.devices.split(",")]:
-        proc, port = _start(nd, cores, a.device_memory, a.ingest_cores)
+        proc, port = _start(nd, cores, a.device_memory, a.ingest_cores, a.poll_spin_us)
         try:
             for plane in a.planes.split(","):
                 cfg = NelssaConfig(engine="node", node_address=f"127.0.0.1:{port}", node_transport=plane,
@@ -209,7 +294,8 @@ def main() -> None:
                     report["cases"].append(case)
                     print(json.dumps(case), flush=True)
                 if a.fuzz:
-                    report["cases"].append(_fuzz(tier, proc.pid, rids, q, a.budget, scale, a.fuzz, nd, plane))
+                    fz = _fuzz_native if tier._native is not None else _fuzz
+                    report["cases"].append(fz(tier, proc.pid, rids, q, a.budget, scale, a.fuzz, nd, plane))
                     print(json.dumps(report["cases"][-1]), flush=True)
                 tier.close()
         finally:

@@ -294,7 +294,7 @@ void RemoteJob::run(HostCall& c) {
       else if (t - static_cast<int64_t>(load(ch.w, N_BEAT)) > stale)
         ch.broken = "the node's heartbeat is older than " + std::to_string(ch.stale_s) + " s (node dead?)";
       if (!ch.broken.empty()) TORCH_CHECK(false, "node data plane (native shared memory): ", ch.broken);
-      if (t - t0 > kPureSpinNs) std::this_thread::yield();  // past a hand-off's time: others may need the core
+      if (t - t0 > kPureSpinNs) std::this_thread::sleep_for(std::chrono::microseconds(10));  // past a hand-off: a nap
     }
     relax();
   }

@@ -652,8 +652,10 @@ class NodeState:
             if c.plan_table is None:
                 c.plan_table = mod.PlanTable()
             c.native = ch
-            c.responder = mod.ShmResponder(ch.mem, slot, group, c.plan_table, self.s.poll_spin_us,
-                                           self.s.poll_sleep_us)
+            # it spins between jobs only where the devices have cores of their own (as their workers do,
+            # csrc/device_group.cpp 5): on shared cores a spinning poller delays the kernel it waits for
+            spin = self.s.poll_spin_us if self.s.device_cores else 0
+            c.responder = mod.ShmResponder(ch.mem, slot, group, c.plan_table, spin, self.s.poll_sleep_us)
         return ch
 
     def _stop_native(self, c: Client) -> None:
