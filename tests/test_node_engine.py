@@ -1,5 +1,6 @@
 """One real vLLM engine (CPU, SmolLM2, fp32, budget 1.0) with the host tier on a nelssa-node
-subprocess over shared memory: its greedy tokens equal NELSSA_OFF's, and it leaves nothing on the node."""
+subprocess over its native shared-memory plane: its greedy tokens equal NELSSA_OFF's, and it leaves nothing
+on the node."""
 
 import pytest
 
@@ -16,7 +17,7 @@ def test_engine_node_equals_nelssa_off(cut_model_dir):
     node = Node("--devices", "2", "--device-memory", "2GiB")
     try:
         nelssa = {"T_input": 2048, "budget": 1.0, "chunk": 128, "segment": 1024, "engine": "node", "defer_below": 0,
-                  "node_address": node.address, "node_transport": "shm"}
+                  "node_address": node.address, "node_transport": "native"}
         spec = {"model": cut_model_dir, "nelssa": nelssa, "requests": REQUESTS, "max_model_len": 4096,
                 "engine": {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 1024}}
         on = run_harness({**spec, "mode": "on"}, timeout=600)
@@ -26,7 +27,7 @@ def test_engine_node_equals_nelssa_off(cut_model_dir):
             assert on["results"][rid]["token_ids"] == off["results"][rid]["token_ids"], rid
             assert len(off["results"][rid]["token_ids"]) == 24
         assert on["host_totals"]["long_requests"] == 1, on["host_totals"]   # the long one went to the node
-        assert s.jobs > 0 and s.job_errors == 0, s
+        assert s.jobs > 0 and s.job_errors == 0 and s.native_jobs == s.jobs, s  # every job native
         assert on["final_host_bytes"] == 0 and on["host_requests"] == 0
         assert s.requests == 0 and all(d.used_bytes == 0 for d in s.devices), s
     finally:

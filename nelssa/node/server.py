@@ -772,7 +772,7 @@ class NodeState:
         nj, ne = self.native_jobs()
         return pb.StatsReply(devices=devs, clients=len(clients), requests=sum(len(c.reqs) for c in clients),
                              jobs=self.jobs + nj, job_errors=self.job_errors + ne, ingested_bytes=self.ingested,
-                             expired_clients=self.expired_clients)
+                             expired_clients=self.expired_clients, native_jobs=nj)
 
     def close(self) -> None:
         self._stop.set()
