@@ -97,6 +97,11 @@ class NelssaConfig:
                                    # csrc/flag_wait.cpp) | "hostfn" (CUDA host functions, the driver's thread)
     lane_batch_graph: bool = True  # CUDA lane with host calls: a batch captured and replayed as one CUDA graph
                                    # (vllm_plugin/lane_batch.py); off: enqueued layer by layer
+    lane_connections: int = 32    # CUDA lane: hardware work queues the worker asks for
+                                  # (CUDA_DEVICE_MAX_CONNECTIONS, default 8, max 32) before CUDA starts; a lane
+                                  # graph's host waits block their queue, and a step stream sharing it waits
+                                  # too (H200 profile, docs/results.md). 0: the environment's. An explicit
+                                  # CUDA_DEVICE_MAX_CONNECTIONS in the environment wins
     stall_log_ms: float = 0.0     # log every thread's stack when the engine's step thread makes no step for this
                                   # long while it has work (vllm_plugin/watchdog.py; 0 = off)
     sink: int = 16                # first tokens kept on the device
@@ -156,6 +161,8 @@ class NelssaConfig:
         req(self.node_lease_s > 0, f"node_lease_s must be > 0, got {self.node_lease_s!r}")
         req(self.cluster_size >= 1 and self.segment >= self.cluster_size and self.iters >= 1,
             "cluster_size >= 1, segment >= cluster_size and iters >= 1 required")
+        req(isinstance(self.lane_connections, int) and 0 <= self.lane_connections <= 32,
+            f"lane_connections must be an int in [0, 32], got {self.lane_connections!r}")
         req(self.lane_host_wait in ("flags", "hostfn"),
             f"lane_host_wait must be 'flags' or 'hostfn', got {self.lane_host_wait!r}")
         req(self.pool_threads >= 1, f"pool_threads must be >= 1, got {self.pool_threads}")
@@ -196,6 +203,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_LANE_HOST_CALLS": ("lane_host_calls", _bool),
     "NELSSA_LANE_BATCH_GRAPH": ("lane_batch_graph", _bool),
     "NELSSA_LANE_HOST_WAIT": ("lane_host_wait", str),
+    "NELSSA_LANE_CONNECTIONS": ("lane_connections", int),
     "NELSSA_LONG_PREFILLS": ("long_prefills", int),
     "NELSSA_LONG_CHUNK": ("long_chunk", int),
     "NELSSA_MIGRATE": ("migrate", _bool),

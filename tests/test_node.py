@@ -413,6 +413,56 @@ def test_native_plane_refuses_bad_jobs_and_freed_plans_and_keeps_serving(nodes):
     assert node.stats().job_errors >= len(bad) + 1
 
 
+def test_node_call_served_through_flags_like_a_lane_replay(nodes):
+    """The long lane's way with the node (lane_host.py with NodeHostTier.prepare_call): a remote call
+    armed on flags (csrc/flag_wait.cpp, the test playing the device), served by the extension's poller
+    through the native plane, re-armed as at each graph replay with new queries in the same buffer:
+    every answer equals the in-process tier's (to summation order: the node splits heads by device)."""
+    import ctypes
+    node = nodes("head3")
+    cfg = _cfg(node, "native")
+    local, t = LocalHostTier(cfg, L), NodeHostTier(cfg, L)
+    try:
+        for tier in (local, t):
+            tier.put_layers("a", *_kv(260, 4))
+            tier.put_layers("b", *_kv(90, 5))
+        assert t.prepared_calls and local.prepared_calls
+        q = torch.empty(2, HQ, D)
+        out, lse = torch.empty(2, HQ, D), torch.empty(2, HQ)
+        ckvs = [t.layer_kv(r, 1) for r in ("a", "b")]
+        call = t.prepare_call(q, ckvs, _sel := _fixed_selection(ckvs), SCALE, 1, out, lse)
+        ready, done = (ctypes.c_int32.from_address(a) for a in call.arm_flags_for_test())
+        g = torch.Generator().manual_seed(11)
+        for i in range(3):
+            q.copy_(torch.randn(2, HQ, D, generator=g))
+            if i:
+                call.rearm()
+            ready.value = 1
+            t0 = time.monotonic()
+            while done.value != 1:
+                assert time.monotonic() - t0 < 10, "the poller did not serve the node call"
+                time.sleep(0.0005)
+            done.value = 0
+            assert call.state == "done", call.error
+            lo, ll = local.wait(local.submit_attend(q.clone(), [local.layer_kv(r, 1) for r in ("a", "b")], _sel,
+                                                    SCALE, 1), 1)
+            torch.testing.assert_close(out, lo, atol=2e-6, rtol=1e-5)  # the node splits the work by device
+            torch.testing.assert_close(lse, ll, atol=2e-6, rtol=1e-5)
+        assert t.call_results([call]) is None
+    finally:
+        local.close()
+        t.close()
+
+
+def _fixed_selection(ckvs):
+    """Every cluster of each request, as int64 [H, S] with a common width S (what a captured lane batch
+    holds in its pinned buffers)."""
+    from nelssa.sparse import Selection
+    S = max(c.num_clusters for c in ckvs)
+    ids = [torch.arange(S).clamp(max=c.num_clusters - 1).expand(H, S).contiguous() for c in ckvs]
+    return Selection(ids, [torch.full((H,), c.num_clusters, dtype=torch.int64) for c in ckvs])
+
+
 def test_generated_code_is_reproducible(tmp_path):
     """The committed generated code is what scripts/gen_proto.sh makes of the .proto."""
     r = subprocess.run(["bash", str(REPO / "scripts/gen_proto.sh")], env=dict(os.environ, OUT=str(tmp_path),

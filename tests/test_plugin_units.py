@@ -1,6 +1,8 @@
 """Plugin pieces without an engine: placement policy, KV spec merge, the CPU paged-cache reader
 against vLLM's own cache-write op, config validation, the centroid estimate."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -147,11 +149,30 @@ def test_config_sources_and_errors():
     for bad, msg in [({"nelssa": {"budget": 0}}, "budget"), ({"nelssa": {"bogus": 1}}, "unknown nelssa config"),
                      ({"nelssa": {"engine": "x"}}, "engine"), ({"nelssa": []}, "must be an object"),
                      ({"nelssa": {"prefetch": "t0"}}, "prefetch must be one of"),
-                     ({"nelssa": {"lane_host_wait": "event"}}, "lane_host_wait must be")]:
+                     ({"nelssa": {"lane_host_wait": "event"}}, "lane_host_wait must be"),
+                     ({"nelssa": {"lane_connections": 33}}, "lane_connections must be")]:
         with pytest.raises(ValueError, match=msg):
             load_config(bad, env={})
     with pytest.raises(ValueError, match="NELSSA_AFFINITY_CORES"):
         load_config(None, env={"NELSSA_AFFINITY_CORES": "a-b"})
+
+
+def test_lane_asks_for_hardware_queues_before_cuda_starts(monkeypatch):
+    """The GPU worker raises CUDA_DEVICE_MAX_CONNECTIONS for the lane (worker.hardware_queues) unless the
+    lane is off, the config says 0, or the environment already names it; never once CUDA is up."""
+    from nelssa.vllm_plugin.worker import hardware_queues
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    lane = load_config({"nelssa": {"lane": True}}, env={})
+    assert lane.lane_connections == 32
+    assert hardware_queues(load_config({"nelssa": {}}, env={})) is None  # no lane
+    assert hardware_queues(load_config({"nelssa": {"lane": True, "lane_connections": 0}}, env={})) is None
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert hardware_queues(lane) is None and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert hardware_queues(lane) == "32" and os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "4")  # the user's choice wins
+    assert hardware_queues(lane) is None and os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "4"
 
 
 def test_estimate_of_unselected_clusters():

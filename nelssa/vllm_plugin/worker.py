@@ -7,9 +7,31 @@ attention eagerly (piecewise graphs) while other steps, those with lane rows too
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
+from nelssa.config import NelssaConfig, vllm_nelssa_config
 from nelssa.vllm_plugin.runner import NelssaRunnerMixin
+
+log = logging.getLogger("vllm.nelssa")
+
+
+def hardware_queues(cfg: NelssaConfig | None) -> str | None:
+    """CUDA, the lane on: ask for ``lane_connections`` hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS,
+    read when this process's CUDA context is made) -> the value set, or None when left alone. Each host
+    wait of a lane graph (a memory-op or host-function node) holds the head of its queue until the host
+    answers; with CUDA's default 8 queues for the lane graph's ~30 internal streams and the step's, a
+    step stream sharing such a queue stood 22-35 ms once per lane batch (H200 profile, docs/results.md)."""
+    if cfg is None or not cfg.lane or cfg.lane_connections <= 0 or "CUDA_DEVICE_MAX_CONNECTIONS" in os.environ:
+        return None
+    if torch.cuda.is_initialized():
+        log.warning("NELSSA lane: CUDA is already initialised in this process; CUDA_DEVICE_MAX_CONNECTIONS=%d "
+                    "cannot take effect (set it in the environment)", cfg.lane_connections)
+        return None
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(cfg.lane_connections)
+    return os.environ["CUDA_DEVICE_MAX_CONNECTIONS"]
 
 
 def _cpu_classes():
@@ -45,6 +67,8 @@ def _gpu_classes():
 
     class NelssaGPUWorker(Worker):
         def init_device(self):
+            if hardware_queues(vllm_nelssa_config(self.vllm_config.additional_config)) is not None:
+                log.info("NELSSA lane: CUDA_DEVICE_MAX_CONNECTIONS=%s", os.environ["CUDA_DEVICE_MAX_CONNECTIONS"])
             super().init_device()
             if self.use_v2_model_runner:
                 raise ValueError("NELSSA needs vLLM's V1 model runner: set VLLM_USE_V2_MODEL_RUNNER=0")
