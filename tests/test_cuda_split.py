@@ -236,19 +236,21 @@ def test_uva_copy_interpreted():
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("zero_copy", [False, True])
-@pytest.mark.parametrize("way", ["hostfn", "flags"])
+@pytest.mark.parametrize("way", ["hostfn", "flags", "flags-chain"])
 def test_host_call_captured_in_a_graph(zero_copy, way):
     """A host call captured as a graph's host node (lane_batch.py), or as memory-operation nodes on its
     flags (``flags``, csrc/flag_wait.cpp): each replay, after ``rearm``, runs it
     on the queries the replay copied to pinned memory, and the replay's later copies see its results;
     two replays with different queries give attend's results for each, bit for bit. ``zero_copy``: the
-    transfers are kernels through the pinned buffers' device views (uva.py), as the lane's with UVA."""
+    transfers are kernels through the pinned buffers' device views (uva.py), as the lane's with UVA.
+    ``flags-chain``: the host stream is the lane stream itself (lane_chain, lane_host.py 3)."""
     from nelssa.sparse import attend, prepare_attend
     from nelssa.vllm_plugin import uva
     ckvs = [cluster_kv(*(torch.randn(8, n, 128).to(torch.bfloat16) for _ in range(2))) for n in (3000, 5000)]
     qs = [torch.randn(2, 32, 128).to(torch.bfloat16) for _ in range(2)]
     sel = select_clusters(qs[0], ckvs, 0.05)
-    lane, hs = torch.cuda.Stream(), torch.cuda.Stream()
+    lane = torch.cuda.Stream()
+    hs = lane if way == "flags-chain" else torch.cuda.Stream()
     q_in = torch.empty(2, 32, 128, dtype=torch.bfloat16, device="cuda")
     q_h = torch.empty_like(q_in, device="cpu").pin_memory()
     out_h, lse_h = torch.empty(2, 32, 128).pin_memory(), torch.empty(2, 32).pin_memory()
@@ -265,7 +267,7 @@ def test_host_call_captured_in_a_graph(zero_copy, way):
             q_h.copy_(q_in * 1, non_blocking=True)
         ready.record(lane)
         hs.wait_event(ready)
-        if way == "flags":
+        if way.startswith("flags"):
             call.launch_flags(hs.cuda_stream, arm=False)
         else:
             call.launch_borrowed(hs.cuda_stream)

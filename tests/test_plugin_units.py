@@ -143,6 +143,7 @@ def test_config_sources_and_errors():
     assert load_config(None, env={"NELSSA_PREFETCH": "l2", "NELSSA_PREFETCH_ROWS": "16"}).prefetch == "l2"
     assert load_config(None, env={}).lane_host_wait == "flags"
     assert load_config(None, env={"NELSSA_LANE_HOST_WAIT": "hostfn"}).lane_host_wait == "hostfn"
+    assert not load_config(None, env={}).lane_chain and load_config(None, env={"NELSSA_LANE_CHAIN": "1"}).lane_chain
     assert vllm_nelssa_config({}) is None and vllm_nelssa_config(None) is None
     assert vllm_nelssa_config({"nelssa": {}}) is not None
     assert parse_bytes("64GiB") == 64 << 30 and parse_cores("2") == (2,)

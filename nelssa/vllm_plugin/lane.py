@@ -97,8 +97,10 @@ class Lane:
         # high priority: the lane's few kernels per layer go ahead of the step's queued blocks, so the host
         # tier gets each layer's queries sooner
         self.stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
-        # the host tier's calls and their results' copies (lane_host.py, 2)
-        self.host_stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
+        # the host tier's calls and their results' copies (lane_host.py, 2); with lane_chain the lane's own
+        # stream: a batch is one chain (lane_host.py, 3)
+        self.host_stream = (self.stream if cfg.lane_chain else torch.cuda.Stream(device, priority=-1)) \
+            if self.cuda else None
         self._host_buffers: dict = {}   # pinned buffers of lane_host batches, reused across batches
         self._staging: dict = {}        # lane_inputs.Staging of batches not replayed, per shape
         self._batch: lane_host.HostStreamBatch | None = None  # the running batch's, when it runs that way

@@ -20,6 +20,12 @@ kernel was 40: most of the rest was this orchestration. Here, per layer and on t
      merge reads them from the pinned memory; the transfers of 1 are kernels too);
   3. on the lane stream, overlapping 2: the window attention (``flash_window_parts``), a wait for 2's
      event, and the merge of window, estimate and host result into the layer's attention output.
+     With ``lane_chain`` the host stream IS the lane stream and the window attention comes before the
+     host call: a batch is one chain of operations. A host wait holds the head of its CUDA hardware
+     work queue until the host answers; a captured batch whose host branches fork off becomes ~30
+     internal streams spread over the queues, all enqueued at the replay, so a step stream's next
+     operation can sit behind several layers' waits in a shared queue (22-35 ms, H200 profile,
+     docs/results.md); one chain holds one queue.
 So the lane thread enqueues a whole batch (dense graphs between the layers, lane_graphs.py) and then
 waits once, at its end, without the GIL. The device orders everything: layer i + 1's queries come
 from layer i's merged output, and every buffer a host call reads or writes is rewritten only after
@@ -105,7 +111,8 @@ class HostStreamBatch:
         cfg, li, host = impl.nelssa_cfg, layer.nelssa_layer, plan.host
         tok = _token_index(plan, q.device)
         n, hq, d = q.shape
-        call = done = sel = q_off = None
+        call = done = sel = q_off = parts = None
+        chain = self.host_stream is self.lane_stream
         try:
             if self.capturing:  # the capture's plan holds the static budget targets (lane_batch.py, 3)
                 ckvs = [host.layer_kv(r, li) for r in plan.req_ids]
@@ -121,6 +128,10 @@ class HostStreamBatch:
             call = host.prepare_call(q_host, ckvs, sel, impl.scale, li, out_h, lse_h, self.flag)
             if call is None:
                 raise RuntimeError("the host tier's C++ extension is not available")
+            if chain:  # (3) the window first: in one chain it would otherwise wait for the host call
+                if q_off is None:
+                    q_off = q.index_select(0, tok)
+                parts = flash_window_parts(impl, q_off, kv_cache, plan, md, cfg.sink, plan.cache["block_size"])
             ready, done = self.event(li, 0), self.event(li, 1)
             ready.record(self.lane_stream)
             hs = self.host_stream
@@ -147,9 +158,10 @@ class HostStreamBatch:
                 plan.fail(r, f"host tier (layer {li}): {type(e).__name__}: {e}")
             done = None
         t = plan.lap("select", t)
-        if q_off is None:
-            q_off = q.index_select(0, tok)
-        parts = flash_window_parts(impl, q_off, kv_cache, plan, md, cfg.sink, plan.cache["block_size"])
+        if parts is None:
+            if q_off is None:
+                q_off = q.index_select(0, tok)
+            parts = flash_window_parts(impl, q_off, kv_cache, plan, md, cfg.sink, plan.cache["block_size"])
         t = plan.lap("window", t)
         if done is not None and not plan.failed:
             self.lane_stream.wait_event(done)
