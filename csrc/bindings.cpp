@@ -108,7 +108,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__len__", &nelssa::plan_table_size);
   py::class_<nelssa::NodeChannel, std::shared_ptr<nelssa::NodeChannel>>(
       m, "NodeChannel", "a client's end of a native nelssa-node channel (csrc/node_plane.cpp)")
-      .def(py::init(&nelssa::attach_node_channel), py::arg("mem"), py::arg("slot"), py::arg("stale_s"))
+      .def(py::init(&nelssa::attach_node_channel), py::arg("mem"), py::arg("slot"), py::arg("stale_s"),
+           py::arg("spin_us") = 20,
+           "spin_us: a waiting job polls this long (past 20 us yielding its core) before it naps")
       .def_property_readonly("broken", &nelssa::node_channel_broken);
   m.def("native_header_words", &nelssa::native_header_words,
         "the native channel's header word indices, header bytes, magic and version (wire.py must match)");

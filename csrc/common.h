@@ -199,11 +199,12 @@ struct NodeChannel {  // the client's end
   uint8_t *req = nullptr, *resp = nullptr;
   int64_t slot = 0;
   double stale_s = 5.0;
+  int64_t spin_ns = 20000;  // a waiting job polls (yielding past 20 us) this long before it naps
   std::mutex m;
   uint64_t seq = 0;
   std::string broken;  // set: every later job fails at once
 };
-std::shared_ptr<NodeChannel> attach_node_channel(at::Tensor mem, int64_t slot, double stale_s);
+std::shared_ptr<NodeChannel> attach_node_channel(at::Tensor mem, int64_t slot, double stale_s, int64_t spin_us);
 std::string node_channel_broken(NodeChannel& ch);
 
 struct RemoteJob {  // one layer of one plan: the layout of wire.plan_layout

@@ -23,9 +23,12 @@
 //      "failed", NaN outputs) on an error answer, on a closed channel, when the node's heartbeat is
 //      older than stale_s, or past its timeout; after the last three the channel is broken and every
 //      later job on it fails at once (the Python side opens a new one). One job at a time per
-//      channel (a mutex): the node answers in order.
-//   4. The responder polls for spin_us after each job (yielding its core past the first 20 us, as the
-//      waiting client does), then sleeps sleep_us between polls, and writes
+//      channel (a mutex): the node answers in order. The waiting job polls the answer for 20 us, then
+//      yields its core on every poll until the channel's spin_us, then naps 10 us per poll (a VM's
+//      nap lasts ~60 us: spin_us is for hosts with cores to spare; on shared cores a spinning waiter
+//      delays the very kernel it waits for).
+//   4. The responder polls for spin_us after each job (yielding its core past the first 20 us), then
+//      sleeps sleep_us between polls, and writes
 //      its heartbeat (steady clock ns: CLOCK_MONOTONIC, Python's time.monotonic_ns) at least every
 //      millisecond; stop() marks the channel closed (a waiting client fails at once) and joins.
 //   5. Plans live in a PlanTable shared by the client's responders (a reopened channel keeps them);
@@ -219,7 +222,8 @@ std::pair<int64_t, int64_t> ShmResponder::counts() const { return {impl->jobs.lo
 
 // ---------------------------------------------------------------- client side
 
-std::shared_ptr<NodeChannel> attach_node_channel(at::Tensor mem, int64_t slot, double stale_s) {
+std::shared_ptr<NodeChannel> attach_node_channel(at::Tensor mem, int64_t slot, double stale_s, int64_t spin_us) {
+  TORCH_CHECK(spin_us >= 0, "spin_us must be >= 0");
   auto ch = std::make_shared<NodeChannel>();
   ch->w = words_of(mem, slot);
   TORCH_CHECK(ch->w[N_MAGIC] == kMagic && ch->w[N_VERSION] == kVersion && ch->w[N_SLOT] == static_cast<uint64_t>(slot),
@@ -227,7 +231,7 @@ std::shared_ptr<NodeChannel> attach_node_channel(at::Tensor mem, int64_t slot, d
   ch->mem = std::move(mem);
   ch->req = static_cast<uint8_t*>(ch->mem.data_ptr()) + kHeaderBytes;
   ch->resp = ch->req + slot;
-  ch->slot = slot, ch->stale_s = stale_s;
+  ch->slot = slot, ch->stale_s = stale_s, ch->spin_ns = std::max<int64_t>(spin_us, 20) * 1000;
   ch->seq = std::max(load(ch->w, N_REQ_SEQ), load(ch->w, N_RESP_SEQ));
   return ch;
 }
@@ -294,7 +298,8 @@ void RemoteJob::run(HostCall& c) {
       else if (t - static_cast<int64_t>(load(ch.w, N_BEAT)) > stale)
         ch.broken = "the node's heartbeat is older than " + std::to_string(ch.stale_s) + " s (node dead?)";
       if (!ch.broken.empty()) TORCH_CHECK(false, "node data plane (native shared memory): ", ch.broken);
-      if (t - t0 > kPureSpinNs) std::this_thread::sleep_for(std::chrono::microseconds(10));  // past a hand-off: a nap
+      if (t - t0 > ch.spin_ns) std::this_thread::sleep_for(std::chrono::microseconds(10));  // a nap (VM: ~60 us)
+      else if (t - t0 > kPureSpinNs) std::this_thread::yield();  // a kernel call, on a machine with cores to spare
     }
     relax();
   }

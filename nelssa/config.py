@@ -124,6 +124,10 @@ class NelssaConfig:
     node_token: str = field(default="", repr=False)  # engine "node": shared secret (required off loopback)
     node_transport: str = "auto"  # engine "node" data plane: native | shm | grpc | auto (native on loopback)
     node_lease_s: float = 30.0    # engine "node": lease; the node drops a client's KV this long after its last call
+    node_spin_us: int = -1        # engine "node", native plane: a job polls its answer this long (yielding its
+                                  # core past 20 us) before it naps ~10 us per poll; -1: 1000 on hosts with 8 or
+                                  # more usable cores, else 20 (on shared cores a spinning waiter delays the
+                                  # node's kernel: csrc/node_plane.cpp, 3)
     cluster_size: int = 8         # mean tokens per cluster (8 measured better than 16 on needles, see README)
     segment: int = 8192           # k-means segment length (tokens)
     iters: int = 10               # k-means iterations
@@ -163,6 +167,8 @@ class NelssaConfig:
         req(isinstance(self.node_address, str) and ":" in self.node_address,
             f"node_address must be host:port, got {self.node_address!r}")
         req(self.node_lease_s > 0, f"node_lease_s must be > 0, got {self.node_lease_s!r}")
+        req(isinstance(self.node_spin_us, int) and self.node_spin_us >= -1,
+            f"node_spin_us must be an int >= -1, got {self.node_spin_us!r}")
         req(self.cluster_size >= 1 and self.segment >= self.cluster_size and self.iters >= 1,
             "cluster_size >= 1, segment >= cluster_size and iters >= 1 required")
         req(isinstance(self.lane_connections, int) and 0 <= self.lane_connections <= 32,
@@ -219,6 +225,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_NODE_TOKEN": ("node_token", str),
     "NELSSA_NODE_TRANSPORT": ("node_transport", str),
     "NELSSA_NODE_LEASE_S": ("node_lease_s", float),
+    "NELSSA_NODE_SPIN_US": ("node_spin_us", int),
     "NELSSA_SEED": ("seed", int),
     "NELSSA_USE_CPP": ("use_cpp", _bool),
     "NELSSA_POOL_THREADS": ("pool_threads", int),

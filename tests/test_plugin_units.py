@@ -144,6 +144,9 @@ def test_config_sources_and_errors():
     assert load_config(None, env={}).lane_host_wait == "flags"
     assert load_config(None, env={"NELSSA_LANE_HOST_WAIT": "hostfn"}).lane_host_wait == "hostfn"
     assert not load_config(None, env={}).lane_chain and load_config(None, env={"NELSSA_LANE_CHAIN": "1"}).lane_chain
+    from nelssa.node.client import client_spin_us
+    assert client_spin_us(load_config(None, env={"NELSSA_NODE_SPIN_US": "300"})) == 300
+    assert client_spin_us(load_config(None, env={})) in (20, 1000)  # by the usable cores
     assert vllm_nelssa_config({}) is None and vllm_nelssa_config(None) is None
     assert vllm_nelssa_config({"nelssa": {}}) is not None
     assert parse_bytes("64GiB") == 64 << 30 and parse_cores("2") == (2,)
@@ -151,7 +154,8 @@ def test_config_sources_and_errors():
                      ({"nelssa": {"engine": "x"}}, "engine"), ({"nelssa": []}, "must be an object"),
                      ({"nelssa": {"prefetch": "t0"}}, "prefetch must be one of"),
                      ({"nelssa": {"lane_host_wait": "event"}}, "lane_host_wait must be"),
-                     ({"nelssa": {"lane_connections": 33}}, "lane_connections must be")]:
+                     ({"nelssa": {"lane_connections": 33}}, "lane_connections must be"),
+                     ({"nelssa": {"node_spin_us": -2}}, "node_spin_us must be")]:
         with pytest.raises(ValueError, match=msg):
             load_config(bad, env={})
     with pytest.raises(ValueError, match="NELSSA_AFFINITY_CORES"):

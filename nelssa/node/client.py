@@ -209,6 +209,14 @@ class _ShmPlane:
             self.ch = None
 
 
+def client_spin_us(cfg: NelssaConfig) -> int:
+    """How long a native job polls its answer before it naps (config ``node_spin_us``; -1: by cores)."""
+    if cfg.node_spin_us >= 0:
+        return cfg.node_spin_us
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 1000 if cores >= 8 else 20
+
+
 class _NativePlane:
     """Decode jobs through a native channel (csrc/node_plane.cpp has the contract): ``plan`` once per
     job shape (requests, their lengths, heads, selection width, dtype, scale; the node prepares every
@@ -231,7 +239,7 @@ class _NativePlane:
                                               native=True))
         ch = NativeChannel.attach(rep.path, rep.slot_bytes)
         ch.unlink()  # both sides hold the mapping now
-        self.chan = ext().NodeChannel(ch.mem, rep.slot_bytes, STALE_S)
+        self.chan = ext().NodeChannel(ch.mem, rep.slot_bytes, STALE_S, client_spin_us(t.cfg))
 
     def _channel(self):
         """The channel, reopened when a job broke it (timeout, closed, stale heartbeat: the jobs that saw
