@@ -166,35 +166,53 @@ _HDR = 256
 W_MAGIC, W_VERSION, W_SLOT, W_REQ_SEQ, W_REQ_LEN, W_RESP_SEQ, W_RESP_LEN, W_BEAT, W_CLOSED = 0, 1, 2, 8, 9, 16, 17, 24, 25
 
 
-class ShmChannel:
-    """The mapped file; ``create`` on the node, ``attach`` on the client."""
+class _ChannelFile:
+    """A channel's file in /dev/shm (mode 0600): a 256-byte header whose words 0-2 are magic, version and
+    slot size, then a request and a response slot. ``create`` on the node, ``attach`` on the client."""
 
-    def __init__(self, path: str, fd: int, slot: int, create: bool):
+    PREFIX, MAGIC, VERSION, KIND = "", 0, 0, ""
+
+    def _map(self, path: str, fd: int, slot: int, create: bool) -> mmap.mmap:
         self.path, self.slot = path, slot
         size = _HDR + 2 * slot
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size != size:
+                raise WireError(f"{path}: {os.fstat(fd).st_size} bytes, {size} expected")
+            return mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+
+    def _stamp(self, w: np.ndarray, create: bool) -> None:
+        """The header's identity written (create) or checked (attach)."""
         if create:
-            os.ftruncate(fd, size)
-        elif os.fstat(fd).st_size != size:
-            raise WireError(f"{path}: {os.fstat(fd).st_size} bytes, {size} expected")
-        self.mm = mmap.mmap(fd, size)
-        os.close(fd)
-        self.w = np.frombuffer(self.mm, dtype=np.uint64, count=_HDR // 8)
-        if create:
-            self.w[W_MAGIC], self.w[W_VERSION], self.w[W_SLOT] = SHM_MAGIC, SHM_VERSION, slot
-        elif int(self.w[W_MAGIC]) != SHM_MAGIC or int(self.w[W_VERSION]) != SHM_VERSION or int(self.w[W_SLOT]) != slot:
-            raise WireError(f"{path}: not a nelssa-node channel of slot {slot}")
-        self.req = memoryview(self.mm)[_HDR:_HDR + slot]
-        self.resp = memoryview(self.mm)[_HDR + slot:_HDR + 2 * slot]
+            w[W_MAGIC], w[W_VERSION], w[W_SLOT] = self.MAGIC, self.VERSION, self.slot
+        elif int(w[W_MAGIC]) != self.MAGIC or int(w[W_VERSION]) != self.VERSION or int(w[W_SLOT]) != self.slot:
+            raise WireError(f"{self.path}: not a {self.KIND}nelssa-node channel of slot {self.slot}")
 
     @classmethod
-    def create(cls, slot: int, directory: str = "/dev/shm") -> "ShmChannel":
+    def create(cls, slot: int, directory: str = "/dev/shm"):
         import tempfile
-        fd, path = tempfile.mkstemp(prefix="nelssa-node-", dir=directory)  # mode 0600
+        fd, path = tempfile.mkstemp(prefix=cls.PREFIX, dir=directory)  # mode 0600
         return cls(path, fd, slot, create=True)
 
     @classmethod
-    def attach(cls, path: str, slot: int) -> "ShmChannel":
+    def attach(cls, path: str, slot: int):
         return cls(path, os.open(path, os.O_RDWR), slot, create=False)
+
+
+class ShmChannel(_ChannelFile):
+    """Protobuf jobs: each side writes its payload, then its length, then its sequence number."""
+
+    PREFIX, MAGIC, VERSION = "nelssa-node-", SHM_MAGIC, SHM_VERSION
+
+    def __init__(self, path: str, fd: int, slot: int, create: bool):
+        self.mm = self._map(path, fd, slot, create)
+        self.w = np.frombuffer(self.mm, dtype=np.uint64, count=_HDR // 8)
+        self._stamp(self.w, create)
+        self.req = memoryview(self.mm)[_HDR:_HDR + slot]
+        self.resp = memoryview(self.mm)[_HDR + slot:_HDR + 2 * slot]
 
     def write(self, which: str, seq: int, payload: bytes) -> None:
         n = len(payload)
@@ -293,42 +311,23 @@ def plan_layout(B: int, Hq: int, H: int, D: int, S: int, q_itemsize: int, bounds
                       req, off)
 
 
-class NativeChannel:
-    """A native channel's mapped file: ``create`` on the node, ``attach`` on the client. ``mem`` is a
-    uint8 tensor over the whole mapping (the C++ side keeps it, and with it the mapping)."""
+class NativeChannel(_ChannelFile):
+    """Native jobs (csrc/node_plane.cpp). ``mem`` is a uint8 tensor over the whole mapping (the C++ side
+    keeps it, and with it the mapping)."""
+
+    PREFIX, MAGIC, VERSION, KIND = "nelssa-native-", NATIVE_MAGIC, NATIVE_VERSION, "native "
 
     def __init__(self, path: str, fd: int, slot: int, create: bool):
-        self.path, self.slot = path, slot
-        size = _HDR + 2 * slot
-        if create:
-            os.ftruncate(fd, size)
-        elif os.fstat(fd).st_size != size:
-            os.close(fd)
-            raise WireError(f"{path}: {os.fstat(fd).st_size} bytes, {size} expected")
-        mm = mmap.mmap(fd, size)
-        os.close(fd)
+        mm = self._map(path, fd, slot, create)
         self.mem = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor holds the buffer: mm stays mapped
         self.w = self.mem[:_HDR].view(torch.int64).numpy().view(np.uint64)
-        if create:
-            self.w[N_MAGIC], self.w[N_VERSION], self.w[N_SLOT] = NATIVE_MAGIC, NATIVE_VERSION, slot
-        elif int(self.w[N_MAGIC]) != NATIVE_MAGIC or int(self.w[N_VERSION]) != NATIVE_VERSION or int(self.w[N_SLOT]) != slot:
-            raise WireError(f"{path}: not a native nelssa-node channel of slot {slot}")
+        self._stamp(self.w, create)
 
     def request(self) -> torch.Tensor:
         return self.mem[_HDR:_HDR + self.slot]
 
     def response(self) -> torch.Tensor:
         return self.mem[_HDR + self.slot:_HDR + 2 * self.slot]
-
-    @classmethod
-    def create(cls, slot: int, directory: str = "/dev/shm") -> "NativeChannel":
-        import tempfile
-        fd, path = tempfile.mkstemp(prefix="nelssa-native-", dir=directory)  # mode 0600
-        return cls(path, fd, slot, create=True)
-
-    @classmethod
-    def attach(cls, path: str, slot: int) -> "NativeChannel":
-        return cls(path, os.open(path, os.O_RDWR), slot, create=False)
 
     def unlink(self) -> None:
         try:
