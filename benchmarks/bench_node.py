@@ -29,7 +29,7 @@ import grpc
 import torch
 
 from nelssa.config import NelssaConfig, set_config
-from nelssa.node.client import NodeHostTier
+from nelssa.node.client import NodeHostTier, pad_selection
 from nelssa.node.proto import nelssa_node_pb2 as pb
 from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
 from nelssa.node.wire import encode_job
@@ -86,19 +86,11 @@ def _jobs(tier: NodeHostTier, rids: list[str], q: torch.Tensor, budget: float | 
     return _summary(rt, node, comp, iters)
 
 
-def _padded(sel: Selection) -> Selection:
-    """int64 ids padded to the native plane's width (a power of two >= 16, as NodeHostTier pads)."""
-    w = max(i.shape[1] for i in sel.ids)
-    S = 1 << max(4, (w - 1).bit_length())
-    return Selection([torch.nn.functional.pad(i.long(), (0, S - i.shape[1])).contiguous() for i in sel.ids],
-                     [c.long().contiguous() for c in sel.counts])
-
-
 def _native_jobs(tier: NodeHostTier, ckvs: list, q: torch.Tensor, sel: Selection, scale: float, iters: int,
                  warmup: int) -> dict:
     """The native plane: each job a prepared HostCall's run() (the C++ round trip, what the long lane's
     calls do); node and kernel times from the node's answer."""
-    sel = _padded(sel)
+    sel = pad_selection(sel)
     B, Hq, D = q.shape
     out, lse = torch.empty(B, Hq, D), torch.empty(B, Hq)
     rt, node, comp = [], [], []
@@ -169,7 +161,7 @@ def _fuzz_native(tier: NodeHostTier, pid: int, rids: list[str], q: torch.Tensor,
     negative, NaN queries, layers outside the plan): each must fail with NaN outputs; then a valid job
     must still give the same bytes and the channel stay usable."""
     ckvs = [tier.layer_kv(r, 0) for r in rids]
-    sel = _padded(select_clusters(q, ckvs, budget, scale))
+    sel = pad_selection(select_clusters(q, ckvs, budget, scale))
     B, Hq, D = q.shape
     H, S = sel.ids[0].shape
     g = torch.Generator().manual_seed(nd)

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <mutex>
 #include <memory>
@@ -92,6 +93,17 @@ inline void with_prefetch_hint(int64_t hint, F&& f) {
     case 3: f(std::integral_constant<int, 3>{}); break;
     default: TORCH_CHECK(false, "prefetch hint must be one of -1 (none), 0 (NTA), 1 (T2), 3 (T0), got ", hint);
   }
+}
+
+// ---- polling: the steady clock in ns (CLOCK_MONOTONIC: Python's time.monotonic_ns) and a spin pause ----
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
 }
 
 // ---- host attention pool: threads and optional core pinning (set from Python once) ----

@@ -40,12 +40,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr int64_t kCallerSpinUs = 50;
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#endif
-}
-
 // Spin until pred() or spin_us passed -> pred().
 template <typename P>
 bool spin_until(int64_t spin_us, P pred) {

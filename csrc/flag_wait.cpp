@@ -118,11 +118,6 @@ class Flags {
     table_.resize(kSlots);
   }
 
-  static int64_t now_ns() {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch()).count();
-  }
-
   // the scan takes no lock while nothing is ready (the lane thread re-arms calls holding the GIL)
   void loop() {
     int64_t last_seen = now_ns();

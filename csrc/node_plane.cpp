@@ -36,14 +36,7 @@
 //      reads.
 #include "common.h"
 
-#include <chrono>
-#include <map>
-#include <mutex>
 #include <thread>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 namespace nelssa {
 
@@ -61,29 +54,24 @@ enum : uint64_t { C_OK = 0, C_INVALID = 3, C_NOT_FOUND = 5, C_INTERNAL = 13 };
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 // both sides poll without yielding this long (a hand-off between spinning threads), then yield the core
 // on every poll: on a machine whose cores the kernel's threads share, a pure spin delays the job it waits
 // for by a scheduler time slice (~ms on 2 cores)
 constexpr int64_t kPureSpinNs = 20000;
 
-inline int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
-}
 inline uint64_t load(const uint64_t* w, int i) { return __atomic_load_n(w + i, __ATOMIC_ACQUIRE); }
 inline void store(uint64_t* w, int i, uint64_t v) { __atomic_store_n(w + i, v, __ATOMIC_RELEASE); }
-inline void relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#endif
-}
 
+// the header words of a native channel's mapping, its shape and identity (magic, version, slot) checked
 uint64_t* words_of(const at::Tensor& mem, int64_t slot) {
   TORCH_CHECK(mem.device().is_cpu() && mem.scalar_type() == at::kByte && mem.dim() == 1 && mem.is_contiguous(),
               "a channel is a contiguous uint8 CPU tensor over its mapping");
   TORCH_CHECK(slot > 0 && mem.numel() == kHeaderBytes + 2 * slot, "channel of ", mem.numel(), " bytes for slot ", slot);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(mem.data_ptr()) % 64 == 0, "channel mapping not 64-byte aligned");
-  return static_cast<uint64_t*>(mem.data_ptr());
+  auto* w = static_cast<uint64_t*>(mem.data_ptr());
+  TORCH_CHECK(w[N_MAGIC] == kMagic && w[N_VERSION] == kVersion && w[N_SLOT] == static_cast<uint64_t>(slot),
+              "not a native nelssa-node channel of slot ", slot);
+  return w;
 }
 
 }  // namespace
@@ -177,7 +165,7 @@ struct ShmResponder::Impl {
       const uint64_t seq = load(w, N_REQ_SEQ);
       if (seq == last) {
         if (t - idle < kPureSpinNs) {
-          for (int k = 0; k < 32; ++k) relax();
+          for (int k = 0; k < 32; ++k) cpu_relax();
         } else if (t - idle < spin_us * 1000) {
           std::this_thread::yield();  // (4) a core shared with the kernel's threads is given up at once
         } else {
@@ -198,9 +186,6 @@ ShmResponder::ShmResponder(at::Tensor mem, int64_t slot, std::shared_ptr<DeviceG
   TORCH_CHECK(group && plans, "a responder needs a device group and a plan table");
   TORCH_CHECK(spin_us >= 0 && sleep_us >= 1, "spin_us >= 0 and sleep_us >= 1");
   impl->w = words_of(mem, slot);
-  TORCH_CHECK(impl->w[N_MAGIC] == kMagic && impl->w[N_VERSION] == kVersion &&
-                  impl->w[N_SLOT] == static_cast<uint64_t>(slot),
-              "not a native nelssa-node channel of slot ", slot);
   impl->mem = std::move(mem);
   impl->resp = static_cast<uint8_t*>(impl->mem.data_ptr()) + kHeaderBytes + slot;
   impl->slot = slot, impl->spin_us = spin_us, impl->sleep_us = sleep_us;
@@ -226,8 +211,6 @@ std::shared_ptr<NodeChannel> attach_node_channel(at::Tensor mem, int64_t slot, d
   TORCH_CHECK(spin_us >= 0, "spin_us must be >= 0");
   auto ch = std::make_shared<NodeChannel>();
   ch->w = words_of(mem, slot);
-  TORCH_CHECK(ch->w[N_MAGIC] == kMagic && ch->w[N_VERSION] == kVersion && ch->w[N_SLOT] == static_cast<uint64_t>(slot),
-              "not a native nelssa-node channel of slot ", slot);
   ch->mem = std::move(mem);
   ch->req = static_cast<uint8_t*>(ch->mem.data_ptr()) + kHeaderBytes;
   ch->resp = ch->req + slot;
@@ -301,7 +284,7 @@ void RemoteJob::run(HostCall& c) {
       if (t - t0 > ch.spin_ns) std::this_thread::sleep_for(std::chrono::microseconds(10));  // a nap (VM: ~60 us)
       else if (t - t0 > kPureSpinNs) std::this_thread::yield();  // a kernel call, on a machine with cores to spare
     }
-    relax();
+    cpu_relax();
   }
   const uint64_t code = load(ch.w, N_RESP_CODE);
   node_s = static_cast<double>(ch.w[N_RESP_NODE_NS]) * 1e-9;

@@ -364,10 +364,12 @@ def test_native_plane_refuses_bad_jobs_and_freed_plans_and_keeps_serving(nodes):
         sel = select_clusters(q, ckvs, 0.5, SCALE)
         want = _attend(t, ["a"], 0, q, 0.5)
         plane = t._native
-        S = 1 << max(4, (sel.ids[0].shape[1] - 1).bit_length())
-        ids = torch.nn.functional.pad(sel.ids[0].long(), (0, S - sel.ids[0].shape[1])).contiguous()
-        counts = sel.counts[0].long().contiguous()
+        from nelssa.node.client import pad_selection
         from nelssa.sparse import Selection
+        padded = pad_selection(sel)
+        ids, counts = padded.ids[0], padded.counts[0]
+        S = ids.shape[1]
+        assert S >= 16 and S & (S - 1) == 0 and S >= sel.ids[0].shape[1]
 
         def run(q_, ids_, counts_, layer=0):
             out, lse = torch.empty(1, HQ, D), torch.empty(1, HQ)

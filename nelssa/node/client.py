@@ -34,7 +34,7 @@ from nelssa.node.local import HostError, HostStats, call_results, pin_if, stage_
 from nelssa.node.proto import nelssa_node_pb2 as pb
 from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
 from nelssa.node.server import is_loopback
-from nelssa.node.wire import (DTYPE_IDS, TOKEN_HEADER, W_BEAT, W_CLOSED, W_REQ_SEQ, W_RESP_SEQ, Limits,
+from nelssa.node.wire import (DTYPE_IDS, ITEMSIZE, TOKEN_HEADER, W_BEAT, W_CLOSED, W_REQ_SEQ, W_RESP_SEQ, Limits,
                               NativeChannel, PlanLayout, ShmChannel, decode_result, encode_job, plan_layout,
                               tensor_bytes)
 from nelssa.sparse import Selection, pack
@@ -209,6 +209,18 @@ class _ShmPlane:
             self.ch = None
 
 
+def pad_selection(sel: Selection) -> Selection:
+    """A selection for the native plane: int64 host ids of every request padded to one width, a power of
+    two >= 16 (fewer plans: one per shape), counts int64."""
+    w = max(i.shape[1] for i in sel.ids)
+    S = 1 << max(4, (w - 1).bit_length())
+    ids = []
+    for i in sel.ids:
+        i = i.to(device="cpu", dtype=torch.int64)
+        ids.append(torch.nn.functional.pad(i, (0, S - i.shape[1])).contiguous() if i.shape[1] != S else i.contiguous())
+    return Selection(ids, [c.to(device="cpu", dtype=torch.int64).contiguous() for c in sel.counts])
+
+
 def client_spin_us(cfg: NelssaConfig) -> int:
     """How long a native job polls its answer before it naps (config ``node_spin_us``; -1: by cores)."""
     if cfg.node_spin_us >= 0:
@@ -261,8 +273,7 @@ class _NativePlane:
         rep = t._rpc("Plan", pb.PlanRequest(client_id=t.client_id, plan_id=pid, req_ids=[c.req_id for c in ckvs],
                                             lengths=[c.length for c in ckvs], num_heads=Hq, head_dim=D,
                                             q_dtype=DTYPE_IDS[dtype], selected=S, scale=scale))
-        lay = plan_layout(len(ckvs), Hq, ckvs[0].num_kv_heads, D, S, torch.tensor([], dtype=dtype).element_size(),
-                          list(rep.head_bounds))
+        lay = plan_layout(len(ckvs), Hq, ckvs[0].num_kv_heads, D, S, ITEMSIZE[dtype], list(rep.head_bounds))
         if (lay.request_bytes, lay.response_bytes) != (rep.request_bytes, rep.response_bytes):
             raise HostError(f"nelssa-node plan layout differs from this client's: {rep} vs {lay}")
         drop = []
@@ -532,19 +543,12 @@ class NodeHostTier:
 
     def _run_native(self, plane: _NativePlane, q: torch.Tensor, ckvs: list, sel: Selection, scale: float, layer: int,
                     pinned: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """One job on the native plane, on this thread (the C++ round trip releases the GIL). Selections of
-        different widths are padded to a power of two (fewer plans: one per shape)."""
+        """One job on the native plane, on this thread (the C++ round trip releases the GIL), its selection
+        padded (``pad_selection``)."""
         B, Hq, D = q.shape
-        w = max(i.shape[1] for i in sel.ids)
-        S = 1 << max(4, (w - 1).bit_length())
-        ids = []
-        for i in sel.ids:
-            i = i.to(device="cpu", dtype=torch.int64)
-            ids.append(torch.nn.functional.pad(i, (0, S - i.shape[1])).contiguous() if i.shape[1] != S else i.contiguous())
-        counts = [c.to(device="cpu", dtype=torch.int64).contiguous() for c in sel.counts]
         out = torch.empty(B, Hq, D, pin_memory=pinned)
         lse = torch.empty(B, Hq, pin_memory=pinned)
-        call = plane.call(ckvs, q.contiguous(), Selection(ids, counts), scale, layer, out, lse)
+        call = plane.call(ckvs, q.contiguous(), pad_selection(sel), scale, layer, out, lse)
         call.run()
         err = call_results(self.stats, [call])
         if err is not None:

@@ -42,12 +42,11 @@ from nelssa._ext import ext
 from nelssa.config import get_config, set_config
 from nelssa.node.proto import nelssa_node_pb2 as pb
 from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
-from nelssa.node.wire import (DTYPES, TOKEN_HEADER, W_REQ_SEQ, Limits, NativeChannel, ShmChannel, WireError,
-                              decode_job, dtype_of, plan_layout, tensor_bytes)
+from nelssa.node.wire import (DTYPES, ITEMSIZE, TOKEN_HEADER, W_REQ_SEQ, Limits, NativeChannel, ShmChannel,
+                              WireError, decode_job, dtype_of, plan_layout, tensor_bytes)
 from nelssa.sparse import KVPart, Selection, attend, host_empty, merge_states, prepare_attend
 
 log = logging.getLogger("nelssa.node")
-_ITEM = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int64: 8}
 
 
 class NodeError(Exception):
@@ -703,14 +702,14 @@ class NodeState:
             for layer in range(L):
                 r.visible(layer, length)  # commits parts up to it; an error unless it matches exactly
         bounds = [h0 for h0, _ in reqs[0].head_ranges] + [H]
-        lay = plan_layout(B, Hq, H, D, S, _ITEM[qdt], bounds)
+        lay = plan_layout(B, Hq, H, D, S, ITEMSIZE[qdt], bounds)
         if max(lay.request_bytes, lay.response_bytes) > ch.slot:
             raise NodeError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"a job of this plan needs "
                             f"{max(lay.request_bytes, lay.response_bytes)} B, the channel's slot holds {ch.slot}")
         req_t, resp_t = ch.request(), ch.response()
 
         def view(t: torch.Tensor, off: int, dt: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-            return t[off:off + math.prod(shape) * _ITEM[dt]].view(dt).view(shape)
+            return t[off:off + math.prod(shape) * ITEMSIZE[dt]].view(dt).view(shape)
 
         G = Hq // H
         ids = [view(req_t, o, torch.int64, (H, S)) for o in lay.ids_off]

@@ -23,7 +23,7 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 DTYPES = {pb.FLOAT32: torch.float32, pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16}
 DTYPE_IDS = {v: k for k, v in DTYPES.items()}
-_ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int64: 8, torch.int32: 4, torch.uint8: 1}
+ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int64: 8, torch.int32: 4, torch.uint8: 1}
 
 TOKEN_HEADER = "x-nelssa-token"
 
@@ -70,7 +70,7 @@ def from_bytes(b: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Te
     n = 1
     for s in shape:
         n *= s
-    want = n * _ITEMSIZE[dtype]
+    want = n * ITEMSIZE[dtype]
     if len(b) != want:
         raise WireError(f"{len(b)} bytes for {dtype} {list(shape)} ({want} expected)")
     if n == 0:
