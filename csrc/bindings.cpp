@@ -112,6 +112,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("spin_us") = 20,
            "spin_us: a waiting job polls this long (past 20 us yielding its core) before it naps")
       .def_property_readonly("broken", &nelssa::node_channel_broken);
+  m.def("install_fatal_trace", &nelssa::install_fatal_trace,
+        "on a fatal signal, write the native frames of the crashing thread to stderr (then die as before)");
   m.def("native_header_words", &nelssa::native_header_words,
         "the native channel's header word indices, header bytes, magic and version (wire.py must match)");
   py::class_<nelssa::DeviceGroup, std::shared_ptr<nelssa::DeviceGroup>>(

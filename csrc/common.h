@@ -230,4 +230,7 @@ struct RemoteJob {  // one layer of one plan: the layout of wire.plan_layout
 };
 std::vector<int64_t> native_header_words();
 
+// a native backtrace on stderr on a fatal signal (fatal_trace.cpp has the contract); false: already on
+bool install_fatal_trace();
+
 }  // namespace nelssa

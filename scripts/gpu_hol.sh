@@ -6,6 +6,8 @@
 #                                                    # HOL_TAG=x: results in $OUT/hol_x (several runs per call)
 #   bash scripts/gpu_hol.sh check [exact|throughput] # CUDA unit tests + benchmarks/gpu_validate.py (dummy 8B)
 #   bash scripts/gpu_hol.sh select                   # benchmarks/bench_select_gpu.py (centroid search, torch vs kernel)
+#   bash scripts/gpu_hol.sh node [bench_node args]   # benchmarks/bench_node.py (carry .wheels: grpcio); a node that
+#                                                    # crashes leaves its native frames, resolved, in $OUT/node_crash.txt
 # Carried folders: .bundle/N (../shared/gpu/make-vllm-bundle.sh .bundle), .gpumodel/dummy-llama-3.1-8b
 # (`nelssa make-dummy-model --out .gpumodel/dummy-llama-3.1-8b`: config + tokenizer). Results: $OUT.
 set -euo pipefail
@@ -16,6 +18,30 @@ export NELSSA_CACHE=/tmp/nelssa-cache PYTHONUNBUFFERED=1
 case "$what" in
   stage)
     for d in "$@"; do bash "$d/install-vllm-bundle.sh" "$d"; done ;;
+  node)
+    pip install -q --no-deps --target /tmp/wheels .wheels/*.whl
+    [ -f nelssa/_C*.so ] || python3 setup.py -q build_ext --inplace >/dev/null
+    rc=0
+    PYTHONPATH=/tmp/wheels:$PYTHONPATH python3 benchmarks/bench_node.py --out "$OUT/node.json" "$@" \
+      2> >(tee "$OUT/node_stderr.txt" >&2) || rc=$?
+    if grep -q "nelssa: fatal signal" "$OUT/node_stderr.txt"; then
+      # frames of our extension as object(+offset): file and line from its debug info
+      sed -n '/nelssa: fatal signal/,/end of native frames/p' "$OUT/node_stderr.txt" | tee "$OUT/node_crash.txt"
+      python3 - "$OUT/node_crash.txt" nelssa/_C*.so <<'PY' | tee -a "$OUT/node_crash.txt"
+import re, subprocess, sys
+crash, so = sys.argv[1], sys.argv[2]
+syms = {}
+for line in subprocess.run(["nm", "--defined-only", so], capture_output=True, text=True).stdout.splitlines():
+    f = line.split()
+    if len(f) == 3:
+        syms[f[2]] = int(f[0], 16)
+for m in re.finditer(r"_C[^ (]*\.so\(([^)+]*)\+(0x[0-9a-f]+)\)", open(crash).read()):
+    addr = syms.get(m.group(1), 0) + int(m.group(2), 16) if m.group(1) else int(m.group(2), 16)
+    r = subprocess.run(["addr2line", "-f", "-C", "-i", "-e", so, hex(addr)], capture_output=True, text=True)
+    print(hex(addr), " | ".join(r.stdout.split("\n")))
+PY
+    fi
+    exit $rc ;;
   bench|check|select)
     [ -d /tmp/site/vllm ] || { echo "vLLM is not installed: stage all bundle parts first" >&2; exit 2; }
     # the plugin's entry point, as an installed distribution would declare it

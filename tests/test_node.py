@@ -351,6 +351,42 @@ def test_native_plane_header_and_layout_agree_with_the_extension():
         wire.plan_layout(1, 12, 8, 64, 4, 2, [0, 8])  # query heads not a multiple of KV heads
 
 
+
+def test_the_extension_uses_the_shared_libstdcxx():
+    """No private libstdc++ inside nelssa._C (setup.py names the shared one): a static copy's iostreams
+    crashed formatting an error message on the node's device threads on the H200 host."""
+    import shutil
+
+    from nelssa._ext import ext
+    if ext() is None or not shutil.which("nm"):
+        pytest.skip("no C++ extension or no nm")
+    syms = subprocess.run(["nm", "-D", "--defined-only", ext().__file__], capture_output=True, text=True,
+                          check=True).stdout
+    own = [s for s in ("execute_native_thread_routine", "_ZNSo9_M_insertIlEERSoT_", "_ZNSt6locale7classicEv")
+           if s in syms]
+    assert not own, f"nelssa._C defines libstdc++'s {own}: rebuild it against the shared libstdc++"
+
+
+def test_a_native_crash_writes_the_crashing_threads_frames():
+    """nelssa-node installs the fatal-signal trace: a segfault on a thread with no Python frame (as the
+    responder's) prints the signal, the address and native frames, and the process still dies of it."""
+    from nelssa._ext import ext
+    if ext() is None:
+        pytest.skip("no C++ extension")
+    code = ("import ctypes, faulthandler, threading\n"
+            "import torch\n"
+            "from nelssa._ext import ext\n"
+            "faulthandler.enable()\n"
+            "assert ext().install_fatal_trace() and not ext().install_fatal_trace()\n"
+            "t = threading.Thread(target=lambda: ctypes.memset(0x20, 1, 8))\n"
+            "t.start(); t.join()\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGSEGV, (p.returncode, p.stderr[-2000:])
+    assert "nelssa: fatal signal 11 (SIGSEGV) at address 0x20 in thread" in p.stderr, p.stderr[-2000:]
+    frames = p.stderr.split("native frames:\n", 1)[1].split("nelssa: end of native frames", 1)[0].splitlines()
+    assert len(frames) >= 3 and any("libc" in f or "python" in f for f in frames), frames
+    assert "Fatal Python error: Segmentation fault" in p.stderr  # faulthandler's dump still follows
+
 def test_native_plane_refuses_bad_jobs_and_freed_plans_and_keeps_serving(nodes):
     """Native jobs with layers outside the plan, ids and counts outside the request's clusters, NaN
     queries -> error answers (never a result); the next valid job is bit-identical; a request freed drops

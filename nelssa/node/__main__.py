@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -77,7 +78,13 @@ def main(argv: list[str] | None = None) -> None:
     _omp_wait_policy(cores)
     import torch
 
+    from nelssa._ext import ext
     from nelssa.node.server import NodeSettings, serve
+    # a crash says where: Python's threads (faulthandler) and the crashing native thread's frames (the
+    # responder and device threads have no Python frame)
+    faulthandler.enable()
+    if ext() is not None:
+        ext().install_fatal_trace()
     from nelssa.node.wire import Limits
     torch.set_num_threads(1)  # the node's own torch ops are small; the kernels have their teams
     try:
