@@ -3,7 +3,8 @@
 # stays warm), in back-to-back calls:
 #   bash scripts/gpu_hol.sh stage .bundle/N          # once per vLLM bundle part (the last one installs)
 #   bash scripts/gpu_hol.sh bench [hol args ...]     # build nelssa._C, run `nelssa bench hol` (both modes);
-#                                                    # HOL_TAG=x: results in $OUT/hol_x (several runs per call)
+#                                                    # HOL_TAG=x: results in $OUT/hol_x (several runs per call);
+#                                                    # HOL_NODE="nelssa-node args": the host tier as a node
 #   bash scripts/gpu_hol.sh check [exact|throughput] # CUDA unit tests + benchmarks/gpu_validate.py (dummy 8B)
 #   bash scripts/gpu_hol.sh select                   # benchmarks/bench_select_gpu.py (centroid search, torch vs kernel)
 #   bash scripts/gpu_hol.sh node [bench_node args]   # benchmarks/bench_node.py (carry .wheels: grpcio); a node that
@@ -63,6 +64,18 @@ PY
     fi
     out="$OUT/hol${HOL_TAG:+_$HOL_TAG}"
     mkdir -p "$out"
+    if [ -n "${HOL_NODE:-}" ]; then
+      # the host tier as nelssa-node on this host (HOL_NODE: its arguments; the run's nelssa config names
+      # "engine": "node", "node_address": "127.0.0.1:50151"); stopped when the bench ends
+      pip install -q --no-deps --target /tmp/wheels .wheels/*.whl 2>/dev/null
+      export PYTHONPATH=/tmp/wheels:$PYTHONPATH
+      # shellcheck disable=SC2086
+      python3 -m nelssa.node --port 50151 --log-level WARNING $HOL_NODE > "$out/node.log" 2>&1 &
+      node_pid=$!
+      trap 'kill $node_pid 2>/dev/null; wait $node_pid 2>/dev/null' EXIT
+      for _ in $(seq 120); do grep -q "listening" "$out/node.log" && break; sleep 0.5; done
+      grep "listening" "$out/node.log" || { cat "$out/node.log"; exit 2; }
+    fi
     set -o pipefail
     rc=0
     python3 -m nelssa.cli bench hol --model .gpumodel/dummy-llama-3.1-8b --out "$out" "$@" 2>&1 \

@@ -143,7 +143,7 @@ def test_config_sources_and_errors():
     assert load_config(None, env={"NELSSA_PREFETCH": "l2", "NELSSA_PREFETCH_ROWS": "16"}).prefetch == "l2"
     assert load_config(None, env={}).lane_host_wait == "flags"
     assert load_config(None, env={"NELSSA_LANE_HOST_WAIT": "hostfn"}).lane_host_wait == "hostfn"
-    assert not load_config(None, env={}).lane_chain and load_config(None, env={"NELSSA_LANE_CHAIN": "1"}).lane_chain
+    assert load_config(None, env={}).lane_chain and not load_config(None, env={"NELSSA_LANE_CHAIN": "0"}).lane_chain
     from nelssa.node.client import client_spin_us
     assert client_spin_us(load_config(None, env={"NELSSA_NODE_SPIN_US": "300"})) == 300
     assert client_spin_us(load_config(None, env={})) in (20, 1000)  # by the usable cores
