@@ -1,7 +1,8 @@
 """nelssa-node data-plane benchmark: per-layer decode-job round trip over the native plane (a plan, then raw
 arrays through shared memory, C++ on both sides), protobuf over shared memory, and gRPC, for
 1..N devices, with an empty selection (pure overhead) and a real one; and decode-job latency with
-and without a concurrent large store (ingestion isolation, paper 5.1).
+and without a concurrent large store (ingestion isolation, paper 5.1); and a store's rate from a client on
+this host, streamed over gRPC vs through the store slot (shared memory).
 
     python benchmarks/bench_node.py                        # defaults sized for a small CPU box
     python benchmarks/bench_node.py --devices 1,2,4 --tokens 32768 --heads 8 --qheads 32 --dim 128 \\
@@ -155,6 +156,53 @@ def _store_loop(port: int, stop: threading.Event, tokens: int, layers: int, H: i
     ch.close()
 
 
+def _store_rate(port: int, tokens: int, layers: int, H: int, D: int, via: str, reps: int = 3) -> dict:
+    """Seconds of one store of ``tokens`` x ``layers`` (fp32, pre-clustered random data) from a client on
+    this host, ``via`` the gRPC stream or the store slot (the data written into the slot included), best
+    and median of ``reps``; each stored request is freed after."""
+    from nelssa.node.wire import StoreSlot, store_bytes
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)])
+    stub = pb_grpc.NelssaNodeStub(ch)
+    cid = stub.Register(pb.RegisterRequest(name=f"bench-store-{via}", lease_s=60), timeout=10).client_id
+    C = max(1, tokens // 8)
+    sizes = torch.full((H, C), tokens // C, dtype=torch.int32)
+    sizes[:, 0] += tokens - sizes.sum(1)
+    kv = torch.randn(H * tokens * 2 * D)
+    nbytes = store_bytes(H, D, 4, tokens, [C] * layers)
+    slot = None
+    if via == "slot":
+        rep = stub.OpenShm(pb.ShmRequest(client_id=cid, slot_bytes=nbytes, store=True), timeout=60)
+        slot = StoreSlot.attach(rep.path, rep.slot_bytes)
+        slot.unlink()
+    sizes_b, kv_b, step = sizes.numpy().tobytes(), kv.numpy().tobytes() if via == "stream" else b"", 4 << 20
+    secs = []
+    for i in range(reps):
+        header = pb.StoreHeader(client_id=cid, req_id=f"r{i}", part=0, num_layers=layers, kv_heads=H, head_dim=D,
+                                dtype=pb.FLOAT32, tokens=tokens, clusters=[C] * layers, from_slot=slot is not None)
+        t0 = time.perf_counter()
+        if slot is not None:
+            off, sb, kb = 0, sizes.numel() * 4, kv.numel() * 4
+            for _ in range(layers):
+                slot.data[off:off + sb].view(torch.int32).copy_(sizes.view(-1))
+                slot.data[off + sb:off + sb + kb].view(torch.float32).copy_(kv)
+                off += sb + kb
+            stub.Store(iter([pb.StoreChunk(header=header)]), timeout=600)
+        else:
+            def chunks():
+                yield pb.StoreChunk(header=header)
+                for _ in range(layers):
+                    yield pb.StoreChunk(data=sizes_b)
+                    for o in range(0, len(kv_b), step):
+                        yield pb.StoreChunk(data=kv_b[o:o + step])
+            stub.Store(chunks(), timeout=600)
+        secs.append(time.perf_counter() - t0)
+        stub.Free(pb.FreeRequest(client_id=cid, req_id=f"r{i}"), timeout=10)
+    stub.Unregister(pb.RenewRequest(client_id=cid), timeout=10)
+    ch.close()
+    return {"job": "store", "via": via, "tokens": tokens, "layers": layers, "bytes": nbytes,
+            "best_s": min(secs), "median_s": _pct(secs, 0.5), "gbps_best": nbytes / min(secs) / 1e9}
+
+
 def _fuzz_native(tier: NodeHostTier, pid: int, rids: list[str], q: torch.Tensor, budget: float, scale: float,
                  n: int, nd: int, plane: str) -> dict:
     """``n`` malformed native jobs (ids outside the clusters or negative, counts beyond the width or
@@ -290,6 +338,11 @@ def main() -> None:
                     report["cases"].append(fz(tier, proc.pid, rids, q, a.budget, scale, a.fuzz, nd, plane))
                     print(json.dumps(report["cases"][-1]), flush=True)
                 tier.close()
+            if a.store_tokens:
+                for via in ("stream", "slot"):
+                    case = {"devices": nd, **_store_rate(port, a.store_tokens, a.store_layers, H, D, via)}
+                    report["cases"].append(case)
+                    print(json.dumps(case), flush=True)
         finally:
             proc.terminate()
             proc.wait()

@@ -92,7 +92,7 @@ def nodes():
 def _no_shm_left_behind():
     """Clients unlink their channel's name once mapped: even killed nodes leave nothing in /dev/shm."""
     def ours():
-        return {f for f in os.listdir("/dev/shm") if f.startswith(("nelssa-node-", "nelssa-native-"))}
+        return {f for f in os.listdir("/dev/shm") if f.startswith(("nelssa-node-", "nelssa-native-", "nelssa-store-"))}
     before = ours()
     yield
     time.sleep(0.5)
@@ -150,8 +150,10 @@ def test_node_equals_local_and_dense(nodes, name, transport):
                         do, dl = dense_attention(q[0], ka, va, SCALE)
                         torch.testing.assert_close(ro[0].double(), do, atol=1e-5, rtol=1e-5)
                         torch.testing.assert_close(rl[0].double(), dl, atol=1e-5, rtol=1e-5)
-        # the native plane where it serves (head-wise, or one device), else the protobuf planes
+        # the native plane where it serves (head-wise, or one device), else the protobuf planes; stores
+        # through the store slot on the same-host transports
         assert (remote._native is not None) == (transport == "native" and name != "cluster2")
+        assert (remote._slot is not None) == (transport != "grpc")
         held = node.stats().devices
         assert sum(d.used_bytes for d in held) == remote.nbytes > 0
         assert remote.free("a") and remote.free("b") and not remote.free("a")
@@ -240,6 +242,65 @@ def test_token_required_off_loopback_and_checked_on_every_call():
         t.close()
     finally:
         node.stop()
+
+
+def test_store_slot_refusals_leave_nothing_and_a_node_without_slots_streams(nodes):
+    """Stores from the store slot: no slot, a slot smaller than the declared bytes, one over the node's
+    limit, data chunks beside it, bad cluster sizes in it - each refused with its status and nothing
+    held; a valid one stored; the slot's file is gone once the client is dropped. A node that makes no
+    slots (--max-store-slot 0) gets the same results over the gRPC stream."""
+    from nelssa.node.wire import StoreSlot, store_bytes
+    node = nodes("head1")
+    ch, stub = node.stub()
+
+    def refused(code, *chunks):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Store(iter(chunks), timeout=10)
+        assert e.value.code() == code, e.value.details()
+        assert sum(d.used_bytes for d in node.stats().devices) == 0
+
+    n, C = 8, 2
+    want = store_bytes(H, D, 4, n, [C])
+    cid = stub.Register(pb.RegisterRequest(name="slot-test", lease_s=30), timeout=5).client_id
+    hdr = pb.StoreHeader(client_id=cid, req_id="x", part=0, num_layers=1, kv_heads=H, head_dim=D, dtype=pb.FLOAT32,
+                         tokens=n, clusters=[C], from_slot=True)
+    try:
+        refused(grpc.StatusCode.FAILED_PRECONDITION, pb.StoreChunk(header=hdr))  # no slot
+        stub.OpenShm(pb.ShmRequest(client_id=cid, slot_bytes=want - 1, store=True), timeout=5)
+        refused(grpc.StatusCode.FAILED_PRECONDITION, pb.StoreChunk(header=hdr))  # too small
+        with pytest.raises(grpc.RpcError) as e:
+            stub.OpenShm(pb.ShmRequest(client_id=cid, slot_bytes=1 << 40, store=True), timeout=5)
+        assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        rep = stub.OpenShm(pb.ShmRequest(client_id=cid, slot_bytes=want, store=True), timeout=5)
+        slot = StoreSlot.attach(rep.path, rep.slot_bytes)
+        refused(grpc.StatusCode.INVALID_ARGUMENT, pb.StoreChunk(header=hdr), pb.StoreChunk(data=b"\0" * 64))
+        slot.data.zero_()  # cluster sizes summing to 0, not 8
+        refused(grpc.StatusCode.INVALID_ARGUMENT, pb.StoreChunk(header=hdr))
+        slot.data[:H * C * 4].view(torch.int32).fill_(n // C)
+        slot.data[H * C * 4:want].view(torch.float32).normal_()
+        assert stub.Store(iter([pb.StoreChunk(header=hdr)]), timeout=10).bytes > 0
+        assert os.path.exists(rep.path)
+    finally:
+        stub.Unregister(pb.RenewRequest(client_id=cid), timeout=5)
+        ch.close()
+    assert not os.path.exists(rep.path) and sum(d.used_bytes for d in node.stats().devices) == 0
+
+    plain = Node("--devices", "1", "--device-memory", "64MiB", "--max-store-slot", "0")
+    try:
+        cfg = _cfg(plain, "native")
+        local, remote = LocalHostTier(cfg, L), NodeHostTier(cfg, L)
+        kv = _kv(300, 5)
+        for t in (local, remote):
+            t.put_layers("a", *kv)
+        assert remote._slot is None and remote._native is not None
+        q = torch.randn(1, HQ, D, generator=torch.Generator().manual_seed(3))
+        for layer in range(L):
+            for x, y in zip(_attend(remote, ["a"], layer, q, 1.0), _attend(local, ["a"], layer, q, 1.0)):
+                torch.testing.assert_close(x, y, atol=2e-6, rtol=1e-5)
+        local.close()
+        remote.close()
+    finally:
+        plain.stop()
 
 
 def test_every_call_needs_a_deadline(nodes):

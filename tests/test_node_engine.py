@@ -1,5 +1,5 @@
 """One real vLLM engine (CPU, SmolLM2, fp32, budget 1.0) with the host tier on a nelssa-node
-subprocess over its native shared-memory plane: its greedy tokens equal NELSSA_OFF's, and it leaves nothing
+subprocess over its native shared-memory plane (stores through its store slot): its greedy tokens equal NELSSA_OFF's, and it leaves nothing
 on the node."""
 
 import pytest
@@ -28,6 +28,7 @@ def test_engine_node_equals_nelssa_off(cut_model_dir):
             assert len(off["results"][rid]["token_ids"]) == 24
         assert on["host_totals"]["long_requests"] == 1, on["host_totals"]   # the long one went to the node
         assert s.jobs > 0 and s.job_errors == 0 and s.native_jobs == s.jobs, s  # every job native
+        assert s.stores > 0 and s.slot_stores == s.stores, s  # every store through the store slot
         assert on["final_host_bytes"] == 0 and on["host_requests"] == 0
         assert s.requests == 0 and all(d.used_bytes == 0 for d in s.devices), s
     finally:

@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lease-min-s", type=float, default=0.5)
     p.add_argument("--lease-max-s", type=float, default=600.0)
     p.add_argument("--max-message-bytes", default="8MiB", help="largest message / shared-memory slot")
+    p.add_argument("--max-store-slot", default="4GiB",
+                   help="largest store slot a same-host client may ask for (its stores through shared memory; "
+                        "the memory is taken from the shared-memory file system when the slot is made; "
+                        "0: stores stream over gRPC only)")
     p.add_argument("--poll-spin-us", type=int, default=2000,
                    help="the shared-memory responder and the device workers busy-poll this long after a job "
                         "before they sleep (0: always sleep)")
@@ -93,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
                          else int(0.8 * mem_available()) // a.devices, partition=a.partition,
                          ingest_cores=parse_cores(a.ingest_cores), token=token, lease_min_s=a.lease_min_s,
                          lease_max_s=a.lease_max_s, poll_spin_us=a.poll_spin_us, metrics_port=a.metrics_port,
-                         limits=Limits(max_message_bytes=parse_bytes(a.max_message_bytes)))
+                         limits=Limits(max_message_bytes=parse_bytes(a.max_message_bytes),
+                                       max_store_slot_bytes=parse_bytes(a.max_store_slot)))
     except ValueError as e:
         raise SystemExit(f"nelssa-node: {e}") from None
     running = serve(s)

@@ -35,8 +35,8 @@ from nelssa.node.proto import nelssa_node_pb2 as pb
 from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
 from nelssa.node.server import is_loopback
 from nelssa.node.wire import (DTYPE_IDS, ITEMSIZE, TOKEN_HEADER, W_BEAT, W_CLOSED, W_REQ_SEQ, W_RESP_SEQ, Limits,
-                              NativeChannel, PlanLayout, ShmChannel, decode_result, encode_job, plan_layout,
-                              tensor_bytes)
+                              NativeChannel, PlanLayout, ShmChannel, StoreSlot, WireError, decode_result, encode_job,
+                              plan_layout, store_bytes, tensor_bytes)
 from nelssa.sparse import Selection, pack
 from nelssa.sparse.clustered import cluster_layers, part_stats
 
@@ -311,6 +311,18 @@ class _NativePlane:
         self.chan = None
 
 
+def _fill_slot(buf: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], stats: list) -> None:
+    """A store's data written into the store slot ``buf`` (uint8) in its wire order: per layer the cluster
+    sizes (int32 [H, C]), then the K/V packed by cluster ([H, n, 2, D], pack() writing in place)."""
+    off = 0
+    for k, v, (sizes, perm, _, _) in zip(keys, values, stats):
+        H, n, D = k.shape
+        sb, kb = sizes.numel() * 4, H * n * 2 * D * k.element_size()
+        buf[off:off + sb].view(torch.int32).copy_(sizes.reshape(-1))
+        pack(k, v, perm, out=buf[off + sb:off + sb + kb].view(k.dtype).view(H, n, 2, D))
+        off += sb + kb
+
+
 class NodeHostTier:
     """Host tier on a nelssa-node (config ``engine: node``, ``node_address``, ``node_token``,
     ``node_transport``); same interface as LocalHostTier."""
@@ -331,6 +343,9 @@ class NodeHostTier:
         self._plane = None
         self._native: _NativePlane | None = None
         self._plane_lock = threading.Lock()  # the data plane is swapped only between jobs
+        self._slot: StoreSlot | None = None   # same-host stores (wire.py "store slot"), made on first use
+        self._slot_off = False                # the node could not make one: stores stream over gRPC
+        self._slot_lock = threading.Lock()    # one store at a time through the slot
         self._register()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="nelssa-node-client")
         self._renewer = threading.Thread(target=self._renew_loop, name="nelssa-node-lease", daemon=True)
@@ -356,6 +371,7 @@ class NodeHostTier:
         self.client_id, self.lease_s = rep.client_id, rep.lease_s
         self.limits = Limits.from_pb(rep.limits)
         self.node_devices = len(rep.devices)
+        self._slot, self._slot_off = None, False  # a new registration: a new slot when needed
         if self._plane is not None:
             self._plane.close()
         tr = self._transport()
@@ -393,6 +409,29 @@ class NodeHostTier:
                     log.warning("re-registration: %s", e2)
 
     # -------- KV placement
+    SLOT_MIN = 256 << 20  # a store slot is made at least this large (a segment of an 8B model: ~0.5 GB)
+
+    def _store_slot(self, nbytes: int) -> StoreSlot | None:
+        """(Under _slot_lock.) The store slot for a store of ``nbytes``, made or grown as needed; None: the
+        store streams over gRPC (a remote node, a store over the node's --max-store-slot, or a node
+        that could not make one)."""
+        if self._slot_off or self._transport() == "grpc" or nbytes > self.limits.max_store_slot_bytes:
+            return None
+        if self._slot is not None and self._slot.slot >= nbytes:
+            return self._slot
+        size = min(self.limits.max_store_slot_bytes, max(nbytes, self.SLOT_MIN))
+        self._slot = None
+        try:
+            rep = self._rpc("OpenShm", pb.ShmRequest(client_id=self.client_id, slot_bytes=size, store=True))
+            slot = StoreSlot.attach(rep.path, rep.slot_bytes)
+        except (HostError, OSError, WireError) as e:
+            log.warning("nelssa-node store slot of %d bytes: %s; stores stream over gRPC", size, e)
+            self._slot_off = True
+            return None
+        slot.unlink()  # both sides hold the mapping
+        self._slot = slot
+        return slot
+
     def put_layers(self, req_id: str, keys: list[torch.Tensor], values: list[torch.Tensor],
                    commit: bool = True) -> None:
         """As LocalHostTier.put_layers; the packed K/V is streamed to the node (one store per call, all
@@ -414,18 +453,26 @@ class NodeHostTier:
         header = pb.StoreHeader(client_id=self.client_id, req_id=req_id, part=part, num_layers=self.num_layers,
                                 kv_heads=H, head_dim=D, dtype=DTYPE_IDS[dtype], tokens=n,
                                 clusters=[C for _, C in labels])
-        step = max(1 << 16, min(4 << 20, self.limits.max_message_bytes - (1 << 12)))
+        nbytes = store_bytes(H, D, keys[0].element_size(), n, [C for _, C in labels])
+        timeout = cfg.host_timeout_s + nbytes / STORE_BYTES_PER_S
+        with self._slot_lock:
+            slot = self._store_slot(nbytes)
+            if slot is not None:  # same host: the data straight into the shared slot, only the header on gRPC
+                _fill_slot(slot.data, keys, values, stats)
+                header.from_slot = True
+                rep = self._rpc("Store", iter([pb.StoreChunk(header=header)]), timeout=timeout)
+        if slot is None:
+            step = max(1 << 16, min(4 << 20, self.limits.max_message_bytes - (1 << 12)))
 
-        def chunks():
-            yield pb.StoreChunk(header=header)
-            for k, v, (sizes, perm, _, _) in zip(keys, values, stats):
-                yield pb.StoreChunk(data=tensor_bytes(sizes.to(device="cpu", dtype=torch.int32)))
-                flat = pack(k, v, perm).view(-1).view(torch.uint8).numpy()
-                for o in range(0, flat.size, step):
-                    yield pb.StoreChunk(data=flat[o:o + step].tobytes())
+            def chunks():
+                yield pb.StoreChunk(header=header)
+                for k, v, (sizes, perm, _, _) in zip(keys, values, stats):
+                    yield pb.StoreChunk(data=tensor_bytes(sizes.to(device="cpu", dtype=torch.int32)))
+                    flat = pack(k, v, perm).view(-1).view(torch.uint8).numpy()
+                    for o in range(0, flat.size, step):
+                        yield pb.StoreChunk(data=flat[o:o + step].tobytes())
 
-        nbytes = 2 * H * n * D * keys[0].element_size() * self.num_layers
-        rep = self._rpc("Store", chunks(), timeout=cfg.host_timeout_s + nbytes / STORE_BYTES_PER_S)
+            rep = self._rpc("Store", chunks(), timeout=timeout)
         with self._lock:
             for i, (sizes, _, cent, vmean) in enumerate(stats):
                 if r.layers[i] is None:

@@ -43,7 +43,7 @@ from nelssa.config import get_config, set_config
 from nelssa.node.proto import nelssa_node_pb2 as pb
 from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
 from nelssa.node.wire import (DTYPES, ITEMSIZE, TOKEN_HEADER, W_REQ_SEQ, Limits, NativeChannel, ShmChannel,
-                              WireError, decode_job, dtype_of, plan_layout, tensor_bytes)
+                              StoreSlot, WireError, decode_job, dtype_of, plan_layout, store_bytes, tensor_bytes)
 from nelssa.sparse import KVPart, Selection, attend, host_empty, merge_states, prepare_attend
 
 log = logging.getLogger("nelssa.node")
@@ -187,6 +187,7 @@ class Client:
         self.plan_table = None
         self.plan_reqs: dict[int, frozenset[str]] = {}
         self.native_counts = (0, 0)  # (jobs, errors) of responders already stopped
+        self.store_slot: StoreSlot | None = None  # same-host stores (wire.py "store slot")
 
 
 class Device:
@@ -298,7 +299,7 @@ class NodeState:
         self.clients: dict[str, Client] = {}
         self.lock = threading.Lock()   # clients map and byte accounting
         self.t0 = time.monotonic()
-        self.jobs = self.job_errors = self.ingested = self.expired_clients = 0
+        self.jobs = self.job_errors = self.ingested = self.expired_clients = self.stores = self.slot_stores = 0
         self.native_done = (0, 0)  # native (jobs, errors) of clients dropped
         self.metrics = Metrics(self)
         self._stop = threading.Event()
@@ -343,6 +344,9 @@ class NodeState:
         with self.lock:
             self._stop_native(c)
             self.native_done = (self.native_done[0] + c.native_counts[0], self.native_done[1] + c.native_counts[1])
+            if c.store_slot is not None:
+                c.store_slot.unlink()  # a store still reading from it keeps its mapping
+                c.store_slot = None
         for rid in list(c.reqs):
             self.free(c, rid)
         if c.shm_thread is not None and c.shm_thread is not threading.current_thread():
@@ -415,11 +419,24 @@ class NodeState:
             need = [sum((h1 - h0) * row + table_bytes(h1 - h0, k) for k in h.clusters) for h0, h1 in ranges]
         else:  # the exact split is known once a layer's sizes arrive: each layer reserves evenly first
             need = [sum(even_share(H, row, k, N) for k in h.clusters)] * N
+        if h.from_slot:  # the data is in the client's store slot: the stream ends with the header
+            with self.lock:
+                slot = c.store_slot
+            want = store_bytes(H, D, es, n, list(h.clusters))
+            if slot is None or slot.slot < want:
+                raise NodeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"store of {want} bytes from the store slot, but the client has "
+                                f"{'no slot' if slot is None else f'a slot of {slot.slot} bytes'} (OpenShm store)")
+            if next(chunks, None) is not None:
+                raise WireError("a store from the slot carries no data chunks")
+            reader = _SlotReader(slot.data[:want])
+        else:
+            reader = _ByteReader(chunks, context)
         self.reserve(need)
         reserved = list(need)
         base = [sum(pc[li] for pc in r.part_clusters) for li in range(L)]  # global id of this part's cluster 0
         try:
-            built = self._receive(chunks, context, h, dtype, es, ranges, reserved, base)
+            built = self._receive(reader, h, dtype, es, ranges, reserved, base)
             with r.lock, self.lock:
                 if (h.part == 0 and h.req_id in c.reqs) or c.id not in self.clients or \
                         (h.part > 0 and (c.reqs.get(h.req_id) is not r or len(r.part_tokens) != h.part)):
@@ -437,17 +454,19 @@ class NodeState:
             if reserved is not None:
                 self.release(reserved)
         self.ingested += stored
+        self.stores += 1
+        self.slot_stores += bool(h.from_slot)
         self.metrics.ingested.inc(stored)
         return pb.StoreReply(bytes=sum(r.bytes), parts=len(r.part_tokens))
 
-    def _receive(self, chunks, context, h, dtype, es, ranges, reserved, base) -> list[list[tuple]]:
-        """Read each layer's sizes and K/V from the stream into per-device tensors -> [layer][device]
-        (tokens, kv, starts, sizes) ready to be appended as prepared parts."""
+    def _receive(self, it, h, dtype, es, ranges, reserved, base) -> list[list[tuple]]:
+        """Read each layer's sizes and K/V from ``it`` (the stream's chunks or the store slot) into
+        per-device tensors -> [layer][device] (tokens, kv, starts, sizes) ready to be appended as
+        prepared parts."""
         L, H, D, n = h.num_layers, h.kv_heads, h.head_dim, h.tokens
         N = len(self.devices)
         head = self.s.partition == "head"
         row = n * 2 * D * es
-        it = _ByteReader(chunks, context)
         built = []
         for li in range(L):
             C = h.clusters[li]
@@ -638,6 +657,24 @@ class NodeState:
     # -------- native plane (csrc/node_plane.cpp)
     MAX_PLANS = 64  # per client
 
+    def open_store_slot(self, c: Client, size: int) -> StoreSlot:
+        """A new store slot of ``size`` bytes for the client (wire.py "store slot"); one it had before is
+        unlinked (a store still reading from it keeps its mapping until it ends)."""
+        cap = self.s.limits.max_store_slot_bytes
+        if not 1 <= size <= cap:
+            raise NodeError(grpc.StatusCode.OUT_OF_RANGE if size > cap else grpc.StatusCode.INVALID_ARGUMENT,
+                            f"store slot of {size} bytes: 1 .. {cap} (the node's --max-store-slot)")
+        try:
+            slot = StoreSlot.create(size, self.s.shm_dir)
+        except OSError as e:  # the shared-memory file system is full (a container's /dev/shm is often small)
+            raise NodeError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"store slot of {size} bytes in {self.s.shm_dir}: {e.strerror or e}") from None
+        with self.lock:
+            old, c.store_slot = c.store_slot, slot
+        if old is not None:
+            old.unlink()
+        return slot
+
     def open_native(self, c: Client, slot: int) -> NativeChannel:
         """A new native channel for the client (one it had before is closed: its responder stops); its
         plans stay (the plan table is the client's)."""
@@ -771,7 +808,8 @@ class NodeState:
         nj, ne = self.native_jobs()
         return pb.StatsReply(devices=devs, clients=len(clients), requests=sum(len(c.reqs) for c in clients),
                              jobs=self.jobs + nj, job_errors=self.job_errors + ne, ingested_bytes=self.ingested,
-                             expired_clients=self.expired_clients, native_jobs=nj)
+                             expired_clients=self.expired_clients, native_jobs=nj, stores=self.stores,
+                             slot_stores=self.slot_stores)
 
     def close(self) -> None:
         self._stop.set()
@@ -780,7 +818,20 @@ class NodeState:
         self.workers.close()
 
 
-class _ByteReader:
+class _StoreReader:
+    """A store's data, read in order by _receive: ``into`` fills a flat uint8 tensor, ``end`` checks that
+    nothing is left over."""
+
+    def into(self, dst: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def take(self, n: int) -> bytes:
+        out = torch.empty(n, dtype=torch.uint8)
+        self.into(out)
+        return out.numpy().tobytes()
+
+
+class _ByteReader(_StoreReader):
     """Consumes the data chunks of a store stream in order, never buffering more than one chunk."""
 
     def __init__(self, chunks, context):
@@ -807,14 +858,28 @@ class _ByteReader:
             pos += k
             self.off += k
 
-    def take(self, n: int) -> bytes:
-        out = torch.empty(n, dtype=torch.uint8)
-        self.into(out)
-        return out.numpy().tobytes()
-
     def end(self) -> None:
         if self.off != len(self.buf) or next(self.chunks, None) is not None:
             raise WireError("store stream carries more data than its header declares")
+
+
+class _SlotReader(_StoreReader):
+    """A store's data from the client's store slot, with _ByteReader's interface: ``src`` is exactly the
+    declared bytes (checked against the slot before), read in order; torch's copies release the GIL."""
+
+    def __init__(self, src: torch.Tensor):
+        self.src, self.off = src, 0
+
+    def into(self, dst: torch.Tensor) -> None:
+        k = dst.numel()
+        if self.off + k > self.src.numel():
+            raise WireError("store slot read past the store's declared bytes")
+        dst.copy_(self.src[self.off:self.off + k])
+        self.off += k
+
+    def end(self) -> None:
+        if self.off != self.src.numel():
+            raise WireError("store slot holds more data than the store's header declares")
 
 
 # ---------------------------------------------------------------- gRPC service
@@ -909,7 +974,10 @@ class Servicer(pb_grpc.NelssaNodeServicer):
     def OpenShm(self, request, context):
         def f():
             c = self.node.client(request.client_id)
-            ch = (self.node.open_native if request.native else self.node.open_shm)(c, request.slot_bytes)
+            if request.store:
+                ch = self.node.open_store_slot(c, request.slot_bytes)
+            else:
+                ch = (self.node.open_native if request.native else self.node.open_shm)(c, request.slot_bytes)
             return pb.ShmReply(path=ch.path, slot_bytes=ch.slot, node_pid=os.getpid())
         return self._call(context, f)
 

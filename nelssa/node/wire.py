@@ -41,16 +41,18 @@ class Limits:
     max_layers: int = 512
     max_part_tokens: int = 1 << 22     # tokens in one stored part
     max_req_id_len: int = 256
+    max_store_slot_bytes: int = 4 << 30  # a client's store slot (0: stores only stream over gRPC)
 
     def to_pb(self) -> pb.Limits:
         return pb.Limits(max_message_bytes=self.max_message_bytes, max_batch=self.max_batch,
                          max_heads=self.max_heads, max_head_dim=self.max_head_dim, max_layers=self.max_layers,
-                         max_part_tokens=self.max_part_tokens, max_req_id_len=self.max_req_id_len)
+                         max_part_tokens=self.max_part_tokens, max_req_id_len=self.max_req_id_len,
+                         max_store_slot_bytes=self.max_store_slot_bytes)
 
     @staticmethod
     def from_pb(m: pb.Limits) -> "Limits":
         return Limits(m.max_message_bytes, m.max_batch, m.max_heads, m.max_head_dim, m.max_layers,
-                      m.max_part_tokens, m.max_req_id_len)
+                      m.max_part_tokens, m.max_req_id_len, m.max_store_slot_bytes)
 
 
 def dtype_of(code: int) -> torch.dtype:
@@ -170,17 +172,24 @@ class _ChannelFile:
     """A channel's file in /dev/shm (mode 0600): a 256-byte header whose words 0-2 are magic, version and
     slot size, then a request and a response slot. ``create`` on the node, ``attach`` on the client."""
 
-    PREFIX, MAGIC, VERSION, KIND = "", 0, 0, ""
+    PREFIX, MAGIC, VERSION, KIND, SLOTS = "", 0, 0, "", 2
+    RESERVE = False  # create: allocate the file's memory now (a write past a full tmpfs would be a SIGBUS)
 
     def _map(self, path: str, fd: int, slot: int, create: bool) -> mmap.mmap:
         self.path, self.slot = path, slot
-        size = _HDR + 2 * slot
+        size = _HDR + self.SLOTS * slot
         try:
-            if create:
+            if create and self.RESERVE:
+                os.posix_fallocate(fd, 0, size)
+            elif create:
                 os.ftruncate(fd, size)
             elif os.fstat(fd).st_size != size:
                 raise WireError(f"{path}: {os.fstat(fd).st_size} bytes, {size} expected")
             return mmap.mmap(fd, size)
+        except BaseException:
+            if create:
+                os.unlink(path)
+            raise
         finally:
             os.close(fd)
 
@@ -334,3 +343,40 @@ class NativeChannel(_ChannelFile):
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+# ---------------------------------------------------------------- store slot
+#
+# Same-host stores: a third kind of file (the same 256-byte header identity, then ONE slot). The node
+# makes it for a client (OpenShm with ``store``), the client writes a store's data into it — exactly
+# the bytes its gRPC data chunks would carry, in the same order (per layer: cluster sizes int32 [H, C],
+# then K/V [H, n, 2, D]) — and sends only the header with ``from_slot``; the node reads the declared
+# bytes from its own mapping into its memory and answers. One store at a time per slot (the client's
+# lock); a new slot replaces the old one (unlinked; a store still reading from it keeps its mapping).
+
+STORE_MAGIC = 0x4E454C5353415331  # "NELSSAS1"
+STORE_VERSION = 1
+
+
+class StoreSlot(_ChannelFile):
+    """``data`` is a uint8 tensor over the slot (the tensor holds the mapping)."""
+
+    PREFIX, MAGIC, VERSION, KIND, SLOTS = "nelssa-store-", STORE_MAGIC, STORE_VERSION, "store-slot ", 1
+    RESERVE = True
+
+    def __init__(self, path: str, fd: int, slot: int, create: bool):
+        mm = self._map(path, fd, slot, create)
+        mem = torch.frombuffer(mm, dtype=torch.uint8)
+        self._stamp(mem[:_HDR].view(torch.int64).numpy().view(np.uint64), create)
+        self.data = mem[_HDR:]
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def store_bytes(H: int, D: int, itemsize: int, tokens: int, clusters: list[int]) -> int:
+    """A store's data bytes (chunks or slot): per layer its cluster sizes and its K/V rows."""
+    return sum(H * C * 4 + H * tokens * 2 * D * itemsize for C in clusters)

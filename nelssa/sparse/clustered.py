@@ -37,15 +37,19 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return mod.host_empty(list(shape), dtype) if mod is not None else torch.empty(shape, dtype=dtype)
 
 
-def pack(keys: torch.Tensor, values: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+def pack(keys: torch.Tensor, values: torch.Tensor, perm: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Host KV in cluster-contiguous layout: [H, L, 2, D], row i of head h = (K, V) of token perm[h, i].
 
     perm [H, L] lists each head's tokens grouped by cluster, so a cluster is one contiguous run of
     K/V records that the kernel reads as a single stream. CPU inputs use the C++ OpenMP row copy
-    (torch fallback); device inputs are permuted on the device and copied to the host once.
+    (torch fallback); device inputs are permuted on the device and copied to the host once. ``out``:
+    a contiguous host tensor of that shape and dtype to write into (e.g. nelssa-node's store slot).
     """
     H, L, D = keys.shape
-    out = host_empty((H, L, 2, D), keys.dtype)
+    if out is None:
+        out = host_empty((H, L, 2, D), keys.dtype)
+    elif out.shape != (H, L, 2, D) or out.dtype != keys.dtype or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(f"pack: out must be a contiguous CPU {keys.dtype} tensor [{H}, {L}, 2, {D}]")
     mod = ext()
     if keys.device.type == "cpu" and mod is not None:
         perm = perm.contiguous()
