@@ -42,18 +42,28 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
-def _start(devices: int, cores: int, memory: str, ingest: int = 0, spin_us: int | None = None) -> tuple[subprocess.Popen, int]:
-    """A node whose devices share ``cores`` - ``ingest`` cores of this process's affinity; ``ingest``
-    > 0: the last ones handle stores (--ingest-cores)."""
-    avail = sorted(os.sched_getaffinity(0))
+_all_cores = os.sched_getaffinity(0)  # the machine's, before --client-cores pins this process
+
+
+def _start(devices: int, cores: int, memory: str, ingest: int = 0, spin_us: int | None = None,
+           skip: int = 0) -> tuple[subprocess.Popen, int]:
+    """A node whose devices share ``cores`` - ``ingest`` cores of the machine's affinity after its first
+    ``skip`` (the client's, --client-cores); ``ingest`` > 0: the last ones handle stores (--ingest-cores)."""
+    avail = sorted(_all_cores)[skip:]
     per = max(1, (cores - ingest) // devices)
     extra = ["--ingest-cores", ",".join(str(c) for c in avail[-ingest:])] if ingest else []
     if spin_us is not None:
         extra += ["--poll-spin-us", str(spin_us)]
-    p = subprocess.Popen([sys.executable, "-m", "nelssa.node", "--port", "0", "--devices", str(devices),
-                          "--cores-per-device", str(per), "--device-memory", memory, "--log-level", "WARNING",
-                          *extra],
-                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    # consecutive cores per device, wrapping where there are fewer than asked (emulation on small boxes)
+    dev = ";".join(",".join(str(avail[(d * per + i) % len(avail)]) for i in range(per)) for d in range(devices))
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, avail)  # the node inherits the machine's cores after the client's, not the client's
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "nelssa.node", "--port", "0", "--devices", str(devices),
+                              "--device-cores", dev, "--device-memory", memory, "--log-level", "WARNING", *extra],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    finally:
+        os.sched_setaffinity(0, mine)
     m = re.search(r":(\d+) ", p.stdout.readline())
     if not m:
         p.kill()
@@ -288,6 +298,9 @@ def main() -> None:
     ap.add_argument("--fuzz", type=int, default=0,
                     help="also send this many malformed jobs per plane (nelssa.node.fuzz) and check the node's RSS")
     ap.add_argument("--ingest-cores", type=int, default=0, help="cores kept for the node's store handling")
+    ap.add_argument("--client-cores", type=int, default=0,
+                    help="cores kept for this (client) process, taken before the node's: pinned there, the "
+                         "waiting client never shares a device's core (0: not pinned)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
@@ -305,8 +318,15 @@ def main() -> None:
     keys = [torch.randn(H, n, D, generator=g) for _ in range(a.batch)]
     vals = [torch.randn(H, n, D, generator=g) for _ in range(a.batch)]
     q = torch.randn(a.batch, Hq, D, generator=g)
+    if a.client_cores:
+        if a.client_cores + a.ingest_cores >= cores:
+            raise SystemExit(f"--client-cores {a.client_cores} + --ingest-cores {a.ingest_cores} leave no device core")
+        mine = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, mine[:a.client_cores])  # the node (started after) gets the others
+        report["node"]["client_cores"] = mine[:a.client_cores]
     for nd in [int(x) for x in a.devices.split(",")]:
-        proc, port = _start(nd, cores, a.device_memory, a.ingest_cores, a.poll_spin_us)
+        proc, port = _start(nd, cores - a.client_cores, a.device_memory, a.ingest_cores, a.poll_spin_us,
+                            skip=a.client_cores)
         try:
             for plane in a.planes.split(","):
                 cfg = NelssaConfig(engine="node", node_address=f"127.0.0.1:{port}", node_transport=plane,

@@ -477,6 +477,11 @@ def test_native_plane_refuses_bad_jobs_and_freed_plans_and_keeps_serving(nodes):
         c, out, _ = run(q, ids, counts)
         assert c.state == "done"
         torch.testing.assert_close(out, want[0], atol=0, rtol=0)
+        from nelssa.node.local import HostStats, call_results
+        st = HostStats()  # a node call's communication: its round trip outside the node's kernels
+        assert call_results(st, [c]) is None and len(st.node_comm_s) == 1
+        node_s, kernel_s = c.node_times
+        assert 0 < kernel_s <= node_s <= c.seconds and st.node_comm_s[0] == pytest.approx(c.seconds - kernel_s)
         bad = []
         g = torch.Generator().manual_seed(3)
         C = ckvs[0].num_clusters

@@ -263,6 +263,10 @@ def analyse(run: dict) -> dict:
     out["preemptions"] = m.get("vllm:num_preemptions_total")
     out["kv_usage_max"] = max((s["kv_usage"] for s in run["samples"]), default=None)
     out["nelssa"] = {k: v for k, v in m.items() if k.startswith("nelssa:")}
+    # through nelssa-node: the share of the long lane's batches (one token of every long request: their
+    # decode step) spent in communication, i.e. layer calls' round trips outside the node's kernels
+    comm, batch = m.get("nelssa:node_comm_seconds_sum"), m.get("nelssa:lane_batch_seconds_sum")
+    out["node_comm_share_of_lane_batch"] = comm / batch if comm is not None and batch else None
     return out
 
 

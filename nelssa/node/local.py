@@ -51,6 +51,8 @@ class HostStats:
         self.lane_captures = 0                 # long lane: batches captured as one CUDA graph
         self.lane_capture_failures = 0         # long lane: captures that failed (that request set runs enqueued)
         self.lane_paths: dict[str, float] = {}  # long lane: batches per way they ran (lane_batch.BatchGraphs.path)
+        self.node_comm_s: list[float] = []     # through nelssa-node's native plane, per layer call: its round
+                                               # trip minus the slowest device's kernel (issue 10's communication)
 
     def take(self) -> dict:
         with self._lock:
@@ -61,7 +63,8 @@ class HostStats:
                  "host_wait_s": self.host_wait_s, "offload_split_s": self.offload_split_s,
                  "lane_batch_s": self.lane_batch_s, "lane_rows": self.lane_rows, "lane_step_s": self.lane_step_s,
                  "lane_split_s": self.lane_split_s, "lane_captures": self.lane_captures,
-                 "lane_capture_failures": self.lane_capture_failures, "lane_paths": self.lane_paths}
+                 "lane_capture_failures": self.lane_capture_failures, "lane_paths": self.lane_paths,
+                 "node_comm_s": self.node_comm_s}
             self.reset()
         return d
 
@@ -110,6 +113,9 @@ def call_results(stats: HostStats, calls: list) -> str | None:
         state = c.state
         if state == "done":
             stats.add(attn_s=c.seconds)
+            nt = c.node_times  # a call nelssa-node did: (node seconds, slowest kernel seconds)
+            if nt is not None:
+                stats.add(node_comm_s=max(0.0, c.seconds - nt[1]))
         elif state != "skipped" and err is None:
             err = c.error if state == "failed" else f"host call {state} after its stream passed it"
     if err is not None:

@@ -168,6 +168,9 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
                                         documentation="Forward wall time of steps with lane rows")),
             "host_wait_s": per_engine(h(name="nelssa:host_wait_seconds", labelnames=labelnames, buckets=buckets,
                                         documentation="Per step with offloaded rows: time waiting for host results")),
+            "node_comm_s": per_engine(h(name="nelssa:node_comm_seconds", labelnames=labelnames, buckets=buckets,
+                                        documentation="Through nelssa-node (native plane), per layer call: round "
+                                                      "trip minus the slowest device's kernel")),
             "lane_captures": per_engine(c(name="nelssa:lane_captures", labelnames=labelnames,
                                           documentation="Long lane: batches captured as one CUDA graph (lane_batch.py)")),
             "lane_capture_failures": per_engine(c(name="nelssa:lane_capture_failures", labelnames=labelnames,
