@@ -303,6 +303,55 @@ def test_store_slot_refusals_leave_nothing_and_a_node_without_slots_streams(node
         plain.stop()
 
 
+def test_a_released_request_is_adopted_by_another_client_or_freed_in_time(nodes):
+    """Hand-over (a prefill instance's request taken over by a decode instance): P releases a stored
+    request (a part committed, one prepared); D adopts it with P's centroid state and decodes from it
+    exactly as the in-process tier does; the handle works once; an adoption whose centroid state does not
+    match the node's request is refused and leaves nothing; a released request nobody adopts is freed
+    after its time."""
+    node = nodes("head3")
+    cfg = _cfg(node, "native")
+    p, d, local = NodeHostTier(cfg, L), NodeHostTier(cfg, L), LocalHostTier(cfg, L)
+
+    def used():
+        return sum(dv.used_bytes for dv in node.stats().devices)
+    try:
+        a1, a2 = _kv(300, 11), _kv(70, 12)
+        for t in (p, local):
+            t.put_layers("a", *a1)
+            t.put_layers("a", *a2, commit=False)
+        held = used()
+        handle, layers = p.release("a")
+        assert not p.has("a") and p.nbytes == 0 and node.stats().released == 1 and used() == held
+        d.adopt(handle, "b", layers)
+        assert node.stats().released == 0 and d.nbytes == held > 0
+        with pytest.raises(HostError, match="NOT_FOUND"):
+            d.adopt(handle, "c", layers)  # a handle is taken once
+        g = torch.Generator().manual_seed(5)
+        for length in (300, 370):
+            d.commit("b", length)
+            local.commit("a", length)
+            for layer in range(L):
+                q = torch.randn(1, HQ, D, generator=g)
+                for x, y in zip(_attend(d, ["b"], layer, q, 1.0), _attend(local, ["a"], layer, q, 1.0)):
+                    torch.testing.assert_close(x, y, atol=2e-6, rtol=1e-5)
+        p.put_layers("x", *_kv(100, 13))
+        h2, _ = p.release("x")
+        with pytest.raises(HostError, match="adopt y"):
+            d.adopt(h2, "y", layers)  # another request's centroid state: refused, and freed on the node
+        assert not d.has("y") and used() == held
+        p.put_layers("z", *_kv(100, 14))
+        p.release("z", ttl_s=0.5)
+        deadline = time.monotonic() + 10
+        while node.stats().released and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert node.stats().released == 0 and used() == held  # nobody adopted it: freed
+        assert d.free("b") and used() == 0
+    finally:
+        for t in (p, d, local):
+            t.close()
+
+
 def test_every_call_needs_a_deadline(nodes):
     ch, stub = nodes("head1").stub()
     with pytest.raises(grpc.RpcError) as e:

@@ -541,6 +541,60 @@ class NodeHostTier:
             self._free_remote(req_id)
         return True
 
+    # -------- hand-over (issue 11: a prefill instance's request taken over by a decode instance)
+    def release(self, req_id: str, ttl_s: float = 60.0) -> tuple[str, list[RemoteKV]]:
+        """The request leaves this client without being freed on the node -> (handle, its layers'
+        centroid state). Whoever gets both adopts it (``adopt``); the node frees it if nobody does
+        within ``ttl_s``. The local entry is gone either way."""
+        with self._lock:
+            r = self.reqs.get(req_id)
+        if r is None:
+            raise HostError(f"request {req_id} has no host KV")
+        if r.lost or any(c is None for c in r.layers):
+            raise HostError(f"request {req_id}: {r.lost or 'host KV incomplete (layers missing)'}")
+        rep = self._rpc("Release", pb.ReleaseRequest(client_id=self.client_id, req_id=req_id, ttl_s=ttl_s))
+        with self._lock:
+            self.reqs.pop(req_id, None)
+        if self._native is not None:
+            self._native.forget(req_id)
+        return rep.handle, list(r.layers)
+
+    def adopt(self, handle: str, req_id: str, layers: list[RemoteKV]) -> None:
+        """Take over a request another client released (``release``'s handle and layers, e.g. from a
+        prefill instance) under ``req_id``: its K/V stays where it is on the node, the centroid state is
+        copied here (to this tier's device of the given layers). The node's record of the request (parts,
+        clusters, committed tokens) must match the layers given: a mismatch is an error, never a guess."""
+        if len(layers) != self.num_layers:
+            raise HostError(f"adopt: {len(layers)} layers given, the host tier has {self.num_layers}")
+        rep = self._rpc("Adopt", pb.AdoptRequest(client_id=self.client_id, handle=handle, req_id=req_id))
+        P, L = len(rep.part_tokens), rep.num_layers
+        problem = ""
+        if L != self.num_layers or len(rep.part_clusters) != P * L:
+            problem = f"the node holds {L} layers, this tier has {self.num_layers}"
+        else:
+            for i, c in enumerate(layers):
+                parts = c.num_clusters + sum(p[1].shape[1] for p in c.pending)
+                node = sum(rep.part_clusters[k * L + i] for k in range(P))
+                if (c.num_kv_heads, c.head_dim, DTYPE_IDS.get(c.dtype)) != (rep.kv_heads, rep.head_dim, rep.dtype) \
+                        or parts != node or c.length + sum(p[0] for p in c.pending) != sum(rep.part_tokens) \
+                        or c.length < rep.committed:  # the node commits lazily: never ahead of the client
+                    problem = (f"layer {i}: {parts} clusters over {c.length} committed tokens given, the node "
+                               f"holds {node} over {rep.committed} of {sum(rep.part_tokens)}")
+                    break
+        if problem:  # the node's request is this client's now: free it rather than leak it
+            self._free_remote(req_id)
+            raise HostError(f"adopt {req_id}: {problem}")
+        r = _Req(req_id, self.num_layers)
+        for i, c in enumerate(layers):
+            k = RemoteKV(req_id, i, c.num_kv_heads, c.head_dim, c.dtype, c.device)
+            k.centroids, k.sizes, k.vmeans, k.length = c.centroids.clone(), c.sizes.clone(), c.vmeans.clone(), c.length
+            k.pending = [(n, cent.clone(), sz.clone(), vm.clone()) for n, cent, sz, vm in c.pending]
+            r.layers[i] = k
+        r.parts, r.bytes = P, rep.bytes
+        with self._lock:
+            self.reqs[req_id] = r
+            self.stats.add(long_requests=1)
+
     @property
     def nbytes(self) -> int:
         """Bytes this client's requests hold on the node."""

@@ -28,6 +28,7 @@ import ipaddress
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 import uuid
@@ -42,7 +43,7 @@ from nelssa._ext import ext
 from nelssa.config import get_config, set_config
 from nelssa.node.proto import nelssa_node_pb2 as pb
 from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
-from nelssa.node.wire import (DTYPES, ITEMSIZE, TOKEN_HEADER, W_REQ_SEQ, Limits, NativeChannel, ShmChannel,
+from nelssa.node.wire import (DTYPE_IDS, DTYPES, ITEMSIZE, TOKEN_HEADER, W_REQ_SEQ, Limits, NativeChannel, ShmChannel,
                               StoreSlot, WireError, decode_job, dtype_of, plan_layout, store_bytes, tensor_bytes)
 from nelssa.sparse import KVPart, Selection, attend, host_empty, merge_states, prepare_attend
 
@@ -301,6 +302,7 @@ class NodeState:
         self.t0 = time.monotonic()
         self.jobs = self.job_errors = self.ingested = self.expired_clients = self.stores = self.slot_stores = 0
         self.native_done = (0, 0)  # native (jobs, errors) of clients dropped
+        self.released: dict[str, tuple[NodeRequest, float]] = {}  # hand-over: handle -> (request, deadline)
         self.metrics = Metrics(self)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="nelssa-lease", daemon=True)
@@ -328,6 +330,11 @@ class NodeState:
             now = time.monotonic()
             with self.lock:
                 dead = [c for c in self.clients.values() if now - c.last > c.lease_s]
+                unadopted = [h for h, (_, t) in self.released.items() if now > t]
+                gone = [self.released.pop(h)[0] for h in unadopted]
+            for r in gone:
+                log.warning("released request %s: not adopted in time, freed", r.req_id)
+                self._drop_request(r)
             for c in dead:
                 log.warning("client %s (%s): lease of %.1fs expired, dropping %d requests", c.id, c.name, c.lease_s,
                             len(c.reqs))
@@ -374,15 +381,57 @@ class NodeState:
         if r is None:
             return False, 0
         with self.lock:  # its plans go first: a job of one that is running keeps its own references
-            gone = [p for p, rs in c.plan_reqs.items() if req_id in rs]
-            for p in gone:
-                del c.plan_reqs[p]
-                c.plan_table.drop(p)
+            self._drop_plans(c, req_id)
+        return True, self._drop_request(r)
+
+    def _drop_plans(self, c: Client, req_id: str) -> None:
+        """(Under the lock.) The client's native plans over ``req_id`` dropped."""
+        for p in [p for p, rs in c.plan_reqs.items() if req_id in rs]:
+            del c.plan_reqs[p]
+            c.plan_table.drop(p)
+
+    def _drop_request(self, r: NodeRequest) -> int:
+        """A request no client holds any more: its memory released -> bytes freed."""
         with r.lock:
             held, r.bytes = r.bytes, [0] * len(r.bytes)
             r.shards = []  # a job in flight keeps its own references until it returns
         self.release(held)
-        return True, sum(held)
+        return sum(held)
+
+    # -------- hand-over (ReleaseRequest / AdoptRequest in the .proto)
+    def release_request(self, c: Client, req_id: str, ttl_s: float) -> tuple[str, float]:
+        """The client's request leaves it without being freed, under a new unguessable handle, until a
+        client adopts it or ``ttl_s`` (within the lease limits) passes: then it is freed."""
+        ttl = min(max(ttl_s or self.s.lease_max_s, self.s.lease_min_s), self.s.lease_max_s)
+        handle = secrets.token_hex(16)
+        with self.lock:
+            r = c.reqs.pop(req_id, None)
+            if r is None:
+                raise NodeError(grpc.StatusCode.NOT_FOUND, f"request {req_id} is not stored for this client")
+            self._drop_plans(c, req_id)
+            self.released[handle] = (r, time.monotonic() + ttl)
+        return handle, ttl
+
+    def adopt(self, c: Client, handle: str, req_id: str) -> pb.AdoptReply:
+        lim = self.s.limits
+        if not req_id or len(req_id) > lim.max_req_id_len:
+            raise WireError("request id empty or too long")
+        with self.lock:
+            if req_id in c.reqs:
+                raise NodeError(grpc.StatusCode.ALREADY_EXISTS, f"request {req_id} already exists for this client")
+            ent = self.released.pop(handle, None)
+            if ent is None:
+                raise NodeError(grpc.StatusCode.NOT_FOUND, "no released request under this handle (adopted "
+                                                           "already, not adopted in time, or never released)")
+            r = ent[0]
+            r.client_id, r.req_id = c.id, req_id
+            c.reqs[req_id] = r
+        with r.lock:
+            committed = r.shards[0][0].length if r.shards else 0
+            return pb.AdoptReply(num_layers=r.num_layers, kv_heads=r.H, head_dim=r.D, dtype=DTYPE_IDS[r.dtype],
+                                 part_tokens=r.part_tokens,
+                                 part_clusters=[k for pc in r.part_clusters for k in pc], committed=committed,
+                                 bytes=sum(r.bytes))
 
     # -------- ingestion
     def store(self, chunks, context) -> pb.StoreReply:
@@ -809,12 +858,16 @@ class NodeState:
         return pb.StatsReply(devices=devs, clients=len(clients), requests=sum(len(c.reqs) for c in clients),
                              jobs=self.jobs + nj, job_errors=self.job_errors + ne, ingested_bytes=self.ingested,
                              expired_clients=self.expired_clients, native_jobs=nj, stores=self.stores,
-                             slot_stores=self.slot_stores)
+                             slot_stores=self.slot_stores, released=len(self.released))
 
     def close(self) -> None:
         self._stop.set()
         for cid in list(self.clients):
             self.drop_client(cid)
+        with self.lock:
+            gone, self.released = [r for r, _ in self.released.values()], {}
+        for r in gone:
+            self._drop_request(r)
         self.workers.close()
 
 
@@ -983,6 +1036,17 @@ class Servicer(pb_grpc.NelssaNodeServicer):
 
     def Plan(self, request, context):
         return self._call(context, lambda: self.node.plan(self.node.client(request.client_id), request))
+
+    def Release(self, request, context):
+        def f():
+            handle, ttl = self.node.release_request(self.node.client(request.client_id), request.req_id,
+                                                    request.ttl_s)
+            return pb.ReleaseReply(handle=handle, ttl_s=ttl)
+        return self._call(context, f)
+
+    def Adopt(self, request, context):
+        return self._call(context, lambda: self.node.adopt(self.node.client(request.client_id), request.handle,
+                                                           request.req_id))
 
     def DropPlan(self, request, context):
         return self._call(context, lambda: pb.FreeReply(

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#nelssa/node/proto/nelssa_node.proto\x12\x0enelssa.node.v1\"0\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"V\n\nDeviceInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x63ores\x18\x02 \x03(\r\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\"\xc2\x01\n\x06Limits\x12\x19\n\x11max_message_bytes\x18\x01 \x01(\x04\x12\x11\n\tmax_batch\x18\x02 \x01(\r\x12\x11\n\tmax_heads\x18\x03 \x01(\r\x12\x14\n\x0cmax_head_dim\x18\x04 \x01(\r\x12\x12\n\nmax_layers\x18\x05 \x01(\r\x12\x17\n\x0fmax_part_tokens\x18\x06 \x01(\x04\x12\x16\n\x0emax_req_id_len\x18\x07 \x01(\r\x12\x1c\n\x14max_store_slot_bytes\x18\x08 \x01(\x04\"\xb6\x01\n\rRegisterReply\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12+\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x1a.nelssa.node.v1.DeviceInfo\x12,\n\tpartition\x18\x04 \x01(\x0e\x32\x19.nelssa.node.v1.Partition\x12&\n\x06limits\x18\x05 \x01(\x0b\x32\x16.nelssa.node.v1.Limits\"!\n\x0cRenewRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\"\x1d\n\nRenewReply\x12\x0f\n\x07lease_s\x18\x01 \x01(\x01\"\xd1\x01\n\x0bStoreHeader\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0e\n\x06req_id\x18\x02 \x01(\t\x12\x0c\n\x04part\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x10\n\x08kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12$\n\x05\x64type\x18\x07 \x01(\x0e\x32\x15.nelssa.node.v1.DType\x12\x0e\n\x06tokens\x18\x08 \x01(\x04\x12\x10\n\x08\x63lusters\x18\t \x03(\r\x12\x11\n\tfrom_slot\x18\n \x01(\x08\"R\n\nStoreChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.nelssa.node.v1.StoreHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x05\n\x03msg\"*\n\nStoreReply\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\r\n\x05parts\x18\x02 \x01(\r\"0\n\x0b\x46reeRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0e\n\x06req_id\x18\x02 \x01(\t\"+\n\tFreeReply\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xe9\x01\n\nStatsReply\x12+\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x1a.nelssa.node.v1.DeviceInfo\x12\x0f\n\x07\x63lients\x18\x02 \x01(\r\x12\x10\n\x08requests\x18\x03 \x01(\r\x12\x0c\n\x04jobs\x18\x04 \x01(\x04\x12\x12\n\njob_errors\x18\x05 \x01(\x04\x12\x16\n\x0eingested_bytes\x18\x06 \x01(\x04\x12\x17\n\x0f\x65xpired_clients\x18\x07 \x01(\x04\x12\x13\n\x0bnative_jobs\x18\x08 \x01(\x04\x12\x0e\n\x06stores\x18\t \x01(\x04\x12\x13\n\x0bslot_stores\x18\n \x01(\x04\"\x0f\n\rHealthRequest\"o\n\x0bHealthReply\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x0f\n\x07\x64\x65vices\x18\x03 \x01(\r\x12,\n\tpartition\x18\x04 \x01(\x0e\x32\x19.nelssa.node.v1.Partition\"\x11\n\x0f\x43\x61pacityRequest\"h\n\rCapacityReply\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12+\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x1a.nelssa.node.v1.DeviceInfo\"[\n\nJobRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x10\n\x08selected\x18\x03 \x01(\r\x12\x0b\n\x03ids\x18\x04 \x01(\x0c\x12\x0e\n\x06\x63ounts\x18\x05 \x01(\x0c\"\xce\x01\n\tAttendJob\x12\x0e\n\x06job_id\x18\x01 \x01(\x04\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\r\n\x05scale\x18\x04 \x01(\x02\x12\x11\n\tnum_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12&\n\x07q_dtype\x18\x07 \x01(\x0e\x32\x15.nelssa.node.v1.DType\x12\t\n\x01q\x18\x08 \x01(\x0c\x12(\n\x04reqs\x18\t \x03(\x0b\x32\x1a.nelssa.node.v1.JobRequest\"z\n\x0c\x41ttendResult\x12\x0e\n\x06job_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0b\n\x03out\x18\x04 \x01(\x0c\x12\x0b\n\x03lse\x18\x05 \x01(\x0c\x12\x0e\n\x06node_s\x18\x06 \x01(\x01\x12\x11\n\tcompute_s\x18\x07 \x01(\x01\"R\n\nShmRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06native\x18\x03 \x01(\x08\x12\r\n\x05store\x18\x04 \x01(\x08\">\n\x08ShmReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x10\n\x08node_pid\x18\x03 \x01(\r\"\xc1\x01\n\x0bPlanRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0f\n\x07plan_id\x18\x02 \x01(\x04\x12\x0f\n\x07req_ids\x18\x03 \x03(\t\x12\x0f\n\x07lengths\x18\x04 \x03(\x04\x12\x11\n\tnum_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12&\n\x07q_dtype\x18\x07 \x01(\x0e\x32\x15.nelssa.node.v1.DType\x12\x10\n\x08selected\x18\x08 \x01(\r\x12\r\n\x05scale\x18\t \x01(\x02\"O\n\tPlanReply\x12\x13\n\x0bhead_bounds\x18\x01 \x03(\r\x12\x15\n\rrequest_bytes\x18\x02 \x01(\x04\x12\x16\n\x0eresponse_bytes\x18\x03 \x01(\x04\"5\n\x0f\x44ropPlanRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0f\n\x07plan_id\x18\x02 \x01(\x04*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03*=\n\tPartition\x12\x19\n\x15PARTITION_UNSPECIFIED\x10\x00\x12\x08\n\x04HEAD\x10\x01\x12\x0b\n\x07\x43LUSTER\x10\x02\x32\xca\x06\n\nNelssaNode\x12J\n\x08Register\x12\x1f.nelssa.node.v1.RegisterRequest\x1a\x1d.nelssa.node.v1.RegisterReply\x12\x41\n\x05Renew\x12\x1c.nelssa.node.v1.RenewRequest\x1a\x1a.nelssa.node.v1.RenewReply\x12\x45\n\nUnregister\x12\x1c.nelssa.node.v1.RenewRequest\x1a\x19.nelssa.node.v1.FreeReply\x12\x41\n\x05Store\x12\x1a.nelssa.node.v1.StoreChunk\x1a\x1a.nelssa.node.v1.StoreReply(\x01\x12>\n\x04\x46ree\x12\x1b.nelssa.node.v1.FreeRequest\x1a\x19.nelssa.node.v1.FreeReply\x12\x41\n\x05Stats\x12\x1c.nelssa.node.v1.StatsRequest\x1a\x1a.nelssa.node.v1.StatsReply\x12\x44\n\x06Health\x12\x1d.nelssa.node.v1.HealthRequest\x1a\x1b.nelssa.node.v1.HealthReply\x12J\n\x08\x43\x61pacity\x12\x1f.nelssa.node.v1.CapacityRequest\x1a\x1d.nelssa.node.v1.CapacityReply\x12?\n\x07OpenShm\x12\x1a.nelssa.node.v1.ShmRequest\x1a\x18.nelssa.node.v1.ShmReply\x12\x45\n\x06\x41ttend\x12\x19.nelssa.node.v1.AttendJob\x1a\x1c.nelssa.node.v1.AttendResult(\x01\x30\x01\x12>\n\x04Plan\x12\x1b.nelssa.node.v1.PlanRequest\x1a\x19.nelssa.node.v1.PlanReply\x12\x46\n\x08\x44ropPlan\x12\x1f.nelssa.node.v1.DropPlanRequest\x1a\x19.nelssa.node.v1.FreeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#nelssa/node/proto/nelssa_node.proto\x12\x0enelssa.node.v1\"0\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"V\n\nDeviceInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x63ores\x18\x02 \x03(\r\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\"\xc2\x01\n\x06Limits\x12\x19\n\x11max_message_bytes\x18\x01 \x01(\x04\x12\x11\n\tmax_batch\x18\x02 \x01(\r\x12\x11\n\tmax_heads\x18\x03 \x01(\r\x12\x14\n\x0cmax_head_dim\x18\x04 \x01(\r\x12\x12\n\nmax_layers\x18\x05 \x01(\r\x12\x17\n\x0fmax_part_tokens\x18\x06 \x01(\x04\x12\x16\n\x0emax_req_id_len\x18\x07 \x01(\r\x12\x1c\n\x14max_store_slot_bytes\x18\x08 \x01(\x04\"\xb6\x01\n\rRegisterReply\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12+\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x1a.nelssa.node.v1.DeviceInfo\x12,\n\tpartition\x18\x04 \x01(\x0e\x32\x19.nelssa.node.v1.Partition\x12&\n\x06limits\x18\x05 \x01(\x0b\x32\x16.nelssa.node.v1.Limits\"!\n\x0cRenewRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\"\x1d\n\nRenewReply\x12\x0f\n\x07lease_s\x18\x01 \x01(\x01\"\xd1\x01\n\x0bStoreHeader\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0e\n\x06req_id\x18\x02 \x01(\t\x12\x0c\n\x04part\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x10\n\x08kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12$\n\x05\x64type\x18\x07 \x01(\x0e\x32\x15.nelssa.node.v1.DType\x12\x0e\n\x06tokens\x18\x08 \x01(\x04\x12\x10\n\x08\x63lusters\x18\t \x03(\r\x12\x11\n\tfrom_slot\x18\n \x01(\x08\"R\n\nStoreChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.nelssa.node.v1.StoreHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x05\n\x03msg\"*\n\nStoreReply\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\r\n\x05parts\x18\x02 \x01(\r\"0\n\x0b\x46reeRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0e\n\x06req_id\x18\x02 \x01(\t\"+\n\tFreeReply\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"B\n\x0eReleaseRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0e\n\x06req_id\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"-\n\x0cReleaseReply\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"A\n\x0c\x41\x64optRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\t\x12\x0e\n\x06req_id\x18\x03 \x01(\t\"\xb8\x01\n\nAdoptReply\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x10\n\x08kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12$\n\x05\x64type\x18\x04 \x01(\x0e\x32\x15.nelssa.node.v1.DType\x12\x13\n\x0bpart_tokens\x18\x05 \x03(\x04\x12\x15\n\rpart_clusters\x18\x06 \x03(\r\x12\x11\n\tcommitted\x18\x07 \x01(\x04\x12\r\n\x05\x62ytes\x18\x08 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xfb\x01\n\nStatsReply\x12+\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x1a.nelssa.node.v1.DeviceInfo\x12\x0f\n\x07\x63lients\x18\x02 \x01(\r\x12\x10\n\x08requests\x18\x03 \x01(\r\x12\x0c\n\x04jobs\x18\x04 \x01(\x04\x12\x12\n\njob_errors\x18\x05 \x01(\x04\x12\x16\n\x0eingested_bytes\x18\x06 \x01(\x04\x12\x17\n\x0f\x65xpired_clients\x18\x07 \x01(\x04\x12\x13\n\x0bnative_jobs\x18\x08 \x01(\x04\x12\x0e\n\x06stores\x18\t \x01(\x04\x12\x13\n\x0bslot_stores\x18\n \x01(\x04\x12\x10\n\x08released\x18\x0b \x01(\r\"\x0f\n\rHealthRequest\"o\n\x0bHealthReply\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x0f\n\x07\x64\x65vices\x18\x03 \x01(\r\x12,\n\tpartition\x18\x04 \x01(\x0e\x32\x19.nelssa.node.v1.Partition\"\x11\n\x0f\x43\x61pacityRequest\"h\n\rCapacityReply\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12+\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x1a.nelssa.node.v1.DeviceInfo\"[\n\nJobRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x10\n\x08selected\x18\x03 \x01(\r\x12\x0b\n\x03ids\x18\x04 \x01(\x0c\x12\x0e\n\x06\x63ounts\x18\x05 \x01(\x0c\"\xce\x01\n\tAttendJob\x12\x0e\n\x06job_id\x18\x01 \x01(\x04\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\r\n\x05scale\x18\x04 \x01(\x02\x12\x11\n\tnum_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12&\n\x07q_dtype\x18\x07 \x01(\x0e\x32\x15.nelssa.node.v1.DType\x12\t\n\x01q\x18\x08 \x01(\x0c\x12(\n\x04reqs\x18\t \x03(\x0b\x32\x1a.nelssa.node.v1.JobRequest\"z\n\x0c\x41ttendResult\x12\x0e\n\x06job_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0b\n\x03out\x18\x04 \x01(\x0c\x12\x0b\n\x03lse\x18\x05 \x01(\x0c\x12\x0e\n\x06node_s\x18\x06 \x01(\x01\x12\x11\n\tcompute_s\x18\x07 \x01(\x01\"R\n\nShmRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06native\x18\x03 \x01(\x08\x12\r\n\x05store\x18\x04 \x01(\x08\">\n\x08ShmReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x10\n\x08node_pid\x18\x03 \x01(\r\"\xc1\x01\n\x0bPlanRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0f\n\x07plan_id\x18\x02 \x01(\x04\x12\x0f\n\x07req_ids\x18\x03 \x03(\t\x12\x0f\n\x07lengths\x18\x04 \x03(\x04\x12\x11\n\tnum_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12&\n\x07q_dtype\x18\x07 \x01(\x0e\x32\x15.nelssa.node.v1.DType\x12\x10\n\x08selected\x18\x08 \x01(\r\x12\r\n\x05scale\x18\t \x01(\x02\"O\n\tPlanReply\x12\x13\n\x0bhead_bounds\x18\x01 \x03(\r\x12\x15\n\rrequest_bytes\x18\x02 \x01(\x04\x12\x16\n\x0eresponse_bytes\x18\x03 \x01(\x04\"5\n\x0f\x44ropPlanRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0f\n\x07plan_id\x18\x02 \x01(\x04*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03*=\n\tPartition\x12\x19\n\x15PARTITION_UNSPECIFIED\x10\x00\x12\x08\n\x04HEAD\x10\x01\x12\x0b\n\x07\x43LUSTER\x10\x02\x32\xd6\x07\n\nNelssaNode\x12J\n\x08Register\x12\x1f.nelssa.node.v1.RegisterRequest\x1a\x1d.nelssa.node.v1.RegisterReply\x12\x41\n\x05Renew\x12\x1c.nelssa.node.v1.RenewRequest\x1a\x1a.nelssa.node.v1.RenewReply\x12\x45\n\nUnregister\x12\x1c.nelssa.node.v1.RenewRequest\x1a\x19.nelssa.node.v1.FreeReply\x12\x41\n\x05Store\x12\x1a.nelssa.node.v1.StoreChunk\x1a\x1a.nelssa.node.v1.StoreReply(\x01\x12>\n\x04\x46ree\x12\x1b.nelssa.node.v1.FreeRequest\x1a\x19.nelssa.node.v1.FreeReply\x12\x41\n\x05Stats\x12\x1c.nelssa.node.v1.StatsRequest\x1a\x1a.nelssa.node.v1.StatsReply\x12\x44\n\x06Health\x12\x1d.nelssa.node.v1.HealthRequest\x1a\x1b.nelssa.node.v1.HealthReply\x12J\n\x08\x43\x61pacity\x12\x1f.nelssa.node.v1.CapacityRequest\x1a\x1d.nelssa.node.v1.CapacityReply\x12?\n\x07OpenShm\x12\x1a.nelssa.node.v1.ShmRequest\x1a\x18.nelssa.node.v1.ShmReply\x12\x45\n\x06\x41ttend\x12\x19.nelssa.node.v1.AttendJob\x1a\x1c.nelssa.node.v1.AttendResult(\x01\x30\x01\x12>\n\x04Plan\x12\x1b.nelssa.node.v1.PlanRequest\x1a\x19.nelssa.node.v1.PlanReply\x12\x46\n\x08\x44ropPlan\x12\x1f.nelssa.node.v1.DropPlanRequest\x1a\x19.nelssa.node.v1.FreeReply\x12G\n\x07Release\x12\x1e.nelssa.node.v1.ReleaseRequest\x1a\x1c.nelssa.node.v1.ReleaseReply\x12\x41\n\x05\x41\x64opt\x12\x1c.nelssa.node.v1.AdoptRequest\x1a\x1a.nelssa.node.v1.AdoptReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nelssa.node.proto.nelssa_node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2489
-  _globals['_DTYPE']._serialized_end=2559
-  _globals['_PARTITION']._serialized_start=2561
-  _globals['_PARTITION']._serialized_end=2622
+  _globals['_DTYPE']._serialized_start=2876
+  _globals['_DTYPE']._serialized_end=2946
+  _globals['_PARTITION']._serialized_start=2948
+  _globals['_PARTITION']._serialized_end=3009
   _globals['_REGISTERREQUEST']._serialized_start=55
   _globals['_REGISTERREQUEST']._serialized_end=103
   _globals['_DEVICEINFO']._serialized_start=105
@@ -57,34 +57,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FREEREQUEST']._serialized_end=1029
   _globals['_FREEREPLY']._serialized_start=1031
   _globals['_FREEREPLY']._serialized_end=1074
-  _globals['_STATSREQUEST']._serialized_start=1076
-  _globals['_STATSREQUEST']._serialized_end=1090
-  _globals['_STATSREPLY']._serialized_start=1093
-  _globals['_STATSREPLY']._serialized_end=1326
-  _globals['_HEALTHREQUEST']._serialized_start=1328
-  _globals['_HEALTHREQUEST']._serialized_end=1343
-  _globals['_HEALTHREPLY']._serialized_start=1345
-  _globals['_HEALTHREPLY']._serialized_end=1456
-  _globals['_CAPACITYREQUEST']._serialized_start=1458
-  _globals['_CAPACITYREQUEST']._serialized_end=1475
-  _globals['_CAPACITYREPLY']._serialized_start=1477
-  _globals['_CAPACITYREPLY']._serialized_end=1581
-  _globals['_JOBREQUEST']._serialized_start=1583
-  _globals['_JOBREQUEST']._serialized_end=1674
-  _globals['_ATTENDJOB']._serialized_start=1677
-  _globals['_ATTENDJOB']._serialized_end=1883
-  _globals['_ATTENDRESULT']._serialized_start=1885
-  _globals['_ATTENDRESULT']._serialized_end=2007
-  _globals['_SHMREQUEST']._serialized_start=2009
-  _globals['_SHMREQUEST']._serialized_end=2091
-  _globals['_SHMREPLY']._serialized_start=2093
-  _globals['_SHMREPLY']._serialized_end=2155
-  _globals['_PLANREQUEST']._serialized_start=2158
-  _globals['_PLANREQUEST']._serialized_end=2351
-  _globals['_PLANREPLY']._serialized_start=2353
-  _globals['_PLANREPLY']._serialized_end=2432
-  _globals['_DROPPLANREQUEST']._serialized_start=2434
-  _globals['_DROPPLANREQUEST']._serialized_end=2487
-  _globals['_NELSSANODE']._serialized_start=2625
-  _globals['_NELSSANODE']._serialized_end=3467
+  _globals['_RELEASEREQUEST']._serialized_start=1076
+  _globals['_RELEASEREQUEST']._serialized_end=1142
+  _globals['_RELEASEREPLY']._serialized_start=1144
+  _globals['_RELEASEREPLY']._serialized_end=1189
+  _globals['_ADOPTREQUEST']._serialized_start=1191
+  _globals['_ADOPTREQUEST']._serialized_end=1256
+  _globals['_ADOPTREPLY']._serialized_start=1259
+  _globals['_ADOPTREPLY']._serialized_end=1443
+  _globals['_STATSREQUEST']._serialized_start=1445
+  _globals['_STATSREQUEST']._serialized_end=1459
+  _globals['_STATSREPLY']._serialized_start=1462
+  _globals['_STATSREPLY']._serialized_end=1713
+  _globals['_HEALTHREQUEST']._serialized_start=1715
+  _globals['_HEALTHREQUEST']._serialized_end=1730
+  _globals['_HEALTHREPLY']._serialized_start=1732
+  _globals['_HEALTHREPLY']._serialized_end=1843
+  _globals['_CAPACITYREQUEST']._serialized_start=1845
+  _globals['_CAPACITYREQUEST']._serialized_end=1862
+  _globals['_CAPACITYREPLY']._serialized_start=1864
+  _globals['_CAPACITYREPLY']._serialized_end=1968
+  _globals['_JOBREQUEST']._serialized_start=1970
+  _globals['_JOBREQUEST']._serialized_end=2061
+  _globals['_ATTENDJOB']._serialized_start=2064
+  _globals['_ATTENDJOB']._serialized_end=2270
+  _globals['_ATTENDRESULT']._serialized_start=2272
+  _globals['_ATTENDRESULT']._serialized_end=2394
+  _globals['_SHMREQUEST']._serialized_start=2396
+  _globals['_SHMREQUEST']._serialized_end=2478
+  _globals['_SHMREPLY']._serialized_start=2480
+  _globals['_SHMREPLY']._serialized_end=2542
+  _globals['_PLANREQUEST']._serialized_start=2545
+  _globals['_PLANREQUEST']._serialized_end=2738
+  _globals['_PLANREPLY']._serialized_start=2740
+  _globals['_PLANREPLY']._serialized_end=2819
+  _globals['_DROPPLANREQUEST']._serialized_start=2821
+  _globals['_DROPPLANREQUEST']._serialized_end=2874
+  _globals['_NELSSANODE']._serialized_start=3012
+  _globals['_NELSSANODE']._serialized_end=3994
 # @@protoc_insertion_point(module_scope)

@@ -94,6 +94,16 @@ class NelssaNodeStub:
                 request_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.DropPlanRequest.SerializeToString,
                 response_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.FreeReply.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/nelssa.node.v1.NelssaNode/Release',
+                request_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleaseReply.FromString,
+                _registered_method=True)
+        self.Adopt = channel.unary_unary(
+                '/nelssa.node.v1.NelssaNode/Adopt',
+                request_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AdoptRequest.SerializeToString,
+                response_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AdoptReply.FromString,
+                _registered_method=True)
 
 
 class NelssaNodeServicer:
@@ -172,6 +182,18 @@ class NelssaNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Adopt(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NelssaNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -234,6 +256,16 @@ def add_NelssaNodeServicer_to_server(servicer, server):
                     servicer.DropPlan,
                     request_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.DropPlanRequest.FromString,
                     response_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.FreeReply.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleaseRequest.FromString,
+                    response_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleaseReply.SerializeToString,
+            ),
+            'Adopt': grpc.unary_unary_rpc_method_handler(
+                    servicer.Adopt,
+                    request_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AdoptRequest.FromString,
+                    response_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AdoptReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -560,6 +592,60 @@ class NelssaNode:
             '/nelssa.node.v1.NelssaNode/DropPlan',
             nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.DropPlanRequest.SerializeToString,
             nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.FreeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nelssa.node.v1.NelssaNode/Release',
+            nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleaseRequest.SerializeToString,
+            nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Adopt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nelssa.node.v1.NelssaNode/Adopt',
+            nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AdoptRequest.SerializeToString,
+            nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AdoptReply.FromString,
             options,
             channel_credentials,
             insecure,
