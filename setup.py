@@ -32,8 +32,7 @@ def _shared_libstdcxx():
     import shutil
     import subprocess
     import sysconfig
-    cxx = (sysconfig.get_config_var("CXX") or "c++").split()[0]
-    cxx = os.environ.get("CXX", cxx).split()[0]
+    cxx = (os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++").split()[0]
     if not shutil.which(cxx):
         return []
     try:

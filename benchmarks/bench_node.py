@@ -128,16 +128,22 @@ def _summary(rt: list[float], node: list[float], comp: list[float], iters: int) 
             "outside_compute_share": sum(outside) / sum(rt), "n": iters}
 
 
+def _store_data(tokens: int, H: int, D: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """One layer of a pre-clustered store: (clusters C, sizes int32 [H, C] summing to ``tokens`` per head,
+    random fp32 K/V [H * tokens * 2 * D])."""
+    C = max(1, tokens // 8)
+    sizes = torch.full((H, C), tokens // C, dtype=torch.int32)
+    sizes[:, 0] += tokens - sizes.sum(1)
+    return C, sizes, torch.randn(H * tokens * 2 * D)
+
+
 def _store_loop(port: int, stop: threading.Event, tokens: int, layers: int, H: int, D: int, out: dict) -> None:
     """Another client storing ``tokens`` x ``layers`` (fp32, pre-clustered random data) again and again."""
     ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)])
     stub = pb_grpc.NelssaNodeStub(ch)
     cid = stub.Register(pb.RegisterRequest(name="bench-store", lease_s=60), timeout=10).client_id
-    C = max(1, tokens // 8)
-    sizes = torch.full((H, C), tokens // C, dtype=torch.int32)
-    sizes[:, 0] += tokens - sizes.sum(1)
-    sizes_b = sizes.numpy().tobytes()
-    kv = torch.randn(H * tokens * 2 * D).numpy().tobytes()
+    C, sizes, kv = _store_data(tokens, H, D)
+    sizes_b, kv = sizes.numpy().tobytes(), kv.numpy().tobytes()
     step = 4 << 20
     n, sent, t0 = 0, [0], time.perf_counter()
     while not stop.is_set():
@@ -174,10 +180,7 @@ def _store_rate(port: int, tokens: int, layers: int, H: int, D: int, via: str, r
     ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)])
     stub = pb_grpc.NelssaNodeStub(ch)
     cid = stub.Register(pb.RegisterRequest(name=f"bench-store-{via}", lease_s=60), timeout=10).client_id
-    C = max(1, tokens // 8)
-    sizes = torch.full((H, C), tokens // C, dtype=torch.int32)
-    sizes[:, 0] += tokens - sizes.sum(1)
-    kv = torch.randn(H * tokens * 2 * D)
+    C, sizes, kv = _store_data(tokens, H, D)
     nbytes = store_bytes(H, D, 4, tokens, [C] * layers)
     slot = None
     if via == "slot":

@@ -16,14 +16,17 @@ what=${1:?usage: gpu_hol.sh stage DIR... | bench [args]}
 shift
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ATTENTION_BACKEND=FLASH_ATTN
 export NELSSA_CACHE=/tmp/nelssa-cache PYTHONUNBUFFERED=1
+# grpcio/protobuf newer than the host's (the generated stubs need them), and the extension once
+grpc_wheels() { pip install -q --no-deps --target /tmp/wheels .wheels/*.whl; export PYTHONPATH=/tmp/wheels:$PYTHONPATH; }
+build_ext() { [ -f nelssa/_C*.so ] || python3 setup.py -q build_ext --inplace >/dev/null; }
 case "$what" in
   stage)
     for d in "$@"; do bash "$d/install-vllm-bundle.sh" "$d"; done ;;
   node)
-    pip install -q --no-deps --target /tmp/wheels .wheels/*.whl
-    [ -f nelssa/_C*.so ] || python3 setup.py -q build_ext --inplace >/dev/null
+    grpc_wheels
+    build_ext
     rc=0
-    PYTHONPATH=/tmp/wheels:$PYTHONPATH python3 benchmarks/bench_node.py --out "$OUT/node.json" "$@" \
+    python3 benchmarks/bench_node.py --out "$OUT/node.json" "$@" \
       2> >(tee "$OUT/node_stderr.txt" >&2) || rc=$?
     if grep -q "nelssa: fatal signal" "$OUT/node_stderr.txt"; then
       # frames of our extension as object(+offset): file and line from its debug info
@@ -49,7 +52,7 @@ PY
     mkdir -p /tmp/site/nelssa-0.1.0.dist-info
     printf 'Metadata-Version: 2.1\nName: nelssa\nVersion: 0.1.0\n' > /tmp/site/nelssa-0.1.0.dist-info/METADATA
     printf '[vllm.general_plugins]\nnelssa = nelssa.vllm_plugin:register\n' > /tmp/site/nelssa-0.1.0.dist-info/entry_points.txt
-    [ -f nelssa/_C*.so ] || python3 setup.py -q build_ext --inplace >/dev/null
+    build_ext
     { lscpu | grep -E "Model name|^CPU\(s\)"; nvidia-smi --query-gpu=name,memory.total --format=csv; } | tee "$OUT/machine.txt"
     python3 -c "import vllm, nelssa._C; print('vllm', vllm.__version__)"
     if [ "$what" = select ]; then
@@ -67,8 +70,7 @@ PY
     if [ -n "${HOL_NODE:-}" ]; then
       # the host tier as nelssa-node on this host (HOL_NODE: its arguments; the run's nelssa config names
       # "engine": "node", "node_address": "127.0.0.1:50151"); stopped when the bench ends
-      pip install -q --no-deps --target /tmp/wheels .wheels/*.whl 2>/dev/null
-      export PYTHONPATH=/tmp/wheels:$PYTHONPATH
+      grpc_wheels
       # shellcheck disable=SC2086
       python3 -m nelssa.node --port 50151 --log-level WARNING $HOL_NODE > "$out/node.log" 2>&1 &
       node_pid=$!

@@ -434,8 +434,8 @@ class NodeHostTier:
 
     def put_layers(self, req_id: str, keys: list[torch.Tensor], values: list[torch.Tensor],
                    commit: bool = True) -> None:
-        """As LocalHostTier.put_layers; the packed K/V is streamed to the node (one store per call, all
-        layers), the centroids stay here."""
+        """As LocalHostTier.put_layers; the packed K/V goes to the node (one store per call, all layers:
+        through the store slot on the node's host, else streamed over gRPC), the centroids stay here."""
         cfg = self.cfg
         if len(keys) != self.num_layers or len(values) != self.num_layers:
             raise HostError(f"put_layers: {len(keys)} layers given, the host tier has {self.num_layers}")

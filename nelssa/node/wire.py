@@ -170,7 +170,8 @@ W_MAGIC, W_VERSION, W_SLOT, W_REQ_SEQ, W_REQ_LEN, W_RESP_SEQ, W_RESP_LEN, W_BEAT
 
 class _ChannelFile:
     """A channel's file in /dev/shm (mode 0600): a 256-byte header whose words 0-2 are magic, version and
-    slot size, then a request and a response slot. ``create`` on the node, ``attach`` on the client."""
+    slot size, then SLOTS slots (a request and a response slot; a store slot has one). ``create`` on the
+    node, ``attach`` on the client; ``unlink`` removes the name (the mappings stay)."""
 
     PREFIX, MAGIC, VERSION, KIND, SLOTS = "", 0, 0, "", 2
     RESERVE = False  # create: allocate the file's memory now (a write past a full tmpfs would be a SIGBUS)
@@ -209,6 +210,12 @@ class _ChannelFile:
     @classmethod
     def attach(cls, path: str, slot: int):
         return cls(path, os.open(path, os.O_RDWR), slot, create=False)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
 
 class ShmChannel(_ChannelFile):
@@ -256,10 +263,7 @@ class ShmChannel(_ChannelFile):
         except BufferError:
             pass
         if unlink:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            self.unlink()
 
 
 # ---------------------------------------------------------------- native channel (csrc/node_plane.cpp)
@@ -338,12 +342,6 @@ class NativeChannel(_ChannelFile):
     def response(self) -> torch.Tensor:
         return self.mem[_HDR + self.slot:_HDR + 2 * self.slot]
 
-    def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
 
 # ---------------------------------------------------------------- store slot
 #
@@ -369,12 +367,6 @@ class StoreSlot(_ChannelFile):
         mem = torch.frombuffer(mm, dtype=torch.uint8)
         self._stamp(mem[:_HDR].view(torch.int64).numpy().view(np.uint64), create)
         self.data = mem[_HDR:]
-
-    def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 def store_bytes(H: int, D: int, itemsize: int, tokens: int, clusters: list[int]) -> int:
