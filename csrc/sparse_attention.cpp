@@ -567,9 +567,12 @@ void sparse_attention_into(
   else if (qt == at::kBFloat16) nonfinite = any_nonfinite(static_cast<const uint16_t*>(qp), nq, uint16_t{0x7f80});
   else nonfinite = any_nonfinite(static_cast<const uint16_t*>(qp), nq, uint16_t{0x7c00});
   TORCH_CHECK_VALUE(!nonfinite, "queries contain NaN or Inf");
-  bool fast = false;  // bf16 fast path: bf16 KV, D % 32 == 0, q exactly bf16 (used in place when given as bf16)
+  // bf16 fast path: bf16 KV, q exactly bf16 (used in place when given as bf16), and a head size with a
+  // compiled item (64, 128: the dispatch below); any other D takes q as fp32 (a D of 32 or 96 here left
+  // the generic item without its queries: a segfault on AVX512-BF16 CPUs)
+  bool fast = false;
 #if defined(__AVX512BF16__)
-  if (dt == at::kBFloat16 && D % 32 == 0) {
+  if (dt == at::kBFloat16 && (D == 64 || D == 128)) {
     if (qt == at::kBFloat16) c.qb = static_cast<const uint16_t*>(qp), fast = true;
     else if (qt == at::kFloat && split_bf16(static_cast<const uint32_t*>(qp), nq, grow(cb.qb, nq)))
       c.qb = cb.qb.data(), fast = true;

@@ -41,7 +41,7 @@ def test_full_budget_equals_dense_fp32(H, G, L, D, cpp, seed, use_cpp):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 32, 96])  # 32, 96: the kernel's generic head size (no compiled item)
 @pytest.mark.parametrize("cpp", [True, False])
 def test_full_budget_equals_dense_half(dtype, D, cpp, use_cpp):
     use_cpp(cpp)
