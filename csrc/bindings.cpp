@@ -69,6 +69,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("value_error", [](const nelssa::HostCall& c) { return c.value_error; },
                              "whether the failure was the kernel's ValueError (bad input, e.g. NaN queries)")
       .def_property_readonly("seconds", [](const nelssa::HostCall& c) { return c.seconds; })
+      .def_property_readonly("started", [](const nelssa::HostCall& c) { return c.started; },
+                             "when run() began (s, CLOCK_MONOTONIC: time.perf_counter's clock on Linux); 0: not run")
+      .def_property_readonly("ended", [](const nelssa::HostCall& c) { return c.ended; },
+                             "when run() returned (s, the same clock); 0: not run")
       .def_property_readonly("node_times", [](const nelssa::HostCall& c) -> py::object {
         if (!c.remote) return py::none();
         return py::make_tuple(c.remote->node_s, c.remote->kernel_s);

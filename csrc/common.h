@@ -143,6 +143,8 @@ struct HostCall {
   std::string error;                    // a failed call's message
   bool value_error = false;             // ... raised as a ValueError (bad input) by the kernel
   double seconds = 0;                   // time in the kernel
+  double started = 0, ended = 0;        // when run() began and returned (steady clock = CLOCK_MONOTONIC, s):
+                                        // the lane's batch timeline (lane_host.timeline)
   int flag_slot = -1;                   // launch_flags: its ready/done flags (flag_wait.cpp), for its lifetime
   std::shared_ptr<RemoteJob> remote;    // set: run() is a round trip to nelssa-node (node_plane.cpp, 3)
   void run() noexcept;

@@ -14,7 +14,8 @@
 //      and the outputs are filled with NaN, so nothing downstream can pass for an answer; a set
 //      CancelFlag makes it return at once (state "skipped": every request of the batch is gone).
 //   4. the caller keeps the call (its Python object) until the stream has passed it (a stream or
-//      event synchronisation), then reads state, error and seconds.
+//      event synchronisation), then reads state, error, seconds and when it ran (started, ended: the
+//      steady clock, CLOCK_MONOTONIC like Python's time.perf_counter on Linux).
 //   5. Captured into a CUDA graph (launch_borrowed while the stream captures: a host node), a call
 //      runs at every replay: the graph's owner keeps it as long as the graph, re-arms it before each
 //      replay (state "launched") and reads its state after the replay, as in 4.
@@ -41,12 +42,19 @@ void sparse_attention_into(
 
 enum CallState : int { PREPARED = 0, LAUNCHED = 1, DONE = 2, FAILED = 3, SKIPPED = 4 };
 
+namespace {
+double steady_seconds(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(t.time_since_epoch()).count();
+}
+}  // namespace
+
 void HostCall::run() noexcept {
+  const auto t0 = std::chrono::steady_clock::now();
+  started = ended = steady_seconds(t0);
   if (cancel && cancel->is_set.load(std::memory_order_acquire)) {
     state.store(SKIPPED, std::memory_order_release);
     return;
   }
-  const auto t0 = std::chrono::steady_clock::now();
   int st = DONE;
   try {
     if (!fault.empty()) throw std::runtime_error(fault);
@@ -71,7 +79,9 @@ void HostCall::run() noexcept {
     if (lse.defined() && lse.is_contiguous() && lse.scalar_type() == at::kFloat && lse.device().is_cpu())
       std::fill(lse.data_ptr<float>(), lse.data_ptr<float>() + lse.numel(), nan);
   }
-  seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const auto t1 = std::chrono::steady_clock::now();
+  seconds = std::chrono::duration<double>(t1 - t0).count();
+  ended = steady_seconds(t1);
   state.store(st, std::memory_order_release);
 }
 
@@ -136,7 +146,7 @@ void launch_host_call_borrowed(const std::shared_ptr<HostCall>& call, int64_t st
 void rearm_host_call(HostCall& call) {
   call.error.clear();
   call.value_error = false;
-  call.seconds = 0;
+  call.seconds = call.started = call.ended = 0;
   call.state.store(LAUNCHED, std::memory_order_release);
   rearm_flags(call);  // served by flags (flag_wait.cpp): counts as armed again
 }

@@ -365,3 +365,40 @@ def test_stall_watchdog_logs_every_thread_once_per_stall(caplog):
     assert "[step thread]" in stalls[0]
     w.beat(True)
     assert any("stepped again after" in r.getMessage() for r in caplog.records)
+
+
+def test_lane_batch_timeline_from_the_calls_stamps():
+    """lane_host.timeline (7): real host calls run with device work between them (here: sleeps) split the
+    batch's wall time exactly into lead, host, between and tail; the host part is the calls' own kernel
+    time and the between part at least the time slept between them; a call that did not run (cancelled)
+    leaves no timeline rather than a wrong one."""
+    import time
+
+    import nelssa._C as C
+    from nelssa.sparse import prepare_attend
+    from nelssa.vllm_plugin.lane_host import timeline
+    g = torch.Generator().manual_seed(3)
+    ckvs = [cluster_kv(torch.randn(2, n, 32, generator=g).bfloat16(), torch.randn(2, n, 32, generator=g).bfloat16())
+            for n in (900, 400)]
+    q = torch.randn(2, 4, 32, generator=g).bfloat16()
+    sel = select_clusters(q, ckvs, 0.25)
+    calls = [prepare_attend(q, ckvs, sel, 32 ** -0.5, torch.empty(2, 4, 32), torch.empty(2, 4)) for _ in range(3)]
+    launched = time.perf_counter()
+    time.sleep(0.01)
+    for i, c in enumerate(calls):
+        if i:
+            time.sleep(0.02)
+        c.run()
+    time.sleep(0.005)
+    waited = time.perf_counter()
+    t = timeline(calls, launched, waited)
+    assert set(t) == {"lead", "host", "between", "tail"}
+    assert t["lead"] >= 0.01 and t["between"] >= 0.04 and t["tail"] >= 0.005
+    assert t["host"] == pytest.approx(sum(c.seconds for c in calls), rel=1e-6, abs=1e-7) and t["host"] > 0
+    assert sum(t.values()) == pytest.approx(waited - launched, abs=1e-6)
+    flag = C.CancelFlag()
+    late = prepare_attend(q, ckvs, sel, 32 ** -0.5, torch.empty(2, 4, 32), torch.empty(2, 4), cancel=flag)
+    assert timeline(calls + [late], launched, waited) is None  # not run yet
+    c = calls[0]
+    c.rearm()  # a replay re-arms its calls: their stamps are the next run's
+    assert (c.started, c.ended) == (0.0, 0.0) and timeline(calls, launched, waited) is None

@@ -267,6 +267,11 @@ def analyse(run: dict) -> dict:
     # decode step) spent in communication, i.e. layer calls' round trips outside the node's kernels
     comm, batch = m.get("nelssa:node_comm_seconds_sum"), m.get("nelssa:lane_batch_seconds_sum")
     out["node_comm_share_of_lane_batch"] = comm / batch if comm is not None and batch else None
+    # where a lane batch's time goes (lane_host.py, 7): mean ms per batch with host calls, by part
+    nb = m.get("nelssa:lane_timeline_batches_total")
+    out["lane_timeline_ms_per_batch"] = {
+        p: 1e3 * m.get(f"nelssa:lane_timeline_seconds_total{{{p}}}", 0.0) / nb
+        for p in ("lead", "host", "between", "tail")} if nb else None
     return out
 
 

@@ -53,6 +53,9 @@ class HostStats:
         self.lane_paths: dict[str, float] = {}  # long lane: batches per way they ran (lane_batch.BatchGraphs.path)
         self.node_comm_s: list[float] = []     # through nelssa-node's native plane, per layer call: its round
                                                # trip minus the slowest device's kernel (issue 10's communication)
+        self.lane_timeline_s: dict[str, float] = {}  # long lane batches with host calls: launch-to-end seconds
+                                                     # per part (lead, host, between, tail; lane_host.py, 7)
+        self.lane_timeline_batches = 0
 
     def take(self) -> dict:
         with self._lock:
@@ -64,7 +67,8 @@ class HostStats:
                  "lane_batch_s": self.lane_batch_s, "lane_rows": self.lane_rows, "lane_step_s": self.lane_step_s,
                  "lane_split_s": self.lane_split_s, "lane_captures": self.lane_captures,
                  "lane_capture_failures": self.lane_capture_failures, "lane_paths": self.lane_paths,
-                 "node_comm_s": self.node_comm_s}
+                 "node_comm_s": self.node_comm_s, "lane_timeline_s": self.lane_timeline_s,
+                 "lane_timeline_batches": self.lane_timeline_batches}
             self.reset()
         return d
 

@@ -171,6 +171,9 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
             "node_comm_s": per_engine(h(name="nelssa:node_comm_seconds", labelnames=labelnames, buckets=buckets,
                                         documentation="Through nelssa-node (native plane), per layer call: round "
                                                       "trip minus the slowest device's kernel")),
+            "lane_timeline_batches": per_engine(c(name="nelssa:lane_timeline_batches", labelnames=labelnames,
+                                                  documentation="Long lane: batches with host calls whose timeline "
+                                                                "is in nelssa:lane_timeline_seconds")),
             "lane_captures": per_engine(c(name="nelssa:lane_captures", labelnames=labelnames,
                                           documentation="Long lane: batches captured as one CUDA graph (lane_batch.py)")),
             "lane_capture_failures": per_engine(c(name="nelssa:lane_capture_failures", labelnames=labelnames,
@@ -193,6 +196,10 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
         self._lane_split = c(name="nelssa:lane_split_seconds", labelnames=[*labelnames, "part"],
                              documentation="Long lane: its thread's seconds per part of the split attention "
                                            "(select, window, wait, merge)")
+        self._lane_timeline = c(name="nelssa:lane_timeline_seconds", labelnames=[*labelnames, "part"],
+                                documentation="Long lane batches with host calls, launch to end: lead (until the "
+                                              "first host call), host (calls running), between (device work and "
+                                              "flag latency between two layers' calls), tail (lane_host.py, 7)")
         self._lane_paths = c(name="nelssa:lane_batches", labelnames=[*labelnames, "path"],
                              documentation="Long lane: batches by how they ran (replay, captured, or why enqueued: "
                                            "new_key, no_window, broken, capture_failed)")
@@ -203,6 +210,8 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
             self._split.labels(*self._labels[engine_idx], part).inc(x)
         for part, x in data.get("lane_split_s", {}).items():
             self._lane_split.labels(*self._labels[engine_idx], part).inc(x)
+        for part, x in data.get("lane_timeline_s", {}).items():
+            self._lane_timeline.labels(*self._labels[engine_idx], part).inc(x)
         for path, x in data.get("lane_paths", {}).items():
             self._lane_paths.labels(*self._labels[engine_idx], path).inc(x)
         for k, v in data.items():

@@ -340,10 +340,11 @@ class Lane:
                         self.host_stream.synchronize()
                     if batch is not None:  # the batch's one wait for the device and the host tier
                         plan.lap("wait", t)
+                waited = time.perf_counter()
                 with self._cv:
                     self._batch = None
                 if batch is not None:
-                    err = batch.finish(self.host)
+                    err = batch.finish(self.host, t0, waited)  # with its timeline (lane_host.py, 7)
                     if err is not None:
                         for r in plan.req_ids:
                             plan.fail(r, f"host tier: {err}")

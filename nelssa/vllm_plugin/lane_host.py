@@ -42,6 +42,12 @@ the lane stream passed that call's merge.
   6. The lane waits for a batch (``wait``) without the GIL and at most the host tier's deadline
      (``host_timeout_s``) before it gives up on it: the calls not yet run are cancelled as in 5 and
      the batch's requests fail with the timeout, as a late host result does on the layer-by-layer path.
+  7. Where a batch's time goes (``timeline``): each call stamps when it ran (HostCall.started/ended,
+     the clock of time.perf_counter), so the wall time from the batch's launch to the end of its wait
+     splits exactly into lead (until the first layer's host call starts: input copies, the launch, the
+     first layer's device work), host (the calls running), between (from one call's end to the next
+     one's start: the device's work between two layers' host attention, and the flags' latency both
+     ways) and tail (after the last call: the last layer's merge and dense work, the wait's wake-up).
 """
 
 from __future__ import annotations
@@ -66,6 +72,16 @@ def batch(host, impl, lane_stream, host_stream, buffers: dict) -> "HostStreamBat
     if mod is None or not getattr(host, "prepared_calls", False) or getattr(impl, "nelssa_backend", None) != "flash":
         return None
     return HostStreamBatch(lane_stream, host_stream, buffers, mod.CancelFlag())
+
+
+def timeline(calls: list, launched: float, waited: float) -> dict[str, float] | None:
+    """A batch's wall time from ``launched`` to ``waited`` split by its calls' stamps (7), or None when a call
+    did not run (cancelled before the stream reached it, or the batch failed before)."""
+    if not calls or any(c.started <= 0 or c.ended < c.started for c in calls):
+        return None
+    between = sum(max(0.0, b.started - a.ended) for a, b in zip(calls, calls[1:]))
+    return {"lead": max(0.0, calls[0].started - launched), "host": sum(c.ended - c.started for c in calls),
+            "between": between, "tail": max(0.0, waited - calls[-1].ended)}
 
 
 class HostStreamBatch:
@@ -225,8 +241,13 @@ class HostStreamBatch:
         log.error("NELSSA lane: a batch's host attention did not finish within %.1f s; its requests fail", timeout_s)
         return False
 
-    def finish(self, host) -> str | None:
-        """After both streams were synchronised (4): the first failure's message, or None."""
+    def finish(self, host, launched: float | None = None, waited: float | None = None) -> str | None:
+        """After both streams were synchronised (4): the first failure's message, or None. With the batch's
+        launch and wait-end times (time.perf_counter) its timeline (7) goes to the host tier's stats."""
+        if launched is not None and waited is not None:
+            parts = timeline(self.calls, launched, waited)
+            if parts is not None:
+                host.stats.add(lane_timeline_s=parts, lane_timeline_batches=1)
         err = host.call_results(self.calls)
         if self.timed_out:
             err, self.timed_out = f"host attention did not finish within {self.timed_out}s", 0.0
