@@ -607,6 +607,39 @@ def test_node_call_served_through_flags_like_a_lane_replay(nodes):
         t.close()
 
 
+def test_lane_batch_key_through_the_node(nodes):
+    """A captured lane batch (vllm_plugin/lane_batch.py, 1) through the node: its key reads the node
+    client's RemoteKV (the H200 run through the node failed every lane batch here: the key read a
+    ClusteredKV's host tables). It is stable while nothing changes, changes when a commit extends a
+    request (a new node plan), and when a plan its calls may name was dropped — a call of a dropped
+    plan fails, so its graph must not be replayed."""
+    from nelssa.vllm_plugin.lane_batch import BatchGraphs
+    node = nodes("head1")
+    cfg = _cfg(node, "native", budget=0.5)
+    t = NodeHostTier(cfg, L)
+    try:
+        t.put_layers("a", *_kv(260, 4))
+        t.put_layers("b", *_kv(90, 5))
+        bg = BatchGraphs(None, [None] * L, [None] * L, cfg, 16)
+        k1 = bg._key(t, ("a", "b"))
+        assert bg._key(t, ("a", "b")) == k1 and bg._key(t, ("b", "a")) != k1
+        ckvs = [t.layer_kv(r, 0) for r in ("a", "b")]
+        old = t.prepare_call(torch.randn(2, HQ, D), ckvs, _fixed_selection(ckvs), SCALE, 0,
+                             torch.empty(2, HQ, D), torch.empty(2, HQ))
+        t.put_layers("b", *_kv(40, 6))  # a chunk appended and committed: b is longer
+        k2 = bg._key(t, ("a", "b"))
+        assert k2 != k1 and bg._key(t, ("a", "b")) == k2
+        t._native.MAX_PLANS = 1  # the next plan drops the one ``old`` names
+        ckvs = [t.layer_kv(r, 0) for r in ("a", "b")]
+        t.prepare_call(torch.randn(2, HQ, D), ckvs, _fixed_selection(ckvs), SCALE, 0,
+                       torch.empty(2, HQ, D), torch.empty(2, HQ))
+        assert bg._key(t, ("a", "b")) != k2
+        old.run()
+        assert old.state == "failed" and "plan" in old.error
+    finally:
+        t.close()
+
+
 def _fixed_selection(ckvs):
     """Every cluster of each request, as int64 [H, S] with a common width S (what a captured lane batch
     holds in its pinned buffers)."""

@@ -243,10 +243,13 @@ class _NativePlane:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.chan = None
+        self.epoch = 0   # +1 whenever a plan is dropped or the channel reopened: calls made before may name them
         self._open()
 
     def _open(self) -> None:
         t = self.tier
+        if self.chan is not None:
+            self.epoch += 1
         rep = t._rpc("OpenShm", pb.ShmRequest(client_id=t.client_id, slot_bytes=t.limits.max_message_bytes,
                                               native=True))
         ch = NativeChannel.attach(rep.path, rep.slot_bytes)
@@ -281,6 +284,7 @@ class _NativePlane:
             self.plans[key] = (pid, lay)
             while len(self.plans) > self.MAX_PLANS:
                 drop.append(self.plans.popitem(last=False)[1][0])
+            self.epoch += bool(drop)
         for old in drop:
             try:
                 t._rpc("DropPlan", pb.DropPlanRequest(client_id=t.client_id, plan_id=old))
@@ -675,6 +679,12 @@ class NodeHostTier:
 
     def call_results(self, calls: list) -> str | None:
         return call_results(self.stats, calls)
+
+    @property
+    def capture_epoch(self) -> int:
+        """Changes whenever a node plan or the channel that prepared calls name was replaced (a captured lane
+        batch keyed on it is captured again: vllm_plugin/lane_batch.py, 1)."""
+        return self._native.epoch if self._native is not None else 0
 
     def wait(self, fut: Future, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         try:

@@ -8,8 +8,9 @@ can be captured once and replayed:
 
   1. Key: the requests in batch order and, per layer and request, what the layer's search and host
      call read — the centroid, size and value-mean tensors and the cluster count, the KV parts and
-     the cluster tables (a commit to the host tier replaces them) — and the id-copy width per layer
-     (bucketed budget). The host calls of a graph hold the tensors they read, so an equal key means
+     the cluster tables (a commit to the host tier replaces them; through nelssa-node: the committed
+     length, which names the node's plan, and the tier's ``capture_epoch``, which changes when a plan
+     the calls name or their channel was replaced) — and the id-copy width per layer (bucketed budget). The host calls of a graph hold the tensors they read, so an equal key means
      the same tensors. One graph per request set; a new key for it replaces it; at most
      ``MAX_GRAPHS`` sets (least recently used dropped); ``forget`` drops the graphs of finished or
      preempted requests (they hold the requests' host KV).
@@ -62,6 +63,17 @@ MAX_GRAPHS = 4
 class _Window:
     def __init__(self, block_table: torch.Tensor):
         self.block_table = block_table
+
+
+def _kv_key(c) -> tuple:
+    """What a layer's search and host call read of one request (1): the centroid search's tensors, and the
+    host tables — a ClusteredKV's own (a commit replaces them); on nelssa-node (RemoteKV) the node holds
+    them and the call's plan follows the committed length."""
+    dev = (c.centroids.data_ptr(), c.sizes.data_ptr(), c.vmeans.data_ptr() if c.vmeans is not None else 0,
+           c.num_clusters)
+    if hasattr(c, "cpart"):
+        return dev + (c.cpart.data_ptr(), c.cstart.data_ptr(), c.csize.data_ptr(), tuple(p.kv.data_ptr() for p in c.parts))
+    return dev + (c.req_id, c.length)
 
 
 @dataclass
@@ -120,15 +132,13 @@ class BatchGraphs:
 
     def _key(self, host, req_ids: tuple) -> tuple:
         from nelssa.vllm_plugin.select_graph import _bound
-        per = []
+        # through nelssa-node the calls name the node's plan and channel: a tier that replaced either
+        # since (a plan evicted, the channel reopened) counts a new epoch (node/client.py)
+        per: list = [getattr(host, "capture_epoch", 0)]
         for li in range(len(self.layers)):
             ckvs = [host.layer_kv(r, li) for r in req_ids]
             per.append(_bound(self.cfg.budget, ckvs, max(c.num_clusters for c in ckvs)))
-            for c in ckvs:
-                per.append((c.centroids.data_ptr(), c.sizes.data_ptr(),
-                            c.vmeans.data_ptr() if c.vmeans is not None else 0, c.num_clusters,
-                            c.cpart.data_ptr(), c.cstart.data_ptr(), c.csize.data_ptr(),
-                            tuple(p.kv.data_ptr() for p in c.parts)))
+            per.extend(_kv_key(c) for c in ckvs)
         return tuple(per)
 
     def run(self, lane, plan: StepPlan, inp: lane_inputs.LaneInputs, ids: torch.Tensor):
