@@ -4,7 +4,8 @@
 #   bash scripts/gpu_hol.sh stage .bundle/N          # once per vLLM bundle part (the last one installs)
 #   bash scripts/gpu_hol.sh bench [hol args ...]     # build nelssa._C, run `nelssa bench hol` (both modes);
 #                                                    # HOL_TAG=x: results in $OUT/hol_x (several runs per call);
-#                                                    # HOL_NODE="nelssa-node args": the host tier as a node
+#                                                    # HOL_NODE="nelssa-node args": the host tier as a node;
+#                                                    # HOL_ENGINE_CORES=0-3: the bench's engines pinned there
 #   bash scripts/gpu_hol.sh check [exact|throughput] # CUDA unit tests + benchmarks/gpu_validate.py (dummy 8B)
 #   bash scripts/gpu_hol.sh select                   # benchmarks/bench_select_gpu.py (centroid search, torch vs kernel)
 #   bash scripts/gpu_hol.sh node [bench_node args]   # benchmarks/bench_node.py (carry .wheels: grpcio); a node that
@@ -80,7 +81,13 @@ PY
     fi
     set -o pipefail
     rc=0
-    python3 -m nelssa.cli bench hol --model .gpumodel/dummy-llama-3.1-8b --out "$out" "$@" 2>&1 \
+    # HOL_ENGINE_CORES (e.g. 0-3 beside HOL_NODE's device cores): the bench and its engines on those cores
+    # only, so the engine's threads do not preempt the node's device workers (unpinned, the H200 run
+    # through the node spent ~0.3 ms per layer call outside the node's kernels, against ~0.04 ms in
+    # bench_node with the client on cores of its own)
+    pin=()
+    [ -n "${HOL_ENGINE_CORES:-}" ] && pin=(taskset -c "$HOL_ENGINE_CORES")
+    ${pin[@]+"${pin[@]}"} python3 -m nelssa.cli bench hol --model .gpumodel/dummy-llama-3.1-8b --out "$out" "$@" 2>&1 \
       | tee "$out.log" | grep -E "^\[hol|^(on|off) |^targets|Traceback|Error|error" || rc=$?
     # engine logs: the diagnostic lines (watchdog, slow device steps, lane batches, migrations) apart,
     # the whole log compressed (fewer and smaller files to bring back)

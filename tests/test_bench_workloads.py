@@ -164,6 +164,18 @@ def test_plots_and_report(tmp_path):
     assert "## Workload `mixed`" in md and "| on | p | short | 10/10 |" in md
     assert "![throughput.png](throughput.png)" in md and "classes.short.tpot_ms_p99" in md
     assert "## Calibration" in md and "![calibration](cal/calibration.png)" in md and "T_input =" in md
+    assert "lane_timeline.png" not in md  # no head-of-line run with a lane timeline here
+    # two head-of-line runs, one level down, with their lanes' timelines: one bar each
+    for name, tl in (("hol_a", {"lead": 14.2, "host": 26.7, "between": 22.2, "tail": 1.1}),
+                     ("hol_b", {"lead": 13.2, "host": 65.4, "between": 18.6, "tail": 0.5})):
+        (tmp_path / name).mkdir()
+        ph = {"short_ttft_p99_ms": 50.0, "short_itl_p99_ms": 30.0}
+        (tmp_path / name / "hol.json").write_text(json.dumps(
+            {"time": "t", "on": {"before": ph, "long_prefill": ph, "long_decode": ph, "lane_timeline_ms_per_batch": tl}}))
+    assert report([str(tmp_path)]) == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "lead 14.2, host 26.7, between 22.2, tail 1.1; sum 64.2" in md and "sum 97.7" in md
+    assert "![lane timeline](lane_timeline.png)" in md and os.path.getsize(tmp_path / "lane_timeline.png") > 5_000
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError):
         report([str(tmp_path / "empty")])

@@ -1,7 +1,8 @@
 """`nelssa bench report DIR`: a Markdown summary (``DIR/report.md``) of a results folder with its plots:
 a workload run (``summary.json`` of ``nelssa bench <workload>``), a calibration (``calibration.json``),
 a head-of-line run (``hol.json``), a needle sweep (``accuracy.json``), whichever are there (also in
-sub-folders, one level down)."""
+sub-folders, one level down). Head-of-line runs with a long-lane timeline also get ``lane_timeline.png``
+(one bar per run: where a lane batch's time goes)."""
 
 from __future__ import annotations
 
@@ -88,7 +89,42 @@ def hol_md(h: dict, rel: str) -> list[str]:
                 out.append(f"| {mode} | {ph} | {_f(x['short_ttft_p99_ms'])} | {_f(x['short_itl_p99_ms'])} |")
     if "ratios_on_over_off" in h:
         out.append(f"\nOutput tok/s ratio NELSSA/stock: {_f(h['ratios_on_over_off'].get('output_tok_s'), 2)}")
+    tl = h.get("on", {}).get("lane_timeline_ms_per_batch")
+    if tl:
+        out.append("\nLong lane, mean ms per batch (lane_host.py, 7): " +
+                   ", ".join(f"{p} {_f(tl[p])}" for p in TIMELINE_PARTS) + f"; sum {_f(sum(tl.values()))}")
     return out + ["", _img(os.path.join(rel, "hol.png"), "hol"), ""]
+
+
+TIMELINE_PARTS = ("lead", "host", "between", "tail")
+
+
+def plot_lane_timelines(runs: list[tuple[str, dict]], path: str) -> None:
+    """Stacked bars: per head-of-line run (label, its lane_timeline_ms_per_batch), where a long-lane batch's
+    time goes (lead, host attention, device work between two layers' host calls, tail)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(runs) + 1.8))
+    colors = {"lead": "#9e9e9e", "host": "#d62728", "between": "#1f77b4", "tail": "#bcbd22"}
+    for i, (label, tl) in enumerate(runs):
+        x = 0.0
+        for p in TIMELINE_PARTS:
+            v = tl.get(p, 0.0)
+            ax.barh(i, v, left=x, color=colors[p], label=p if i == 0 else None)
+            if v >= 4:
+                ax.text(x + v / 2, i, f"{v:.0f}", ha="center", va="center", fontsize=8, color="white")
+            x += v
+        ax.text(x + 0.5, i, f"{x:.1f} ms", va="center", fontsize=8)
+    ax.set_yticks(range(len(runs)), [label for label, _ in runs])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.15 * max(sum(tl.values()) for _, tl in runs))
+    ax.set_xlabel("ms per lane batch (one token of every long request)")
+    ax.set_title("Long lane: where a batch's time goes")
+    fig.legend(loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def accuracy_md(r: dict, rel: str) -> list[str]:
@@ -107,7 +143,7 @@ def render(folder: str) -> str:
     parts = [f"# NELSSA benchmark report: `{os.path.basename(os.path.abspath(folder))}`", ""]
     dirs = [folder] + sorted(os.path.join(folder, x) for x in os.listdir(folder)
                              if os.path.isdir(os.path.join(folder, x)))
-    found = 0
+    found, timelines = 0, []
     for d in dirs:
         rel = os.path.relpath(d, folder)
         rel = "" if rel == "." else rel
@@ -116,10 +152,17 @@ def render(folder: str) -> str:
             p = os.path.join(d, name)
             if os.path.exists(p):
                 with open(p) as f:
-                    parts += fn(json.load(f), rel)
+                    doc = json.load(f)
+                parts += fn(doc, rel)
                 found += 1
+                tl = doc.get("on", {}).get("lane_timeline_ms_per_batch") if name == "hol.json" else None
+                if tl:
+                    timelines.append((rel or ".", tl))
     if not found:
         raise FileNotFoundError(f"{folder}: no summary.json, calibration.json or hol.json (here or one level down)")
+    if timelines:
+        plot_lane_timelines(timelines, os.path.join(folder, "lane_timeline.png"))
+        parts += ["## Long lane batches by run", "", _img("lane_timeline.png", "lane timeline"), ""]
     return "\n".join(parts)
 
 
