@@ -140,7 +140,8 @@ class NelssaConfig:
     work_tokens: int = 512        # rows per kernel work item
     prefetch: str = "l1"          # kernel's software prefetch: l1 | l2 | nta | none (benchmark --sweep-prefetch
     prefetch_rows: int = 16       # picks per CPU; l1/16 was best or level on both measured machines, README)
-    fault: str = ""               # fault injection for tests: "attend" makes every host attention fail
+    fault: str = ""               # fault injection for tests: "attend" makes every host attention fail, "store"
+                                  # every move to the host tier (the requests stay on their device blocks)
     calibration: str = ""         # `nelssa calibrate` JSON: T_input comes from it unless T_input is given
 
     def __post_init__(self) -> None:
@@ -180,7 +181,7 @@ class NelssaConfig:
         req(self.work_tokens >= 16, f"work_tokens must be >= 16, got {self.work_tokens}")
         req(self.prefetch_rows >= 0, f"prefetch_rows must be >= 0, got {self.prefetch_rows}")
         req(self.prefetch in PREFETCH_HINTS, f"prefetch must be one of {sorted(PREFETCH_HINTS)}, got {self.prefetch!r}")
-        req(self.fault in ("", "attend"), f"fault must be '' or 'attend', got {self.fault!r}")
+        req(self.fault in ("", "attend", "store"), f"fault must be '', 'attend' or 'store', got {self.fault!r}")
         req(isinstance(self.calibration, str), f"calibration must be a path, got {self.calibration!r}")
 
     @property

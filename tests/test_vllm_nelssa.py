@@ -179,6 +179,22 @@ def test_host_failure_is_an_error_not_text():
     assert res["final_host_bytes"] == 0
 
 
+def test_failed_store_keeps_the_request_on_its_device_blocks(mixed):
+    """With every move to the host tier failing (the host tier full or gone), long requests never switch:
+    they decode from their device blocks to the end, token for token as NELSSA_OFF (the mixed run's),
+    holding them; each failure is counted (handoff_failures) and logged, nothing is left on the host."""
+    spec = {"model": CUT, "mode": "on", "nelssa": {**NELSSA, "segment": 2048}, "requests": MIXED[:5],
+            "engine": {"num_gpu_blocks_override": 70, "max_num_batched_tokens": 1024}}
+    res = run_harness(spec, env={"NELSSA_FAULT": "store"})
+    r, off = res["results"], tokens(mixed[1])
+    for rid in ("long3k", "short200", "long5k", "long7k", "chat"):
+        assert r[rid]["finish_reason"] == "length" and r[rid]["token_ids"] == off[rid], rid
+    assert res["host_totals"].get("handoff_failures", 0) >= 3, res["host_totals"]
+    assert res["host_totals"].get("long_requests", 0) == 0 and res["final_host_bytes"] == 0
+    held = [st["blocks"]["long7k"] for st in res["steps"] if "long7k" in st["blocks"]]
+    assert held[-1] >= 7000 // res["block_size"], held  # its whole prompt stayed on the device to the end
+
+
 def test_request_over_host_capacity_is_rejected():
     """A long request that cannot fit the host tier is rejected with the reason; the same prompt opted
     out of the host tier (nelssa_offload false) runs on the device; a malformed opt-out is rejected."""

@@ -327,6 +327,54 @@ def _fill_slot(buf: torch.Tensor, keys: list[torch.Tensor], values: list[torch.T
         off += sb + kb
 
 
+class NodeRoom:
+    """The room nelssa-node has for long requests, as an engine's scheduler sees it (config ``engine: node``;
+    the scheduler has no host tier of its own: it asks the node). From the node's Capacity: its
+    devices' smallest capacity (and free bytes) times their number — head-wise partitioning puts a
+    share of every request on every device, so the fullest device decides (cluster-wise: a
+    conservative bound). ``free`` asks at most every ``max_age_s``; a node that does not answer has
+    no room (logged once per outage: long requests wait, none is admitted into a failing store)."""
+
+    def __init__(self, cfg: NelssaConfig, max_age_s: float = 0.25):
+        self.cfg, self.max_age_s = cfg, max_age_s
+        self._md = ((TOKEN_HEADER, cfg.node_token),) if cfg.node_token else ()
+        self._channel = grpc.insecure_channel(cfg.node_address)
+        self._stub = pb_grpc.NelssaNodeStub(self._channel)
+        self._at, self._free, self._down = 0.0, 0, False
+        self.capacity, self._free = self._ask()  # HostError: an engine using a node it cannot reach does not start
+        self._at = time.monotonic()
+
+    def _ask(self) -> tuple[int, int]:
+        try:
+            rep = self._stub.Capacity(pb.CapacityRequest(), timeout=5.0, metadata=self._md)
+        except grpc.RpcError as e:
+            raise HostError(f"nelssa-node Capacity at {self.cfg.node_address}: {_status(e)}") from None
+        devs = list(rep.devices)
+        if not devs:
+            return 0, 0
+        n = len(devs)
+        return (min(d.capacity_bytes for d in devs) * n,
+                max(0, min(d.capacity_bytes - d.used_bytes for d in devs)) * n)
+
+    def free(self) -> int:
+        now = time.monotonic()
+        if now - self._at >= self.max_age_s:
+            try:
+                _, self._free = self._ask()
+                if self._down:
+                    log.warning("nelssa-node at %s answers again", self.cfg.node_address)
+                self._down = False
+            except HostError as e:
+                if not self._down:
+                    log.error("%s: no long request is admitted until it answers", e)
+                self._free, self._down = 0, True
+            self._at = now
+        return self._free
+
+    def close(self) -> None:
+        self._channel.close()
+
+
 class NodeHostTier:
     """Host tier on a nelssa-node (config ``engine: node``, ``node_address``, ``node_token``,
     ``node_transport``); same interface as LocalHostTier."""
@@ -441,6 +489,8 @@ class NodeHostTier:
         """As LocalHostTier.put_layers; the packed K/V goes to the node (one store per call, all layers:
         through the store slot on the node's host, else streamed over gRPC), the centroids stay here."""
         cfg = self.cfg
+        if cfg.fault == "store":
+            raise HostError("injected host-tier fault (NELSSA_FAULT=store)")
         if len(keys) != self.num_layers or len(values) != self.num_layers:
             raise HostError(f"put_layers: {len(keys)} layers given, the host tier has {self.num_layers}")
         r = self.reqs.get(req_id) or _Req(req_id, self.num_layers)  # a new one is kept once the node holds it

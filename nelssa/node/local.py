@@ -56,6 +56,7 @@ class HostStats:
         self.lane_timeline_s: dict[str, float] = {}  # long lane batches with host calls: launch-to-end seconds
                                                      # per part (lead, host, between, tail; lane_host.py, 7)
         self.lane_timeline_batches = 0
+        self.handoff_failures = 0              # background moves to the host tier that failed (handoff.py)
 
     def take(self) -> dict:
         with self._lock:
@@ -68,7 +69,7 @@ class HostStats:
                  "lane_split_s": self.lane_split_s, "lane_captures": self.lane_captures,
                  "lane_capture_failures": self.lane_capture_failures, "lane_paths": self.lane_paths,
                  "node_comm_s": self.node_comm_s, "lane_timeline_s": self.lane_timeline_s,
-                 "lane_timeline_batches": self.lane_timeline_batches}
+                 "lane_timeline_batches": self.lane_timeline_batches, "handoff_failures": self.handoff_failures}
             self.reset()
         return d
 
@@ -152,6 +153,8 @@ class LocalHostTier:
         than layer by layer. ``commit=False``: prepared in the background, invisible to attention
         until ``commit``."""
         cfg = self.cfg
+        if cfg.fault == "store":
+            raise HostError("injected host-tier fault (NELSSA_FAULT=store)")
         rkv = self._request(req_id)
         if len(keys) != self.num_layers or len(values) != self.num_layers:
             raise HostError(f"put_layers: {len(keys)} layers given, the host tier has {self.num_layers}")

@@ -142,6 +142,9 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
                                                  documentation="Migrations switched to host attention")),
             "failures": per_engine(c(name="nelssa:host_failures", labelnames=labelnames,
                                      documentation="Host-tier failures (requests finished with an error)")),
+            "handoff_failures": per_engine(c(name="nelssa:handoff_failures", labelnames=labelnames,
+                                             documentation="Moves to the host tier that failed (the request "
+                                                           "stays on its device blocks; logged)")),
             "moved_tokens": per_engine(c(name="nelssa:moved_tokens", labelnames=labelnames,
                                          documentation="Tokens moved to the host tier (prompts and chunks)")),
             "host_bytes": per_engine(g(name="nelssa:host_bytes", labelnames=labelnames, multiprocess_mode="mostrecent",

@@ -19,18 +19,28 @@ Contract (worker side; the ranges come from policy.Policy, the switch from the s
   3. ``drop(rid, preempted)`` when the request finishes, is aborted or preempted: waits for its moves
      (they read blocks that are about to be reused) and forgets them; a preemption starts a new
      generation of the request. The caller frees its host KV.
-A failed move raises from ``ready`` (the request fails loudly); ``drop`` swallows it (the request is
-gone anyway).
+A failed move (the host tier full, gone, or failing) is logged and counted (``handoff_failures``); the
+request's later moves are skipped and none is reported, so it never switches: it decodes from its
+device blocks (exactly: dense attention) to its end, holding them. A range whose move failed is thus
+never in use; should ``ready`` still meet one, it raises (the request fails loudly). ``drop`` forgets
+the failure with the request.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from nelssa.sparse.kmeans import to_device
+
+log = logging.getLogger("vllm.nelssa")
+
+
+class HandoffFailed(RuntimeError):
+    """A move of a request whose earlier move failed (it stays on its device blocks)."""
 
 
 class Handoff:
@@ -42,6 +52,7 @@ class Handoff:
         self._side = None                                   # CUDA side stream, made on first use
         self._end: dict[str, int] = {}                      # request -> end of its submitted ranges
         self._moves: dict[str, list[tuple[int, Future]]] = {}
+        self._failed: set[str] = set()                      # requests with a failed move: no more moves
 
     # ------------------------------------------------------------------ 1. submit
     def end(self, rid: str) -> int:
@@ -65,13 +76,22 @@ class Handoff:
             self._moves.setdefault(rid, []).append((hi, fut))
 
     def _run(self, ev, rid: str, blocks: list[int], lo: int, hi: int, gen: int) -> None:
-        if ev is None:
-            self._copy(rid, blocks, lo, hi)
-        else:
-            self._side.wait_event(ev)
-            with torch.cuda.stream(self._side):
+        if rid in self._failed:
+            raise HandoffFailed(f"hand-off of {rid}: an earlier move failed")
+        try:
+            if ev is None:
                 self._copy(rid, blocks, lo, hi)
-            self._side.synchronize()
+            else:
+                self._side.wait_event(ev)
+                with torch.cuda.stream(self._side):
+                    self._copy(rid, blocks, lo, hi)
+                self._side.synchronize()
+        except Exception as e:
+            self._failed.add(rid)
+            self.host.stats.add(handoff_failures=1)
+            log.error("NELSSA: moving tokens [%d, %d) of %s to the host tier failed (%s: %s); it stays on its "
+                      "device blocks", lo, hi, rid, type(e).__name__, e)
+            raise
         if self._on_done is not None:
             self._on_done(rid, hi, gen)
 
@@ -111,6 +131,7 @@ class Handoff:
         for _, fut in self._moves.pop(rid, []):
             fut.exception()  # wait; the request is gone, its failure no longer matters
         self._end.pop(rid, None)
+        self._failed.discard(rid)
         if preempted:
             self._gen[rid] = self._gen.get(rid, 0) + 1
         else:

@@ -6,7 +6,9 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
 
 * Admission: a long request waits outside vLLM's queues (short requests pass it) until
   - host tier: its bytes for prompt + max_tokens fit beside the other admitted long requests'
-    (more than the whole capacity: rejected at once with an error result saying so);
+    (more than the whole capacity: rejected at once with an error result saying so); on nelssa-node
+    the capacity is the node's and its free bytes bound the room too (other clients share it;
+    node/client.py NodeRoom), so a request waits rather than failing in a store that does not fit;
   - prefill: fewer than ``long_prefills`` admitted long requests still prefill or, host-backed, hold
     their whole prompt on the device until their switch, and its prompt's blocks fit in the free
     blocks beside what the running requests still need to finish (a host-backed one: its window). So a long prompt never
@@ -115,12 +117,30 @@ class NelssaScheduler(Scheduler):
         self._conn = conn
         self._bytes_per = (len(groups[0].layer_names), spec.num_kv_heads, spec.head_size, spec.dtype.itemsize)
         self._l_eq = attention_balance(self.vllm_config.model_config.hf_text_config)
-        self.host_capacity = cfg.host_capacity or int(0.8 * mem_available())
-        log.info("NELSSA scheduler: T_input=%d, host capacity %.2f GiB", cfg.T_input, self.host_capacity / 2**30)
+        self._node_room = None
+        if cfg.engine == "node":  # the node's capacity, not this machine's memory (node/client.py NodeRoom)
+            from nelssa.node.client import NodeRoom
+            self._node_room = NodeRoom(cfg)
+            cap = self._node_room.capacity
+            self.host_capacity = min(cfg.host_capacity, cap) if cfg.host_capacity else cap
+        else:
+            self.host_capacity = cfg.host_capacity or int(0.8 * mem_available())
+        log.info("NELSSA scheduler: T_input=%d, host capacity %.2f GiB%s", cfg.T_input, self.host_capacity / 2**30,
+                 f" (nelssa-node at {cfg.node_address})" if self._node_room is not None else "")
 
     # ------------------------------------------------------------ admission
     def _need(self, request: Request) -> int:
         return host_bytes(request.num_prompt_tokens + request.max_tokens, *self._bytes_per)
+
+    def _host_room(self) -> int:
+        """Host-tier bytes a new long request (or migration) may reserve: the capacity beside the admitted
+        ones'; on nelssa-node also what the node has free (other clients use it too) less what admitted
+        requests not yet switched may still store there (counted whole: some may be stored already)."""
+        room = self.host_capacity - sum(self._reserved.values())
+        if self._node_room is not None:
+            pending = sum(n for rid, n in self._reserved.items() if not self._host_end.get(rid))
+            room = min(room, self._node_room.free() - pending)
+        return room
 
     def add_request(self, request: Request) -> None:
         if self.nelssa is None or request.request_id in self.requests:
@@ -136,7 +156,9 @@ class NelssaScheduler(Scheduler):
             return self._reject(request, (
                 f"nelssa: request needs {need / 2**30:.2f} GiB of host-tier memory for "
                 f"{request.num_prompt_tokens} prompt + {request.max_tokens} max tokens; the host tier "
-                f"holds {self.host_capacity / 2**30:.2f} GiB (NELSSA_HOST_CAPACITY)"))
+                f"holds {self.host_capacity / 2**30:.2f} GiB ("
+                + (f"nelssa-node at {self.nelssa.node_address}" if self._node_room is not None else "NELSSA_HOST_CAPACITY")
+                + ")"))
         if self._blocks(request.num_prompt_tokens) > self.kv_cache_manager.block_pool.num_gpu_blocks - 1:
             return self._reject(request, (f"nelssa: the {request.num_prompt_tokens}-token prompt needs more "
                                           "device KV blocks for its prefill than the instance has"))
@@ -206,8 +228,7 @@ class NelssaScheduler(Scheduler):
         use = 1.0 - pool.get_num_free_blocks() / max(1, pool.num_gpu_blocks - 1)  # block 0: vLLM's null block
         if use >= self.nelssa.migrate_watermark:
             return f"device KV {100 * use:.0f}% in use"
-        if self._held and self._need(self._held[0]) <= self.host_capacity - sum(self._reserved.values()) \
-                and not self._device_room(self._held[0]):
+        if self._held and self._need(self._held[0]) <= self._host_room() and not self._device_room(self._held[0]):
             return f"long request {self._held[0].request_id} waits for device KV"
         return ""
 
@@ -235,7 +256,7 @@ class NelssaScheduler(Scheduler):
         long = pol.is_long(r.num_prompt_tokens)
         if not long:  # a long prompt's host bytes were reserved at its admission
             need = host_bytes(min(r.num_prompt_tokens + (r.max_tokens or 0), self.max_model_len), *self._bytes_per)
-            if need > self.host_capacity - sum(self._reserved.values()):
+            if need > self._host_room():
                 return
             self._reserved[r.request_id] = need
         self._anchor[r.request_id] = anchor
@@ -270,7 +291,7 @@ class NelssaScheduler(Scheduler):
         while self._held:
             req = self._held[0]
             need = self._need(req)
-            if need > self.host_capacity - sum(self._reserved.values()):
+            if need > self._host_room():
                 return
             if cfg.long_prefills and self._prefilling_longs() >= cfg.long_prefills:
                 return
