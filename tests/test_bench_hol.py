@@ -15,13 +15,17 @@ pytestmark = pytest.mark.engine
 
 def test_hol_cpu_preset_is_well_formed_and_exact(tmp_path, cut_model_dir):
     model_dir = cut_model_dir  # SmolLM2's first 8 layers: the benchmark's machinery, not the model
-    from nelssa.bench.hol import PRESETS, main
+    from nelssa.bench.hol import main
     out = tmp_path / "hol"
-    lane = json.dumps({**PRESETS["cpu"]["nelssa"], "lane": True})
+    # NELSSA as a variant (on:lane: the preset's NELSSA config with the lane) against the one stock run
     assert main(["--preset", "cpu", "--model", model_dir, "--out", str(out), "--timeout", "900",
-                 "--set", f"nelssa={lane}"]) == 0
+                 "--modes", "off,on:lane", "--variant", 'lane={"lane": true}']) == 0
     s = json.loads((out / "hol.json").read_text())
     assert os.path.getsize(out / "hol.png") > 10_000
+    assert s["variants"] == {"lane": {"lane": True}} and "on" not in s
+    for key in ("targets", "outputs_equal", "outputs_total", "ratios_on_over_off"):  # per variant
+        s[key] = s.pop(key + "_lane")
+    s["on"] = s.pop("on:lane")
     for mode in ("on", "off"):
         r = s[mode]
         assert r["errors"] == [], r["errors"]
@@ -29,13 +33,14 @@ def test_hol_cpu_preset_is_well_formed_and_exact(tmp_path, cut_model_dir):
         assert r["long"][0]["tokens"] == s["scenario"]["long_out"]
         a, b = r["phases_s"]["long_prefill"]
         assert 0 < a <= b <= r["phases_s"]["long_decode"][1]
-        lines = (out / f"hol_{mode}.jsonl").read_text().splitlines()
+        f = {"on": "on_lane", "off": "off"}[mode]
+        lines = (out / f"hol_{f}.jsonl").read_text().splitlines()
         assert len(lines) == s["outputs_total"]
-        log = (out / f"hol_{mode}.log").read_text()  # the engine's own log (vLLM logs to stdout)
+        log = (out / f"hol_{f}.log").read_text()  # the engine's own log (vLLM logs to stdout)
         assert "vllm" in log.lower() and " ERROR " not in log, log[-2000:]
     # budget 1.0 in fp32: every output equals NELSSA_OFF's, the long request's (host tier, lane) first
-    runs = {m: {r["id"]: r for r in map(json.loads, (out / f"hol_{m}.jsonl").read_text().splitlines())}
-            for m in ("on", "off")}
+    runs = {m: {r["id"]: r for r in map(json.loads, (out / f"hol_{f}.jsonl").read_text().splitlines())}
+            for m, f in (("on", "on_lane"), ("off", "off"))}
     for rid, r in runs["off"].items():
         if r["kind"] == "long":
             assert runs["on"][rid]["token_ids"] == r["token_ids"], rid

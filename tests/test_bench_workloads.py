@@ -174,11 +174,29 @@ def test_plots_and_report(tmp_path):
             {"time": "t", "on": {"before": ph, "long_prefill": ph, "long_decode": ph, "lane_timeline_ms_per_batch": tl}}))
     assert report([str(tmp_path)]) == 0
     md = (tmp_path / "report.md").read_text()
+    assert "Long lane (on), mean ms per batch" in md
     assert "lead 14.2, host 26.7, between 22.2, tail 1.1; sum 64.2" in md and "sum 97.7" in md
     assert "![lane timeline](lane_timeline.png)" in md and os.path.getsize(tmp_path / "lane_timeline.png") > 5_000
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError):
         report([str(tmp_path / "empty")])
+
+
+def test_hol_modes_and_variants():
+    """nelssa bench hol's modes (no engine): on:NAME is NELSSA with the variant's fields over the scenario's
+    NELSSA config, every mode runs on the same scenario otherwise; unknown, unnamed or repeated modes
+    are refused before any engine starts."""
+    from nelssa.bench.hol import Scenario, mode_specs
+    sc = Scenario(nelssa={"T_input": 8192, "budget": 0.04, "lane": True})
+    specs = mode_specs(sc, ["off", "on", "on:t12"], {"t12": {"pool_threads": 12}, "unused": {"budget": 1.0}})
+    assert [(label, base) for label, base, _ in specs] == [("off", "off"), ("on", "on"), ("on:t12", "on")]
+    assert specs[1][2]["nelssa"] == {"T_input": 8192, "budget": 0.04, "lane": True}
+    assert specs[2][2]["nelssa"] == {"T_input": 8192, "budget": 0.04, "lane": True, "pool_threads": 12}
+    assert specs[2][2]["rate"] == specs[0][2]["rate"] == sc.rate
+    for bad, why in ((["on:x"], "no --variant x"), (["off:x"], "unknown mode"), (["fast"], "unknown mode"),
+                     (["on", "on"], "repeated")):
+        with pytest.raises(ValueError, match=why):
+            mode_specs(sc, bad, {})
 
 
 def test_presets_plan_every_workload():

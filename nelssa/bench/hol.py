@@ -3,8 +3,8 @@
     nelssa bench hol --dummy --out results/hol                # the H200 scenario (defaults below)
     nelssa bench hol --model DIR --preset cpu --out DIR       # the scaled-down CPU run (CI)
 
-One invocation runs every mode (``on``: NELSSA, ``off``: stock vLLM, the NELSSA_OFF baseline) as its
-own subprocess with the same arrivals and prompts, each through vLLM's AsyncLLM (async scheduling,
+One invocation runs every mode (``on``: NELSSA, ``off``: stock vLLM, the NELSSA_OFF baseline; ``on:NAME``:
+NELSSA with ``--variant NAME=JSON`` over its config) as its own subprocess with the same arrivals and prompts, each through vLLM's AsyncLLM (async scheduling,
 CUDA graphs: whatever vLLM picks), recording every token's arrival time. Per mode and phase:
   * before       -- from the start until the long requests arrive;
   * long_prefill -- from their arrival until every long request has its first token;
@@ -319,7 +319,7 @@ def plot(runs: dict[str, dict], summary: dict, path: str) -> None:
             ax.axvspan(hi, d_hi, color="tab:green", alpha=0.10, label="long decode")
         ax.set_yscale("log")
         ax.set_ylabel("ms")
-        name = "NELSSA" if mode == "on" else "stock (NELSSA_OFF)"
+        name = "stock (NELSSA_OFF)" if mode == "off" else "NELSSA" + (f" ({mode[3:]})" if ":" in mode else "")
         ax.set_title(f"{name}: short-request inter-token latency (dots) and TTFT (x)", fontsize=10)
         ax.legend(loc="upper right", fontsize=8)
     axes[-1, 0].set_xlabel("seconds since start")
@@ -330,14 +330,40 @@ def plot(runs: dict[str, dict], summary: dict, path: str) -> None:
 
 # ------------------------------------------------------------------ driver
 
-def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout: float = 1800) -> dict:
+def mode_specs(sc: Scenario, modes: list[str], variants: dict[str, dict] | None = None) -> list[tuple[str, str, dict]]:
+    """(label, engine mode, scenario) per requested mode: ``on``, ``off``, or ``on:NAME`` — NELSSA with the
+    variant NAME's fields over the scenario's NELSSA config (``--variant NAME=JSON``), so several NELSSA
+    configurations run against one stock baseline in one invocation. ValueError for an unknown one."""
+    variants = variants or {}
+    out = []
+    for m in modes:
+        base, _, name = m.partition(":")
+        if base not in ("on", "off") or (name and base != "on"):
+            raise ValueError(f"unknown mode {m!r}: on, off or on:NAME")
+        if name and name not in variants:
+            raise ValueError(f"mode {m!r}: no --variant {name}=JSON given (known: {sorted(variants)})")
+        d = asdict(sc)
+        if name:
+            d["nelssa"] = {**sc.nelssa, **variants[name]}
+        out.append((m, base, d))
+    if len({label for label, _, _ in out}) != len(out):
+        raise ValueError(f"a mode is repeated: {modes}")
+    return out
+
+
+def _file_label(label: str) -> str:
+    return label.replace(":", "_")
+
+
+def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout: float = 1800,
+              variants: dict[str, dict] | None = None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     runs: dict[str, dict] = {}
     failed: dict[str, str] = {}
-    for mode in modes:
-        spec = {"mode": mode, "scenario": asdict(sc), "model": model, "out_dir": out_dir}
+    for mode, base, scenario in mode_specs(sc, modes, variants):
+        spec = {"mode": base, "scenario": scenario, "model": model, "out_dir": out_dir}
         env = {k: v for k, v in os.environ.items() if k != "NELSSA_OFF"}
-        if mode == "off":
+        if base == "off":
             env["NELSSA_OFF"] = "1"
         print(f"[hol] mode {mode}: starting the engine", file=sys.stderr, flush=True)
         t = time.time()
@@ -350,36 +376,41 @@ def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout:
         lines = out.splitlines()
         line = next((x for x in lines if x.startswith("HOL_JSON ")), None)
         # vLLM logs to stdout: the engine's log (and any error in it) kept beside the results
-        with open(os.path.join(out_dir, f"hol_{mode}.log"), "w") as f:
+        with open(os.path.join(out_dir, f"hol_{_file_label(mode)}.log"), "w") as f:
             f.write("".join(x + "\n" for x in lines if not x.startswith("HOL_JSON ")))
         errors = [x for x in lines if " ERROR " in x or x.startswith("Traceback")]
         if errors:
-            print(f"[hol] mode {mode}: {len(errors)} error lines in hol_{mode}.log, first: {errors[0][:300]}",
+            print(f"[hol] mode {mode}: {len(errors)} error lines in hol_{_file_label(mode)}.log, first: {errors[0][:300]}",
                   file=sys.stderr, flush=True)
         if rc != 0 or line is None:  # the other modes still run; the invocation fails at the end
             failed[mode] = f"the engine run failed (rc={rc}, after {time.time() - t:.0f} s); its log is above"
             print(f"[hol] mode {mode}: {failed[mode]}", file=sys.stderr, flush=True)
             continue
         runs[mode] = json.loads(line[len("HOL_JSON "):])
-        with open(os.path.join(out_dir, f"hol_{mode}.jsonl"), "w") as f:
+        with open(os.path.join(out_dir, f"hol_{_file_label(mode)}.jsonl"), "w") as f:
             for r in runs[mode]["requests"]:
                 f.write(json.dumps(r) + "\n")
     summary: dict[str, Any] = {"scenario": asdict(sc), "model": model, "failed_modes": failed,
                                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if variants:
+        summary["variants"] = {k: v for k, v in variants.items() if f"on:{k}" in modes}
     for mode, run in runs.items():
         summary[mode] = analyse(run)
         summary[mode]["wall_s"] = run["wall_s"]
-    if "on" in runs and "off" in runs:
-        on, off = summary["on"], summary["off"]
-        summary["ratios_on_over_off"] = {
+    for mode in [m for m in runs if m.partition(":")[0] == "on"]:
+        if "off" not in runs:
+            break
+        on, off = summary[mode], summary["off"]
+        sfx = "" if mode == "on" else "_" + mode.partition(":")[2]  # e.g. targets_threads12 for on:threads12
+        summary["ratios_on_over_off" + sfx] = {
             f"{ph}.{k}": _ratio(on[ph][k], off[ph][k]) for ph in ("before", "long_prefill", "long_decode")
             for k in ("short_ttft_p99_ms", "short_itl_p99_ms", "short_tpot_p50_ms")}
-        summary["ratios_on_over_off"]["output_tok_s"] = _ratio(on["output_tok_s"], off["output_tok_s"])
-        summary["targets"] = targets(on, off)
+        summary["ratios_on_over_off" + sfx]["output_tok_s"] = _ratio(on["output_tok_s"], off["output_tok_s"])
+        summary["targets" + sfx] = targets(on, off)
         eq = [r for r in runs["off"]["requests"]]
-        on_ids = {r["id"]: r["token_ids"] for r in runs["on"]["requests"]}
-        summary["outputs_equal"] = sum(on_ids.get(r["id"]) == r["token_ids"] for r in eq)
-        summary["outputs_total"] = len(eq)
+        on_ids = {r["id"]: r["token_ids"] for r in runs[mode]["requests"]}
+        summary["outputs_equal" + sfx] = sum(on_ids.get(r["id"]) == r["token_ids"] for r in eq)
+        summary["outputs_total" + sfx] = len(eq)
     with open(os.path.join(out_dir, "hol.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if runs:
@@ -389,7 +420,8 @@ def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout:
 
 def _table(summary: dict) -> str:
     rows = []
-    for mode in ("off", "on"):
+    modes = ["off", "on"] + sorted(k for k in summary if k.startswith("on:"))
+    for mode in modes:
         if mode not in summary:
             continue
         s = summary[mode]
@@ -401,8 +433,8 @@ def _table(summary: dict) -> str:
                         f"TPOT p50 {f(x['short_tpot_p50_ms'])} ms  max gap {f(x['max_gap_without_short_token_s'], 2)} s")
         rows.append(f"{mode:3} long {[(x['ttft_s'] and round(x['ttft_s'], 2), x['tpot_ms'] and round(x['tpot_ms'], 1)) for x in s['long']]}"
                     f"  tok/s {f(s['output_tok_s'])}  preemptions {s['preemptions']}  errors {s['errors']}")
-    if "targets" in summary:
-        rows.append("targets: " + json.dumps(summary["targets"]))
+    for k in sorted(k for k in summary if k.startswith("targets")):
+        rows.append(f"{k}: " + json.dumps(summary[k]))
     return "\n".join(rows)
 
 
@@ -413,7 +445,11 @@ def main(argv: list[str] | None = None) -> int:
                                                    "a Llama-3.1-8B-shaped config with dummy weights)")
     ap.add_argument("--dummy", action="store_true", help="Llama-3.1-8B-shaped dummy weights (load_format=dummy)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="h200")
-    ap.add_argument("--modes", default="off,on", help="comma-separated: on (NELSSA), off (stock)")
+    ap.add_argument("--modes", default="off,on", help="comma-separated: on (NELSSA), off (stock), on:NAME (NELSSA "
+                                                      "with --variant NAME)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="NELSSA fields over the scenario's for mode on:NAME, e.g. --variant 't12={\"pool_threads\": "
+                         "12}' --modes off,on,on:t12 (every variant against one stock run)")
     ap.add_argument("--out", default="results/hol")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override a scenario field, e.g. --set rate=4 --set 'nelssa={\"budget\": 0.02}'")
@@ -443,10 +479,20 @@ def main(argv: list[str] | None = None) -> int:
     if sc.load_format == "dummy" and not (a.dummy or a.model):
         ap.error("this preset uses dummy weights: pass --dummy (or --model with a config folder)")
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("on", "off")]
-    if bad:
-        ap.error(f"unknown modes {bad}")
-    summary = run_modes(sc, model, modes, a.out, a.timeout)
+    variants: dict[str, dict] = {}
+    for item in a.variant:
+        name, _, v = item.partition("=")
+        try:
+            variants[name] = json.loads(v)
+        except json.JSONDecodeError as e:
+            ap.error(f"--variant {name}: not JSON ({e})")
+        if not name or not isinstance(variants[name], dict):
+            ap.error(f"--variant {item!r}: NAME={{...NELSSA fields...}} expected")
+    try:
+        mode_specs(sc, modes, variants)
+    except ValueError as e:
+        ap.error(str(e))
+    summary = run_modes(sc, model, modes, a.out, a.timeout, variants)
     print(_table(summary))
     print(f"[hol] wrote {a.out}/hol.json, hol.png, hol_<mode>.jsonl, hol_<mode>.log", file=sys.stderr)
     if summary["failed_modes"]:

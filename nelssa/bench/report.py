@@ -82,21 +82,27 @@ def calibration_md(d: dict, rel: str) -> list[str]:
 def hol_md(h: dict, rel: str) -> list[str]:
     out = [f"## Head-of-line run ({h.get('time', '')})", "", "| mode | phase | short TTFT p99 ms | short ITL p99 ms |",
            "|---|---|---|---|"]
-    for mode in ("off", "on"):
+    for mode in ["off", "on"] + sorted(k for k in h if k.startswith("on:")):
         if mode in h:
             for ph in ("before", "long_prefill", "long_decode"):
                 x = h[mode][ph]
                 out.append(f"| {mode} | {ph} | {_f(x['short_ttft_p99_ms'])} | {_f(x['short_itl_p99_ms'])} |")
     if "ratios_on_over_off" in h:
         out.append(f"\nOutput tok/s ratio NELSSA/stock: {_f(h['ratios_on_over_off'].get('output_tok_s'), 2)}")
-    tl = h.get("on", {}).get("lane_timeline_ms_per_batch")
-    if tl:
-        out.append("\nLong lane, mean ms per batch (lane_host.py, 7): " +
+    for mode, tl in _timelines(h):
+        out.append(f"\nLong lane ({mode}), mean ms per batch (lane_host.py, 7): " +
                    ", ".join(f"{p} {_f(tl[p])}" for p in TIMELINE_PARTS) + f"; sum {_f(sum(tl.values()))}")
     return out + ["", _img(os.path.join(rel, "hol.png"), "hol"), ""]
 
 
 TIMELINE_PARTS = ("lead", "host", "between", "tail")
+
+
+def _timelines(h: dict) -> list[tuple[str, dict]]:
+    """(mode, lane_timeline_ms_per_batch) of a hol.json's NELSSA modes that have one."""
+    modes = ["on"] + sorted(k for k in h if k.startswith("on:"))
+    return [(m, h[m]["lane_timeline_ms_per_batch"]) for m in modes
+            if isinstance(h.get(m), dict) and h[m].get("lane_timeline_ms_per_batch")]
 
 
 def plot_lane_timelines(runs: list[tuple[str, dict]], path: str) -> None:
@@ -155,9 +161,8 @@ def render(folder: str) -> str:
                     doc = json.load(f)
                 parts += fn(doc, rel)
                 found += 1
-                tl = doc.get("on", {}).get("lane_timeline_ms_per_batch") if name == "hol.json" else None
-                if tl:
-                    timelines.append((rel or ".", tl))
+                if name == "hol.json":
+                    timelines += [((rel or ".") + ("" if m == "on" else f" {m}"), tl) for m, tl in _timelines(doc)]
     if not found:
         raise FileNotFoundError(f"{folder}: no summary.json, calibration.json or hol.json (here or one level down)")
     if timelines:
