@@ -332,17 +332,20 @@ class NodeRoom:
     the scheduler has no host tier of its own: it asks the node). From the node's Capacity: its
     devices' smallest capacity (and free bytes) times their number — head-wise partitioning puts a
     share of every request on every device, so the fullest device decides (cluster-wise: a
-    conservative bound). ``free`` asks at most every ``max_age_s``; a node that does not answer has
-    no room (logged once per outage: long requests wait, none is admitted into a failing store)."""
+    conservative bound). A thread of its own asks every ``max_age_s``, so the scheduler's step never
+    waits for the node; ``free`` is the latest answer, 0 while the node does not answer (logged once
+    per outage: long requests wait, none is admitted into a failing store)."""
 
     def __init__(self, cfg: NelssaConfig, max_age_s: float = 0.25):
         self.cfg, self.max_age_s = cfg, max_age_s
         self._md = ((TOKEN_HEADER, cfg.node_token),) if cfg.node_token else ()
         self._channel = grpc.insecure_channel(cfg.node_address)
         self._stub = pb_grpc.NelssaNodeStub(self._channel)
-        self._at, self._free, self._down = 0.0, 0, False
-        self.capacity, self._free = self._ask()  # HostError: an engine using a node it cannot reach does not start
-        self._at = time.monotonic()
+        self._down, self._stop = False, threading.Event()
+        t = time.monotonic()
+        self.capacity, free = self._ask()  # HostError: an engine using a node it cannot reach does not start
+        self._state = (free, t)
+        threading.Thread(target=self._loop, name="nelssa-node-room", daemon=True).start()
 
     def _ask(self) -> tuple[int, int]:
         try:
@@ -356,22 +359,27 @@ class NodeRoom:
         return (min(d.capacity_bytes for d in devs) * n,
                 max(0, min(d.capacity_bytes - d.used_bytes for d in devs)) * n)
 
-    def free(self) -> int:
-        now = time.monotonic()
-        if now - self._at >= self.max_age_s:
+    def _loop(self) -> None:
+        while not self._stop.wait(self.max_age_s):
+            t = time.monotonic()
             try:
-                _, self._free = self._ask()
+                _, free = self._ask()
+                self._state = (free, t)
                 if self._down:
                     log.warning("nelssa-node at %s answers again", self.cfg.node_address)
                 self._down = False
             except HostError as e:
                 if not self._down:
                     log.error("%s: no long request is admitted until it answers", e)
-                self._free, self._down = 0, True
-            self._at = now
-        return self._free
+                self._state, self._down = (0, t), True
+
+    def free(self) -> tuple[int, float]:
+        """(free bytes, time.monotonic() when they were asked for): the answer holds every store that
+        completed before that time."""
+        return self._state
 
     def close(self) -> None:
+        self._stop.set()
         self._channel.close()
 
 

@@ -8,7 +8,8 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   - host tier: its bytes for prompt + max_tokens fit beside the other admitted long requests'
     (more than the whole capacity: rejected at once with an error result saying so); on nelssa-node
     the capacity is the node's and its free bytes bound the room too (other clients share it;
-    node/client.py NodeRoom), so a request waits rather than failing in a store that does not fit;
+    node/client.py NodeRoom, asked by a thread of its own), so a request waits rather than failing in a
+    store that does not fit;
   - prefill: fewer than ``long_prefills`` admitted long requests still prefill or, host-backed, hold
     their whole prompt on the device until their switch, and its prompt's blocks fit in the free
     blocks beside what the running requests still need to finish (a host-backed one: its window). So a long prompt never
@@ -59,6 +60,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import time
 from collections import deque
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -89,6 +92,7 @@ class NelssaScheduler(Scheduler):
         self._reserved: dict[str, int] = {}
         self._rejected: list[tuple[Request, str]] = []
         self._done: dict[str, int] = {}      # request -> end of its completed hand-offs
+        self._switched_at: dict[str, float] = {}  # request -> when its host range came into use (monotonic)
         self._host_end: dict[str, int] = {}  # request -> H in use (shared with the manager and connector)
         self._anchor: dict[str, int] = {}    # migrating/migrated request -> anchor (shared with the connector)
         self._busy: set[str] = set()         # lane: requests whose next position the lane computes
@@ -135,11 +139,14 @@ class NelssaScheduler(Scheduler):
     def _host_room(self) -> int:
         """Host-tier bytes a new long request (or migration) may reserve: the capacity beside the admitted
         ones'; on nelssa-node also what the node has free (other clients use it too) less what admitted
-        requests not yet switched may still store there (counted whole: some may be stored already)."""
+        requests may still store there (counted whole: some may be stored already)."""
         room = self.host_capacity - sum(self._reserved.values())
         if self._node_room is not None:
-            pending = sum(n for rid, n in self._reserved.items() if not self._host_end.get(rid))
-            room = min(room, self._node_room.free() - pending)
+            free, asked = self._node_room.free()
+            # what that answer may not hold yet: requests not switched before it was asked (their prompt's
+            # stores completed before their switch), counted whole
+            pending = sum(n for rid, n in self._reserved.items() if self._switched_at.get(rid, math.inf) >= asked)
+            room = min(room, free - pending)
         return room
 
     def add_request(self, request: Request) -> None:
@@ -202,6 +209,7 @@ class NelssaScheduler(Scheduler):
                 if rid in self._anchor:
                     self._count("migrations_completed")
                 self._host_end[rid] = h
+                self._switched_at.setdefault(rid, time.monotonic())
         self._switched.clear()
         for rid, done in self._done.items():
             if rid in self._busy or rid in self._switching:
@@ -217,6 +225,7 @@ class NelssaScheduler(Scheduler):
                     if not self._host_end.get(rid) and rid in self._anchor:
                         self._count("migrations_completed")
                     self._host_end[rid] = h
+                    self._switched_at.setdefault(rid, time.monotonic())
 
     def _count(self, name: str, n: int = 1) -> None:
         self._conn.sched_stats[name] = self._conn.sched_stats.get(name, 0) + n
@@ -271,6 +280,7 @@ class NelssaScheduler(Scheduler):
         self._switching.pop(rid, None)
         self._switched.discard(rid)
         self._host_end.pop(rid, None)
+        self._switched_at.pop(rid, None)
         if self._anchor.pop(rid, None) is not None and not self._long(request):  # it comes back as a short one
             self._reserved.pop(rid, None)
         return super()._preempt_request(request, timestamp)
@@ -380,6 +390,7 @@ class NelssaScheduler(Scheduler):
         self._reserved.pop(request.request_id, None)
         self._done.pop(request.request_id, None)
         self._host_end.pop(request.request_id, None)
+        self._switched_at.pop(request.request_id, None)
         self._anchor.pop(request.request_id, None)
         return super()._free_request(request, delay_free_blocks)
 
