@@ -607,6 +607,51 @@ def test_node_call_served_through_flags_like_a_lane_replay(nodes):
         t.close()
 
 
+def test_node_room_follows_the_node(caplog):
+    """NodeRoom (the scheduler's view of the node, vllm_plugin/scheduler.py): capacity = the smallest
+    device times the devices; its thread's answers follow a store and a free, each stamped with when it
+    was asked (after the store completed: the drop is there); a node that stops answering has no
+    room, logged once."""
+    import logging
+
+    from nelssa.node.client import NodeRoom
+    node = Node("--devices", "2", "--device-memory", "32MiB")
+    room = t = None
+    try:
+        cfg = _cfg(node, "native")
+        room = NodeRoom(cfg, max_age_s=0.05)
+        assert room.capacity == 2 * (32 << 20)
+        free0, _ = room.free()
+        assert free0 == room.capacity
+
+        def until(cond, what):
+            t0 = time.monotonic()
+            while not cond(*room.free()):
+                assert time.monotonic() - t0 < 5, what
+                time.sleep(0.02)
+
+        t = NodeHostTier(cfg, L)
+        t.put_layers("a", *_kv(260, 4))
+        stored = time.monotonic()
+        until(lambda free, asked: asked > stored, "no answer after the store")
+        free, _ = room.free()
+        used = [d.used_bytes for d in node.stats().devices]
+        assert free == 2 * ((32 << 20) - max(used)) < free0  # the fuller device decides
+        t.free("a")
+        until(lambda free, asked: free == free0, "the free did not show")
+        caplog.set_level(logging.ERROR, logger="nelssa.node.client")
+        node.stop()
+        until(lambda free, asked: free == 0, "a stopped node still has room")
+        time.sleep(0.2)
+        assert len([r for r in caplog.records if "no long request is admitted" in r.getMessage()]) == 1
+    finally:
+        if room is not None:
+            room.close()
+        if t is not None:
+            t.close()
+        node.stop()
+
+
 def test_lane_batch_key_through_the_node(nodes):
     """A captured lane batch (vllm_plugin/lane_batch.py, 1) through the node: its key reads the node
     client's RemoteKV (the H200 run through the node failed every lane batch here: the key read a
