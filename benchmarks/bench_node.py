@@ -321,12 +321,21 @@ def main() -> None:
     keys = [torch.randn(H, n, D, generator=g) for _ in range(a.batch)]
     vals = [torch.randn(H, n, D, generator=g) for _ in range(a.batch)]
     q = torch.randn(a.batch, Hq, D, generator=g)
+    every = sorted(os.sched_getaffinity(0))
+    client = every
     if a.client_cores:
         if a.client_cores + a.ingest_cores >= cores:
             raise SystemExit(f"--client-cores {a.client_cores} + --ingest-cores {a.ingest_cores} leave no device core")
-        mine = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, mine[:a.client_cores])  # the node (started after) gets the others
-        report["node"]["client_cores"] = mine[:a.client_cores]
+        client = every[:a.client_cores]  # the node's devices get the others (_start's skip)
+        report["node"]["client_cores"] = client
+
+    def timed(*args, **kw):
+        # pinned only while it measures: the setup's clustering (client side) uses every core
+        os.sched_setaffinity(0, client)
+        try:
+            return _jobs(*args, **kw)
+        finally:
+            os.sched_setaffinity(0, every)
     for nd in [int(x) for x in a.devices.split(",")]:
         proc, port = _start(nd, cores - a.client_cores, a.device_memory, a.ingest_cores, a.poll_spin_us,
                             skip=a.client_cores)
@@ -337,10 +346,13 @@ def main() -> None:
                 set_config(cfg)
                 tier = NodeHostTier(cfg, 1)
                 rids = [f"r{i}" for i in range(a.batch)]
+                t0 = time.perf_counter()
                 for r, k, v in zip(rids, keys, vals):
                     tier.put_layers(r, [k], [v])
+                print(f"[bench_node] {nd} device(s), {plane}: {a.batch} x {n} tokens clustered and stored in "
+                      f"{time.perf_counter() - t0:.1f} s; {a.iters} jobs per case", file=sys.stderr, flush=True)
                 for label, budget in (("empty", None), ("real", a.budget)):
-                    res = _jobs(tier, rids, q, budget, scale, a.iters)
+                    res = timed(tier, rids, q, budget, scale, a.iters)
                     case = {"devices": nd, "plane": plane, "job": label, **res}
                     report["cases"].append(case)
                     print(json.dumps(case), flush=True)
@@ -349,7 +361,7 @@ def main() -> None:
                     th = threading.Thread(target=_store_loop, args=(port, stop, a.store_tokens, a.store_layers, H, D, info))
                     th.start()
                     time.sleep(0.5)
-                    res = _jobs(tier, rids, q, a.budget, scale, a.iters, warmup=5)
+                    res = timed(tier, rids, q, a.budget, scale, a.iters, warmup=5)
                     stop.set()
                     th.join()
                     case = {"devices": nd, "plane": plane, "job": "real+store", **res, **info,
