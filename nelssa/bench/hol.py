@@ -52,6 +52,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+TIMELINE_PARTS = ("lead", "host", "between", "tail")  # a lane batch's time by part (vllm_plugin/lane_host.py, 7)
+
+
 @dataclass
 class Scenario:
     rate: float = 8.0                  # short requests per second (Poisson)
@@ -270,8 +273,7 @@ def analyse(run: dict) -> dict:
     # where a lane batch's time goes (lane_host.py, 7): mean ms per batch with host calls, by part
     nb = m.get("nelssa:lane_timeline_batches_total")
     out["lane_timeline_ms_per_batch"] = {
-        p: 1e3 * m.get(f"nelssa:lane_timeline_seconds_total{{{p}}}", 0.0) / nb
-        for p in ("lead", "host", "between", "tail")} if nb else None
+        p: 1e3 * m.get(f"nelssa:lane_timeline_seconds_total{{{p}}}", 0.0) / nb for p in TIMELINE_PARTS} if nb else None
     return out
 
 
@@ -355,6 +357,11 @@ def _file_label(label: str) -> str:
     return label.replace(":", "_")
 
 
+def result_modes(summary: dict) -> list[str]:
+    """The modes a hol.json (or its summary) has results for, in table order: off, on, then on:NAME."""
+    return [m for m in ["off", "on"] + sorted(k for k in summary if k.startswith("on:")) if m in summary]
+
+
 def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout: float = 1800,
               variants: dict[str, dict] | None = None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
@@ -420,10 +427,7 @@ def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout:
 
 def _table(summary: dict) -> str:
     rows = []
-    modes = ["off", "on"] + sorted(k for k in summary if k.startswith("on:"))
-    for mode in modes:
-        if mode not in summary:
-            continue
+    for mode in result_modes(summary):
         s = summary[mode]
         f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
         for ph in ("before", "long_prefill", "long_decode"):

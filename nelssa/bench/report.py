@@ -11,6 +11,8 @@ import json
 import os
 import sys
 
+from nelssa.bench.hol import TIMELINE_PARTS, result_modes
+
 
 def _f(v, d: int = 1) -> str:
     if v is None:
@@ -82,11 +84,10 @@ def calibration_md(d: dict, rel: str) -> list[str]:
 def hol_md(h: dict, rel: str) -> list[str]:
     out = [f"## Head-of-line run ({h.get('time', '')})", "", "| mode | phase | short TTFT p99 ms | short ITL p99 ms |",
            "|---|---|---|---|"]
-    for mode in ["off", "on"] + sorted(k for k in h if k.startswith("on:")):
-        if mode in h:
-            for ph in ("before", "long_prefill", "long_decode"):
-                x = h[mode][ph]
-                out.append(f"| {mode} | {ph} | {_f(x['short_ttft_p99_ms'])} | {_f(x['short_itl_p99_ms'])} |")
+    for mode in result_modes(h):
+        for ph in ("before", "long_prefill", "long_decode"):
+            x = h[mode][ph]
+            out.append(f"| {mode} | {ph} | {_f(x['short_ttft_p99_ms'])} | {_f(x['short_itl_p99_ms'])} |")
     if "ratios_on_over_off" in h:
         out.append(f"\nOutput tok/s ratio NELSSA/stock: {_f(h['ratios_on_over_off'].get('output_tok_s'), 2)}")
     for mode, tl in _timelines(h):
@@ -95,14 +96,10 @@ def hol_md(h: dict, rel: str) -> list[str]:
     return out + ["", _img(os.path.join(rel, "hol.png"), "hol"), ""]
 
 
-TIMELINE_PARTS = ("lead", "host", "between", "tail")
-
-
 def _timelines(h: dict) -> list[tuple[str, dict]]:
     """(mode, lane_timeline_ms_per_batch) of a hol.json's NELSSA modes that have one."""
-    modes = ["on"] + sorted(k for k in h if k.startswith("on:"))
-    return [(m, h[m]["lane_timeline_ms_per_batch"]) for m in modes
-            if isinstance(h.get(m), dict) and h[m].get("lane_timeline_ms_per_batch")]
+    return [(m, h[m]["lane_timeline_ms_per_batch"]) for m in result_modes(h)
+            if m != "off" and h[m].get("lane_timeline_ms_per_batch")]
 
 
 def plot_lane_timelines(runs: list[tuple[str, dict]], path: str) -> None:

@@ -52,6 +52,18 @@ def _status(e: grpc.RpcError) -> str:
     return f"{code.name if code else 'ERROR'}: {e.details() if hasattr(e, 'details') else e}"
 
 
+def _metadata(cfg: NelssaConfig) -> tuple:
+    return ((TOKEN_HEADER, cfg.node_token),) if cfg.node_token else ()
+
+
+def _call(stub, cfg: NelssaConfig, md: tuple, method: str, request, timeout: float):
+    """One control-plane call; a gRPC failure is a HostError naming the node and the status."""
+    try:
+        return getattr(stub, method)(request, timeout=timeout, metadata=md)
+    except grpc.RpcError as e:
+        raise HostError(f"nelssa-node {method} at {cfg.node_address}: {_status(e)}") from None
+
+
 class RemoteKV:
     """One layer of a request whose K/V is on the node: what the centroid search reads of a ClusteredKV
     (centroids [H, C, D], sizes [H, C] int32, vmeans on the keys' device; length), with prepared parts
@@ -338,7 +350,7 @@ class NodeRoom:
 
     def __init__(self, cfg: NelssaConfig, max_age_s: float = 0.25):
         self.cfg, self.max_age_s = cfg, max_age_s
-        self._md = ((TOKEN_HEADER, cfg.node_token),) if cfg.node_token else ()
+        self._md = _metadata(cfg)
         self._channel = grpc.insecure_channel(cfg.node_address)
         self._stub = pb_grpc.NelssaNodeStub(self._channel)
         self._down, self._stop = False, threading.Event()
@@ -348,10 +360,7 @@ class NodeRoom:
         threading.Thread(target=self._loop, name="nelssa-node-room", daemon=True).start()
 
     def _ask(self) -> tuple[int, int]:
-        try:
-            rep = self._stub.Capacity(pb.CapacityRequest(), timeout=5.0, metadata=self._md)
-        except grpc.RpcError as e:
-            raise HostError(f"nelssa-node Capacity at {self.cfg.node_address}: {_status(e)}") from None
+        rep = _call(self._stub, self.cfg, self._md, "Capacity", pb.CapacityRequest(), 5.0)
         devs = list(rep.devices)
         if not devs:
             return 0, 0
@@ -392,7 +401,7 @@ class NodeHostTier:
         self.reqs: dict[str, _Req] = {}
         self.stats = HostStats()
         self._lock = threading.Lock()
-        self._md = ((TOKEN_HEADER, cfg.node_token),) if cfg.node_token else ()
+        self._md = _metadata(cfg)
         big = 64 << 20
         self._channel = grpc.insecure_channel(cfg.node_address, options=[
             ("grpc.max_receive_message_length", big), ("grpc.max_send_message_length", big)])
@@ -413,10 +422,7 @@ class NodeHostTier:
 
     # -------- control plane
     def _rpc(self, method: str, request, timeout: float | None = None):
-        try:
-            return getattr(self._stub, method)(request, timeout=timeout or self.cfg.host_timeout_s, metadata=self._md)
-        except grpc.RpcError as e:
-            raise HostError(f"nelssa-node {method} at {self.cfg.node_address}: {_status(e)}") from None
+        return _call(self._stub, self.cfg, self._md, method, request, timeout or self.cfg.host_timeout_s)
 
     def _transport(self) -> str:
         """native (shared memory: native jobs, protobuf ones where the native plane does not serve),

@@ -241,13 +241,12 @@ class HostStreamBatch:
         log.error("NELSSA lane: a batch's host attention did not finish within %.1f s; its requests fail", timeout_s)
         return False
 
-    def finish(self, host, launched: float | None = None, waited: float | None = None) -> str | None:
-        """After both streams were synchronised (4): the first failure's message, or None. With the batch's
-        launch and wait-end times (time.perf_counter) its timeline (7) goes to the host tier's stats."""
-        if launched is not None and waited is not None:
-            parts = timeline(self.calls, launched, waited)
-            if parts is not None:
-                host.stats.add(lane_timeline_s=parts, lane_timeline_batches=1)
+    def finish(self, host, launched: float, waited: float) -> str | None:
+        """After both streams were synchronised (4): the first failure's message, or None. The batch's
+        timeline (7) from its launch and wait-end times (time.perf_counter) goes to the host tier's stats."""
+        parts = timeline(self.calls, launched, waited)
+        if parts is not None:
+            host.stats.add(lane_timeline_s=parts, lane_timeline_batches=1)
         err = host.call_results(self.calls)
         if self.timed_out:
             err, self.timed_out = f"host attention did not finish within {self.timed_out}s", 0.0

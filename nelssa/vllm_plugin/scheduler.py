@@ -206,10 +206,7 @@ class NelssaScheduler(Scheduler):
         for rid in self._switched:
             h = self._switching.pop(rid, 0)
             if h and rid in self.requests:
-                if rid in self._anchor:
-                    self._count("migrations_completed")
-                self._host_end[rid] = h
-                self._switched_at.setdefault(rid, time.monotonic())
+                self._use_host(rid, h)
         self._switched.clear()
         for rid, done in self._done.items():
             if rid in self._busy or rid in self._switching:
@@ -222,10 +219,15 @@ class NelssaScheduler(Scheduler):
                     if not self._host_end.get(rid) and self.nelssa.lane:
                         self._switching[rid] = h  # its switch step: computed on the device, then the lane
                         continue
-                    if not self._host_end.get(rid) and rid in self._anchor:
-                        self._count("migrations_completed")
-                    self._host_end[rid] = h
-                    self._switched_at.setdefault(rid, time.monotonic())
+                    self._use_host(rid, h)
+
+    def _use_host(self, rid: str, h: int) -> None:
+        """H of ``rid`` in use from now on; its first completes a migration and stamps the switch."""
+        if not self._host_end.get(rid):
+            if rid in self._anchor:
+                self._count("migrations_completed")
+            self._switched_at[rid] = time.monotonic()
+        self._host_end[rid] = h
 
     def _count(self, name: str, n: int = 1) -> None:
         self._conn.sched_stats[name] = self._conn.sched_stats.get(name, 0) + n
