@@ -143,6 +143,33 @@ def test_summary_percentiles_ratios_and_errors():
     assert on["decode_tok_s"] == pytest.approx(toks / (b - a))
 
 
+def test_migration_windows_split_the_inter_token_latency(tmp_path):
+    """A growth run's migrations: the /metrics intervals with one in flight, and the ITL of tokens in them
+    against the rest (issue 13's jitter); the report shows the table."""
+    from nelssa.bench.report import workload_md
+    st, cp = "nelssa:migrations_started_total", "nelssa:migrations_completed_total"
+    # one migration in flight from ~1.2 s to ~2.1 s (samples every 0.5 s)
+    samples = [{"t": 0.5 * i, "point": "g", "running": 2.0, "waiting": 0.0, "kv_usage": 0.5, "preemptions": 0.0,
+                st: float(i >= 3), cp: float(i >= 5), "nelssa:moved_tokens_total": 9000.0 * (i >= 5),
+                "nelssa:clustering_seconds_sum": 0.8 * (i >= 5)} for i in range(9)]
+    assert wl.handoff_windows(samples) == [(1.0, 1.5), (1.5, 2.0), (2.0, 2.5)]
+    # tokens every 10 ms, except 60-ms gaps inside the window
+    stamps, t = [], 0.1
+    while t < 4.0:
+        stamps.append(t)
+        t += 0.06 if 1.0 <= t < 2.5 else 0.01
+    rec = _rec(0, "growing", "g", 0.0, 0.1, [b - a for a, b in zip(stamps, stamps[1:])])
+    out = wl.point_stats([rec], samples, [0.0, 4.0])
+    h = out["handoff"]
+    assert h["windows"] == 3 and h["window_s"] == pytest.approx(1.5)
+    assert h["itl_ms_during_p50"] == pytest.approx(60.0, abs=1.0) and h["itl_ms_outside_p99"] == pytest.approx(10.0, abs=1.0)
+    assert h["itl_during_n"] + h["itl_outside_n"] == len(rec["stamps"]) - 1
+    no = wl.point_stats([rec], [{**x, st: 0.0, cp: 0.0} for x in samples], [0.0, 4.0])
+    assert "handoff" not in no  # no migration: no split
+    md = "\n".join(workload_md({"workload": "growth", "time": "t", "modes": {"on": {"g": out}}}, "."))
+    assert "| on | g | 1 / 1 | 9,000 | 0.8 | 1.5 | 60.0 / 60.0 / 60.0 | 10.0 / 10.0 |" in md
+
+
 def test_plots_and_report(tmp_path):
     from nelssa.bench.report import main as report
     runs = _runs()

@@ -59,6 +59,19 @@ def workload_md(s: dict, rel: str) -> list[str]:
             out.append(f"| {mode} | {name} | {_f(st.get('decode_tok_s'))} | {_f(st.get('running_mean'))} / "
                        f"{_f(st.get('running_max'), 0)} | {_f(st.get('waiting_max'), 0)} | "
                        f"{_f(None if kv is None else 100 * kv, 0)} | {_f(st.get('preemptions'), 0)} |")
+    moves = [(mode, name, st["handoff"], st.get("nelssa", {})) for mode, pts in s["modes"].items()
+             for name, st in pts.items() if st.get("handoff")]
+    if moves:
+        out += ["", "Migrations (hand-offs in the background) and the inter-token latency of every request in the "
+                "/metrics intervals where one was in flight vs the rest:", "",
+                "| mode | point | migrations started / completed | moved tokens | clustering s | in-flight s | "
+                "ITL p50 / p99 / max during (ms) | ITL p50 / p99 outside (ms) |", "|---|---|---|---|---|---|---|---|"]
+        for mode, name, h, c in moves:
+            out.append(f"| {mode} | {name} | {_f(c.get('nelssa:migrations_started_total'), 0)} / "
+                       f"{_f(c.get('nelssa:migrations_completed_total'), 0)} | {_f(c.get('nelssa:moved_tokens_total'), 0)} | "
+                       f"{_f(c.get('nelssa:clustering_seconds_sum'))} | {_f(h['window_s'])} | "
+                       f"{_f(h['itl_ms_during_p50'])} / {_f(h['itl_ms_during_p99'])} / {_f(h['itl_ms_during_max'])} | "
+                       f"{_f(h['itl_ms_outside_p50'])} / {_f(h['itl_ms_outside_p99'])} |")
     if s.get("ratios_on_over_off"):
         keys = [k for r in s["ratios_on_over_off"].values() for k in r]
         keys = list(dict.fromkeys(keys))

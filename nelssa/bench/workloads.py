@@ -65,7 +65,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "server": ["--load-format", "dummy", "--gpu-memory-utilization", "0.27", "--max-model-len", "131072",
                    "--max-num-seqs", "128", "--max-num-batched-tokens", "8192", "--long-prefill-token-threshold",
                    "2048", "--no-enable-prefix-caching", "--seed", "0"],
-        "nelssa": {"T_input": 8192, "budget": 0.04, "host_capacity": "64GiB"},
+        # the long lane on, as in `nelssa bench hol`'s H200 runs (short requests never wait for the host tier)
+        "nelssa": {"T_input": 8192, "budget": 0.04, "host_capacity": "64GiB", "lane": True},
         "max_model_len": 131072,
         "single-long": {"n_in": 100_000, "n_out": 256},
         "multi-long": {"n": 4, "n_in": 100_000, "n_out": 256},
@@ -161,7 +162,31 @@ def point_stats(recs: list[dict], samples: list[dict], span: list[float]) -> dic
         # NELSSA counters over the window, gauges (e.g. host bytes) at their maximum
         out["nelssa"] = {k: (ss[-1][k] - ss[0].get(k, 0.0)) if k.endswith(("_total", "_sum", "_count"))
                          else max(s.get(k, 0.0) for s in ss) for k in ss[-1] if k.startswith("nelssa:")}
+        if out["nelssa"].get("nelssa:migrations_started_total"):
+            out["handoff"] = handoff_itl(ok, ss)
     return out
+
+
+def handoff_windows(samples: list[dict]) -> list[tuple[float, float]]:
+    """Sample intervals [t_i, t_i+1] in which a migration may have been in flight: one had started by the
+    interval's end that had not completed by its start (``nelssa:migrations_*`` counters; the windows are
+    as coarse as the /metrics sampling)."""
+    st, cp = "nelssa:migrations_started_total", "nelssa:migrations_completed_total"
+    return [(a["t"], b["t"]) for a, b in zip(samples, samples[1:]) if b.get(st, 0.0) > a.get(cp, 0.0)]
+
+
+def handoff_itl(recs: list[dict], samples: list[dict]) -> dict:
+    """Inter-token latency of every request (any class) whose interval overlaps a migration window vs
+    the rest: what a background hand-off costs the tokens beside it (issue 13's jitter)."""
+    win = handoff_windows(samples)
+    during, other = [], []
+    for r in recs:
+        for a, b in zip(r["stamps"], r["stamps"][1:]):
+            (during if any(a < hi and b > lo for lo, hi in win) else other).append(1e3 * (b - a))
+    return {"windows": len(win), "window_s": sum(hi - lo for lo, hi in win),
+            **{f"itl_ms_during_p{p}": pct(during, p) for p in (50, 99)}, "itl_during_n": len(during),
+            **{f"itl_ms_outside_p{p}": pct(other, p) for p in (50, 99)}, "itl_outside_n": len(other),
+            "itl_ms_during_max": max(during) if during else None}
 
 
 RATIO_KEYS = ["decode_tok_s", "classes.short.tpot_ms_p99", "classes.short.tpot_ms_p50", "classes.short.ttft_ms_p99",

@@ -1,0 +1,193 @@
+"""Hand-off time vs context length, and what a hand-off does to the steps beside it (issue 13).
+
+A request that grows past ``T_input`` under pressure (or a long prompt) moves to the host tier through
+``vllm_plugin.handoff.Handoff``: one background thread reads its tokens from the paged KV cache (a CUDA
+side stream), clusters every layer and packs it into host memory while the engine keeps stepping. This
+measures exactly that object on a synthetic paged cache of the model's shape (Llama-3.1-8B by default:
+32 layers, 8 KV heads of 128, bf16, 16-token blocks), per context length:
+
+  move_s       submit -> the move's completion (what a migration of that context takes), and its parts
+               measured alone on an idle device: ``read_s`` (the gather from the paged cache, all layers)
+               and ``cluster_s`` (k-means over the layers); the rest is packing and the copy to the host;
+  steps        a synthetic decode step on the main stream (per layer one GEMM that reads a
+               ``--step-gb``/layers slice of weights, then a synchronize, as an engine's step ends on its
+               sampled tokens), run back to back while the move is in flight: step time p50 / p99 / max
+               against the same loop with no move (``idle``) — the hand-off's jitter on a step.
+
+    python3 benchmarks/bench_handoff.py --out DIR [--contexts 8192,16384,32768,65536,131072]
+
+Writes handoff.json and handoff.png (move time vs context; step time during moves vs idle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import torch
+
+from nelssa.bench.common import pct
+from nelssa.config import get_config
+from nelssa.node.local import LocalHostTier
+from nelssa.sparse.clustered import cluster_layers
+from nelssa.vllm_plugin.attention import read_kv
+from nelssa.vllm_plugin.handoff import Handoff
+
+
+class Steps:
+    """Synthetic decode steps on the main stream, back to back, each timed wall-clock to its sync."""
+
+    def __init__(self, layers: int, gb: float, dev: torch.device, dtype: torch.dtype):
+        width = 4096
+        cols = max(width, int(gb * 2**30 / layers / width / torch.finfo(dtype).bits * 8))
+        self.w = torch.randn(layers, width, cols, device=dev, dtype=dtype)
+        self.x = torch.randn(8, width, device=dev, dtype=dtype)
+        self.dev = dev
+
+    def one(self) -> float:
+        t = time.perf_counter()
+        x = self.x
+        for w in self.w:
+            x = (x @ w)[:, : self.x.shape[1]] * 1e-3
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    def run_until(self, stop: threading.Event, min_steps: int = 0) -> list[float]:
+        out: list[float] = []
+        while not stop.is_set() or len(out) < min_steps:
+            out.append(self.one())
+        return out
+
+
+def step_stats(v: list[float]) -> dict:
+    ms = [1e3 * x for x in v]
+    return {"n": len(ms), "p50_ms": pct(ms, 50), "p99_ms": pct(ms, 99), "max_ms": max(ms) if ms else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--contexts", default="8192,16384,32768,65536,131072")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--step-gb", type=float, default=14.0, help="weights one synthetic step reads (8B: ~15 GB)")
+    ap.add_argument("--idle-steps", type=int, default=200)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    ctxs = [int(x) for x in a.contexts.split(",")]
+    L, KH, D, bs = a.layers, a.kv_heads, a.head_dim, a.block_size
+    cfg = get_config()
+    nb = math.ceil(max(ctxs) / bs)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    # the paged cache as read_kv's "flash" layout sees it: [blocks, KV heads, block size, 2 D]
+    layers = [SimpleNamespace(kv_cache=torch.randn(nb, KH, bs, 2 * D, device=dev, dtype=dtype),
+                              impl=SimpleNamespace(nelssa_kv_layout="flash"), num_kv_heads=KH, head_size=D)
+              for _ in range(L)]
+    steps = Steps(L, a.step_gb, dev, dtype)
+    host = LocalHostTier(cfg, num_layers=L)
+    done: dict[str, float] = {}
+    hand = Handoff(host, layers, bs, cfg.sink, read_kv, on_done=lambda rid, hi, gen: done.setdefault(rid, time.perf_counter()))
+    res: dict = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
+                 "shape": dict(layers=L, kv_heads=KH, head_dim=D, block_size=bs, dtype=a.dtype, sink=cfg.sink,
+                               cluster_size=cfg.cluster_size, segment=cfg.segment, iters=cfg.iters),
+                 "step_gb": a.step_gb, "setup_s": time.perf_counter() - t0, "contexts": []}
+    print(f"[handoff] setup {res['setup_s']:.1f} s on {res['device']}", flush=True)
+    for _ in range(5):
+        steps.one()
+    idle = [steps.one() for _ in range(a.idle_steps)]
+    res["idle_steps"] = step_stats(idle)
+    print(f"[handoff] idle step p50 {res['idle_steps']['p50_ms']:.2f} ms", flush=True)
+    for n in ctxs:
+        blocks = list(range(math.ceil(n / bs)))
+        # the parts alone, the device otherwise idle
+        pos = torch.arange(cfg.sink, n, device=dev)
+        b, o = torch.tensor(blocks, device=dev)[pos // bs], pos % bs
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        sync()
+        t = time.perf_counter()
+        ks = [read_kv(x.kv_cache, "flash", b, o, KH, D)[0].transpose(0, 1).contiguous() for x in layers]
+        sync()
+        read_s = time.perf_counter() - t
+        t = time.perf_counter()
+        cluster_layers(ks, seed=cfg.seed, cluster_size=cfg.cluster_size, segment=cfg.segment, iters=cfg.iters)
+        sync()
+        cluster_s = time.perf_counter() - t
+        del ks, pos, b, o
+        # the move, steps running beside it
+        rid = f"ctx{n}"
+        stop = threading.Event()
+        box: dict = {}
+        th = threading.Thread(target=lambda: box.setdefault("s", steps.run_until(stop, min_steps=3)))
+        th.start()
+        time.sleep(0.05)
+        t = time.perf_counter()
+        hand.submit([(rid, blocks, cfg.sink, n)])
+        hand.wait_all()
+        end = done.get(rid, time.perf_counter())
+        stop.set()
+        th.join()
+        move_s = end - t
+        hand.ready(rid, n)
+        stored = host.committed(rid)
+        if stored != n - cfg.sink:
+            raise RuntimeError(f"context {n}: the host tier holds {stored} tokens, expected {n - cfg.sink}")
+        hand.drop(rid)
+        host.free(rid)
+        row = {"context": n, "move_s": move_s, "tokens_per_s": (n - cfg.sink) / move_s, "read_s": read_s,
+               "cluster_s": cluster_s, "bytes": 2 * L * KH * D * (n - cfg.sink) * torch.finfo(dtype).bits // 8,
+               "steps_during": step_stats(box["s"])}
+        res["contexts"].append(row)
+        sd = row["steps_during"]
+        print(f"[handoff] {n:>7} tokens: move {move_s:.2f} s (read {read_s:.2f}, cluster {cluster_s:.2f} alone); "
+              f"steps during: {sd['n']} p50 {sd['p50_ms']:.2f} p99 {sd['p99_ms']:.2f} max {sd['max_ms']:.2f} ms",
+              flush=True)
+    hand.close()
+    with open(os.path.join(a.out, "handoff.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    plot(res, os.path.join(a.out, "handoff.png"))
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = res["contexts"]
+    x = [r["context"] / 1024 for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].plot(x, [r["move_s"] for r in rows], marker="o", label="move (submit to done, steps beside it)")
+    axes[0].plot(x, [r["read_s"] for r in rows], marker=".", ls="--", label="read alone (paged-cache gather)")
+    axes[0].plot(x, [r["cluster_s"] for r in rows], marker=".", ls="--", label="k-means alone")
+    axes[0].set_xlabel("context (K tokens)")
+    axes[0].set_ylabel("seconds")
+    axes[0].set_title(f"Hand-off time vs context ({res['device']})", fontsize=10)
+    axes[0].legend(fontsize=7)
+    idle = res["idle_steps"]
+    for key, m in (("p50_ms", "o"), ("p99_ms", "s"), ("max_ms", "^")):
+        axes[1].plot(x, [r["steps_during"][key] for r in rows], marker=m, label=f"during a move, {key[:-3]}")
+    axes[1].axhline(idle["p50_ms"], color="k", lw=0.8, label="no move, p50")
+    axes[1].axhline(idle["p99_ms"], color="k", lw=0.8, ls="--", label="no move, p99")
+    axes[1].set_xlabel("context of the move (K tokens)")
+    axes[1].set_ylabel("synthetic decode step (ms)")
+    axes[1].set_title("Steps beside a hand-off", fontsize=10)
+    axes[1].legend(fontsize=7)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
