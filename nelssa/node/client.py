@@ -36,7 +36,7 @@ from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
 from nelssa.node.server import is_loopback
 from nelssa.node.wire import (DTYPE_IDS, ITEMSIZE, TOKEN_HEADER, W_BEAT, W_CLOSED, W_REQ_SEQ, W_RESP_SEQ, Limits,
                               NativeChannel, PlanLayout, ShmChannel, StoreSlot, WireError, decode_result, encode_job,
-                              plan_layout, store_bytes, tensor_bytes)
+                              plan_layout, store_bytes)
 from nelssa.sparse import Selection, pack
 from nelssa.sparse.clustered import cluster_layers, part_stats
 
@@ -327,16 +327,35 @@ class _NativePlane:
         self.chan = None
 
 
-def _fill_slot(buf: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], stats: list) -> None:
-    """A store's data written into the store slot ``buf`` (uint8) in its wire order: per layer the cluster
-    sizes (int32 [H, C]), then the K/V packed by cluster ([H, n, 2, D], pack() writing in place)."""
-    off = 0
+def _wire_pieces(keys: list[torch.Tensor], values: list[torch.Tensor], stats: list):
+    """A store's data in its wire order, the one description both paths write from: per layer the
+    cluster sizes (int32 [H, C]), then the K/V packed by cluster ([H, n, 2, D]); as (bytes, fill) pairs,
+    ``fill(out)`` writing the piece into ``out`` (uint8 [bytes], host memory: the store slot or a
+    buffer for the stream's chunks)."""
     for k, v, (sizes, perm, _, _) in zip(keys, values, stats):
         H, n, D = k.shape
-        sb, kb = sizes.numel() * 4, H * n * 2 * D * k.element_size()
-        buf[off:off + sb].view(torch.int32).copy_(sizes.reshape(-1))
-        pack(k, v, perm, out=buf[off + sb:off + sb + kb].view(k.dtype).view(H, n, 2, D))
-        off += sb + kb
+        yield sizes.numel() * 4, lambda out, s=sizes: out.view(torch.int32).copy_(s.reshape(-1))
+        yield (H * n * 2 * D * k.element_size(),
+               lambda out, k=k, v=v, p=perm, shape=(H, n, 2, D): pack(k, v, p, out=out.view(k.dtype).view(shape)))
+
+
+def _fill_slot(buf: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], stats: list) -> None:
+    """A store's data written into the store slot ``buf`` (uint8) in its wire order (pack() in place)."""
+    off = 0
+    for nb, fill in _wire_pieces(keys, values, stats):
+        fill(buf[off:off + nb])
+        off += nb
+
+
+def _stream_chunks(header, keys: list[torch.Tensor], values: list[torch.Tensor], stats: list, step: int):
+    """A store as gRPC chunks: the header, then its data in wire order, at most ``step`` bytes a chunk."""
+    yield pb.StoreChunk(header=header)
+    for nb, fill in _wire_pieces(keys, values, stats):
+        piece = torch.empty(nb, dtype=torch.uint8)
+        fill(piece)
+        flat = piece.numpy()
+        for o in range(0, nb, step):
+            yield pb.StoreChunk(data=flat[o:o + step].tobytes())
 
 
 class NodeRoom:
@@ -531,16 +550,7 @@ class NodeHostTier:
                 rep = self._rpc("Store", iter([pb.StoreChunk(header=header)]), timeout=timeout)
         if slot is None:
             step = max(1 << 16, min(4 << 20, self.limits.max_message_bytes - (1 << 12)))
-
-            def chunks():
-                yield pb.StoreChunk(header=header)
-                for k, v, (sizes, perm, _, _) in zip(keys, values, stats):
-                    yield pb.StoreChunk(data=tensor_bytes(sizes.to(device="cpu", dtype=torch.int32)))
-                    flat = pack(k, v, perm).view(-1).view(torch.uint8).numpy()
-                    for o in range(0, flat.size, step):
-                        yield pb.StoreChunk(data=flat[o:o + step].tobytes())
-
-            rep = self._rpc("Store", chunks(), timeout=timeout)
+            rep = self._rpc("Store", _stream_chunks(header, keys, values, stats, step), timeout=timeout)
         with self._lock:
             for i, (sizes, _, cent, vmean) in enumerate(stats):
                 if r.layers[i] is None:
