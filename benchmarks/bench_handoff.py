@@ -10,9 +10,10 @@ measures exactly that object on a synthetic paged cache of the model's shape (Ll
                measured alone on an idle device: ``read_s`` (the gather from the paged cache, all layers)
                and ``cluster_s`` (k-means over the layers); the rest is packing and the copy to the host;
   steps        a synthetic decode step on the main stream (per layer one GEMM that reads a
-               ``--step-gb``/layers slice of weights, then a synchronize, as an engine's step ends on its
-               sampled tokens), run back to back while the move is in flight: step time p50 / p99 / max
-               against the same loop with no move (``idle``) — the hand-off's jitter on a step.
+               ``--step-gb``/layers slice of weights, then a wait for that stream, as an engine's step
+               ends on its sampled tokens), run back to back on another Python thread (GIL switch
+               interval as the engine's with the lane) while the move is in flight: step time p50 / p99 /
+               max against the same loop with no move (``idle``) — the hand-off's jitter on a step.
 
     python3 benchmarks/bench_handoff.py --out DIR [--contexts 8192,16384,32768,65536,131072]
 
@@ -25,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -55,13 +57,17 @@ class Steps:
         for w in self.w:
             x = (x @ w)[:, : self.x.shape[1]] * 1e-3
         if self.dev.type == "cuda":
-            torch.cuda.synchronize()
+            # the step's own stream only, as an engine's step waits for its sampled tokens (an event on its
+            # stream), not for the hand-off's side stream (a device-wide synchronize would wait for that too)
+            torch.cuda.current_stream(self.dev).synchronize()
         return time.perf_counter() - t
 
-    def run_until(self, stop: threading.Event, min_steps: int = 0) -> list[float]:
-        out: list[float] = []
+    def run_until(self, stop: threading.Event, min_steps: int = 0) -> list[tuple[float, float]]:
+        """(start, seconds) of each step until ``stop`` (and at least ``min_steps``)."""
+        out: list[tuple[float, float]] = []
         while not stop.is_set() or len(out) < min_steps:
-            out.append(self.one())
+            t = time.perf_counter()
+            out.append((t, self.one()))
         return out
 
 
@@ -82,7 +88,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--step-gb", type=float, default=14.0, help="weights one synthetic step reads (8B: ~15 GB)")
     ap.add_argument("--idle-steps", type=int, default=200)
+    ap.add_argument("--profile", type=int, default=0, metavar="CONTEXT",
+                    help="record that context's move with torch.profiler (CPU + CUDA; both threads): "
+                         "profile_<CONTEXT>.json.gz (Chrome trace) and profile_<CONTEXT>.txt (top ops)")
+    ap.add_argument("--switch-us", type=float, default=200.0,
+                    help="Python's GIL switch interval (the engine's worker sets 200 us with the lane)")
     a = ap.parse_args()
+    sys.setswitchinterval(a.switch_us * 1e-6)
     os.makedirs(a.out, exist_ok=True)
     dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
     ctxs = [int(x) for x in a.contexts.split(",")]
@@ -102,7 +114,7 @@ def main() -> None:
     res: dict = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
                  "shape": dict(layers=L, kv_heads=KH, head_dim=D, block_size=bs, dtype=a.dtype, sink=cfg.sink,
                                cluster_size=cfg.cluster_size, segment=cfg.segment, iters=cfg.iters),
-                 "step_gb": a.step_gb, "setup_s": time.perf_counter() - t0, "contexts": []}
+                 "step_gb": a.step_gb, "switch_us": a.switch_us, "setup_s": time.perf_counter() - t0, "contexts": []}
     print(f"[handoff] setup {res['setup_s']:.1f} s on {res['device']}", flush=True)
     for _ in range(5):
         steps.one()
@@ -130,6 +142,12 @@ def main() -> None:
         stop = threading.Event()
         box: dict = {}
         th = threading.Thread(target=lambda: box.setdefault("s", steps.run_until(stop, min_steps=3)))
+        prof = None
+        if a.profile == n:
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+            prof = profile(activities=acts, with_stack=False, record_shapes=False)
+            prof.__enter__()
         th.start()
         time.sleep(0.05)
         t = time.perf_counter()
@@ -138,6 +156,12 @@ def main() -> None:
         end = done.get(rid, time.perf_counter())
         stop.set()
         th.join()
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            prof.export_chrome_trace(os.path.join(a.out, f"profile_{n}.json"))
+            os.system(f"gzip -f {os.path.join(a.out, f'profile_{n}.json')}")
+            with open(os.path.join(a.out, f"profile_{n}.txt"), "w") as f:
+                f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
         move_s = end - t
         hand.ready(rid, n)
         stored = host.committed(rid)
@@ -147,7 +171,9 @@ def main() -> None:
         host.free(rid)
         row = {"context": n, "move_s": move_s, "tokens_per_s": (n - cfg.sink) / move_s, "read_s": read_s,
                "cluster_s": cluster_s, "bytes": 2 * L * KH * D * (n - cfg.sink) * torch.finfo(dtype).bits // 8,
-               "steps_during": step_stats(box["s"])}
+               "steps_during": step_stats([x for _, x in box["s"]]),
+               # the slowest steps beside the move: (start - submit, ms), to place them in its phases
+               "worst_steps": sorted(((st - t, 1e3 * x) for st, x in box["s"]), key=lambda y: -y[1])[:10]}
         res["contexts"].append(row)
         sd = row["steps_during"]
         print(f"[handoff] {n:>7} tokens: move {move_s:.2f} s (read {read_s:.2f}, cluster {cluster_s:.2f} alone); "

@@ -402,3 +402,28 @@ def test_lane_batch_timeline_from_the_calls_stamps():
     c = calls[0]
     c.rearm()  # a replay re-arms its calls: their stamps are the next run's
     assert (c.started, c.ended) == (0.0, 0.0) and timeline(calls, launched, waited) is None
+
+
+def test_handoff_bench_moves_every_token(tmp_path):
+    """benchmarks/bench_handoff.py on a tiny CPU shape: the real Handoff moves each context to the host
+    tier (the bench checks the committed length itself), steps beside the move are recorded and the
+    plot is drawn."""
+    import json
+    import runpy
+    import sys
+    argv, switch = sys.argv, sys.getswitchinterval()
+    sys.argv = ["bench_handoff.py", "--out", str(tmp_path), "--contexts", "600,1200", "--layers", "2",
+                "--kv-heads", "2", "--head-dim", "64", "--dtype", "float32", "--step-gb", "0.001",
+                "--idle-steps", "5", "--device", "cpu"]
+    try:
+        runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_handoff.py"),
+                       run_name="__main__")
+    finally:
+        sys.argv = argv
+        sys.setswitchinterval(switch)  # the bench sets the engine's
+    d = json.loads((tmp_path / "handoff.json").read_text())
+    assert [r["context"] for r in d["contexts"]] == [600, 1200]
+    for r in d["contexts"]:
+        assert r["move_s"] > 0 and r["steps_during"]["n"] >= 3 and r["worst_steps"]
+        assert r["bytes"] == 2 * 2 * 2 * 64 * (r["context"] - d["shape"]["sink"]) * 4
+    assert os.path.getsize(tmp_path / "handoff.png") > 5_000

@@ -123,6 +123,26 @@ def test_no_preemption_under_memory_pressure():
     assert on["host_totals"]["long_requests"] == 3 - len(kept), on["host_totals"]
 
 
+def test_deferred_prompt_does_not_queue_behind_a_long_prefill():
+    """One long prefill at a time (``long_prefills`` 1) is for host-backed prompts: a deferred prompt
+    (``T_input`` <= length < ``defer_below``, served from the device like a short request) arriving while
+    a host-backed one prefills is admitted at once, not after that prefill (H200 mixed run: an 11.7K
+    prompt waited 14 s behind a 122K one). NELSSA only: the order of admission is the point; deferred
+    prompts' exactness is test_no_preemption_under_memory_pressure's."""
+    spec = {"model": CUT, "mode": "on", "nelssa": {**NELSSA, "defer_below": 2600},
+            "engine": {"num_gpu_blocks_override": 80, "max_num_batched_tokens": 512},
+            "requests": [{"id": "L", "text_tokens": 2900, "max_tokens": 4},                       # host-backed
+                         {"id": "d", "text_tokens": 2100, "offset": 30000, "max_tokens": 4, "add_at_step": 1}]}
+    on = run_harness(spec)
+    first = {rid: min(st["step"] for st in on["steps"] if rid in st["blocks"]) for rid in ("L", "d")}
+    prefill_end = min(st["step"] for st in on["steps"] if st["blocks"].get("L", 0) >= 2900 // on["block_size"])
+    print(f"admitted at steps {first}; L's prompt on the device from step {prefill_end}")
+    assert prefill_end >= 4  # L prefills over several 512-token steps
+    assert first["d"] <= 2 < prefill_end, (first, prefill_end)  # d did not wait for L's prefill
+    assert {k: len(r["token_ids"]) for k, r in on["results"].items()} == {"L": 4, "d": 4}
+    assert on["host_totals"]["long_requests"] == 1  # L on the host tier; d stayed on the device
+
+
 def test_preempting_an_offloaded_request():
     """An offloaded long request (low priority) is preempted when two shorts grow; its host KV is
     freed, it is recomputed and offloaded again (its prompt staged again in 1,024-token segments),

@@ -338,10 +338,10 @@ def run(workload: str, preset: dict, out: str, serve: list[str] | None = None,
         metrics: dict[str, list[str]] | None = None) -> dict:
     """Run one workload for every mode (starting servers or against endpoints); write the results."""
     os.makedirs(out, exist_ok=True)
+    if workload == "growth":  # the on-mode server routes at the growth threshold (and the summary says so)
+        preset = {**preset, "nelssa": {**preset["nelssa"], "T_input": preset["growth"]["T_input"]}}
     t_input = int(preset["nelssa"].get("T_input", 2048))
     points, notes = plans(workload, preset, t_input, trace_path, seed)
-    if workload == "growth":  # the on-mode server routes at the growth threshold
-        preset = {**preset, "nelssa": {**preset["nelssa"], "T_input": preset["growth"]["T_input"]}}
     modes = list(serve or []) + list((endpoints or {}).keys())
     model_path = _model_path(model or preset["model"]) if serve else model
     runs: dict[str, dict] = {}
