@@ -44,14 +44,24 @@ from nelssa.vllm_plugin.handoff import Handoff
 class Steps:
     """Synthetic decode steps on the main stream, back to back, each timed wall-clock to its sync."""
 
-    def __init__(self, layers: int, gb: float, dev: torch.device, dtype: torch.dtype):
+    def __init__(self, layers: int, gb: float, dev: torch.device, dtype: torch.dtype, priority: int = 0):
         width = 4096
         cols = max(width, int(gb * 2**30 / layers / width / torch.finfo(dtype).bits * 8))
         self.w = torch.randn(layers, width, cols, device=dev, dtype=dtype)
         self.x = torch.randn(8, width, device=dev, dtype=dtype)
         self.dev = dev
+        # the steps' stream: priority 0 is what vLLM's own dedicated stream has (vllm.utils.torch_utils.
+        # current_stream), the same as the hand-off's side stream; < 0 ranks it above (a test of whether
+        # the steps' stalls are the hand-off's queued kernels dispatched first)
+        self.stream = torch.cuda.Stream(dev, priority=priority) if dev.type == "cuda" else None
 
     def one(self) -> float:
+        if self.stream is None:
+            return self._one()
+        with torch.cuda.stream(self.stream):
+            return self._one()
+
+    def _one(self) -> float:
         t = time.perf_counter()
         x = self.x
         for w in self.w:
@@ -91,6 +101,8 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="CONTEXT",
                     help="record that context's move with torch.profiler (CPU + CUDA; both threads): "
                          "profile_<CONTEXT>.json.gz (Chrome trace) and profile_<CONTEXT>.txt (top ops)")
+    ap.add_argument("--step-priority", type=int, default=0,
+                    help="CUDA priority of the steps' stream (0: vLLM's; -1 and lower: above the hand-off's)")
     ap.add_argument("--switch-us", type=float, default=200.0,
                     help="Python's GIL switch interval (the engine's worker sets 200 us with the lane)")
     a = ap.parse_args()
@@ -107,14 +119,14 @@ def main() -> None:
     layers = [SimpleNamespace(kv_cache=torch.randn(nb, KH, bs, 2 * D, device=dev, dtype=dtype),
                               impl=SimpleNamespace(nelssa_kv_layout="flash"), num_kv_heads=KH, head_size=D)
               for _ in range(L)]
-    steps = Steps(L, a.step_gb, dev, dtype)
+    steps = Steps(L, a.step_gb, dev, dtype, a.step_priority)
     host = LocalHostTier(cfg, num_layers=L)
     done: dict[str, float] = {}
     hand = Handoff(host, layers, bs, cfg.sink, read_kv, on_done=lambda rid, hi, gen: done.setdefault(rid, time.perf_counter()))
     res: dict = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
                  "shape": dict(layers=L, kv_heads=KH, head_dim=D, block_size=bs, dtype=a.dtype, sink=cfg.sink,
                                cluster_size=cfg.cluster_size, segment=cfg.segment, iters=cfg.iters),
-                 "step_gb": a.step_gb, "switch_us": a.switch_us, "setup_s": time.perf_counter() - t0, "contexts": []}
+                 "step_gb": a.step_gb, "switch_us": a.switch_us, "step_priority": a.step_priority, "setup_s": time.perf_counter() - t0, "contexts": []}
     print(f"[handoff] setup {res['setup_s']:.1f} s on {res['device']}", flush=True)
     for _ in range(5):
         steps.one()
