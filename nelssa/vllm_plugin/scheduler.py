@@ -293,9 +293,10 @@ class NelssaScheduler(Scheduler):
         return super()._preempt_request(request, timestamp)
 
     def _device_room(self, request: Request) -> bool:
-        """The prompt's blocks fit in the free blocks beside what running requests need to finish."""
+        """The prompt's blocks fit in the free blocks beside what running requests need to finish and
+        what running long prefills still have to allocate (a deferred prompt may be admitted beside one)."""
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-        need = 0
+        need = self._prefill_reserve()
         for r in self.running:
             if self._anchor_of(r):
                 continue  # offloaded or migrating: keeps a window; prefilling: capped by long_prefills
