@@ -71,6 +71,9 @@ def _start(devices: int, cores: int, memory: str, ingest: int = 0, spin_us: int 
     return p, int(m.group(1))
 
 
+GAP_S = 0.0  # --gap-us
+
+
 def _jobs(tier: NodeHostTier, rids: list[str], q: torch.Tensor, budget: float | None, scale: float, iters: int,
           warmup: int = 20) -> dict:
     """Round trips of one layer's job for all ``rids`` (budget None: empty selection)."""
@@ -100,13 +103,18 @@ def _jobs(tier: NodeHostTier, rids: list[str], q: torch.Tensor, budget: float | 
 def _native_jobs(tier: NodeHostTier, ckvs: list, q: torch.Tensor, sel: Selection, scale: float, iters: int,
                  warmup: int) -> dict:
     """The native plane: each job a prepared HostCall's run() (the C++ round trip, what the long lane's
-    calls do); node and kernel times from the node's answer."""
+    calls do); node and kernel times from the node's answer. ``GAP_S`` > 0: that long between jobs (a
+    busy wait, so the client's core stays as busy as the lane's), the pace of an engine's lane batch
+    (~0.7 ms of device work between its layers' calls on the H200) instead of back to back."""
     sel = pad_selection(sel)
     B, Hq, D = q.shape
     out, lse = torch.empty(B, Hq, D), torch.empty(B, Hq)
     rt, node, comp = [], [], []
     for i in range(warmup + iters):
         c = tier._native.call(ckvs, q, sel, scale, 0, out, lse)
+        t = time.perf_counter()
+        while GAP_S and time.perf_counter() - t < GAP_S:
+            pass
         t = time.perf_counter()
         c.run()
         dt = time.perf_counter() - t
@@ -304,14 +312,18 @@ def main() -> None:
     ap.add_argument("--client-cores", type=int, default=0,
                     help="cores kept for this (client) process, taken before the node's: pinned there, the "
                          "waiting client never shares a device's core (0: not pinned)")
+    ap.add_argument("--gap-us", type=float, default=0.0,
+                    help="native plane: microseconds between jobs (the lane's pace; 0: back to back)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
+    global GAP_S
+    GAP_S = a.gap_us * 1e-6
     cores = len(os.sched_getaffinity(0))
     H, Hq, D, n = a.heads, a.qheads, a.dim, a.tokens
     scale = D ** -0.5
     report = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": cores},
               "shape": dict(tokens=n, batch=a.batch, heads=H, qheads=Hq, dim=D, budget=a.budget),
-              "node": {"ingest_cores": a.ingest_cores}, "cases": []}
+              "node": {"ingest_cores": a.ingest_cores}, "gap_us": a.gap_us, "cases": []}
     try:
         from nelssa.cpu import cpu_model
         report["machine"]["cpu"] = cpu_model()
