@@ -8,6 +8,7 @@
 #                                                    # HOL_ENGINE_CORES=0-3: the bench's engines pinned there
 #   bash scripts/gpu_hol.sh check [exact|throughput] # CUDA unit tests + benchmarks/gpu_validate.py (dummy 8B)
 #   bash scripts/gpu_hol.sh select                   # benchmarks/bench_select_gpu.py (centroid search, torch vs kernel)
+#   bash scripts/gpu_hol.sh handoff [args]           # benchmarks/bench_handoff.py (no vLLM needed: no staging) + its report
 #   bash scripts/gpu_hol.sh node [bench_node args]   # benchmarks/bench_node.py (carry .wheels: grpcio); a node that
 #                                                    # crashes leaves its native frames, resolved, in $OUT/node_crash.txt
 # Carried folders: .bundle/N (../shared/gpu/make-vllm-bundle.sh .bundle), .gpumodel/dummy-llama-3.1-8b
@@ -23,6 +24,11 @@ build_ext() { [ -f nelssa/_C*.so ] || python3 setup.py -q build_ext --inplace >/
 case "$what" in
   stage)
     for d in "$@"; do bash "$d/install-vllm-bundle.sh" "$d"; done ;;
+  handoff)
+    build_ext
+    python3 benchmarks/bench_handoff.py --out "$OUT/handoff" "$@" 2>&1 | grep -v -i warn | tail -n 20
+    python3 -m nelssa.cli bench report "$OUT/handoff" >/dev/null 2>&1 || true
+    exit 0 ;;
   node)
     grpc_wheels
     build_ext

@@ -427,3 +427,7 @@ def test_handoff_bench_moves_every_token(tmp_path):
         assert r["move_s"] > 0 and r["steps_during"]["n"] >= 3 and r["worst_steps"]
         assert r["bytes"] == 2 * 2 * 2 * 64 * (r["context"] - d["shape"]["sink"]) * 4
     assert os.path.getsize(tmp_path / "handoff.png") > 5_000
+    from nelssa.bench.report import main as report
+    assert report([str(tmp_path)]) == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "## Hand-off time vs context (cpu)" in md and "| 1,200 |" in md and "![hand-off](handoff.png)" in md

@@ -155,6 +155,22 @@ def accuracy_md(r: dict, rel: str) -> list[str]:
     return out + ["", _img(os.path.join(rel, "accuracy_vs_budget.png"), "accuracy vs budget"), ""]
 
 
+def handoff_md(r: dict, rel: str) -> list[str]:
+    """benchmarks/bench_handoff.py's handoff.json: hand-off time per context, the steps beside it."""
+    sh, idle = r["shape"], r["idle_steps"]
+    out = [f"## Hand-off time vs context ({r.get('device', '')})", "",
+           f"{sh['layers']} layers, {sh['kv_heads']} KV heads of {sh['head_dim']}, {sh['dtype']}, blocks of "
+           f"{sh['block_size']}; synthetic steps reading {r.get('step_gb')} GB, stream priority "
+           f"{r.get('step_priority', 0)}, idle p50 / p99 {_f(idle['p50_ms'], 2)} / {_f(idle['p99_ms'], 2)} ms", "",
+           "| context | move s | read alone s | k-means alone s | steps beside it: n, p50 / p99 / max ms |",
+           "|---|---|---|---|---|"]
+    for c in r["contexts"]:
+        st = c["steps_during"]
+        out.append(f"| {c['context']:,} | {_f(c['move_s'], 2)} | {_f(c['read_s'], 3)} | {_f(c['cluster_s'], 2)} | "
+                   f"{st['n']}, {_f(st['p50_ms'], 2)} / {_f(st['p99_ms'])} / {_f(st['max_ms'])} |")
+    return out + ["", _img(os.path.join(rel, "handoff.png"), "hand-off"), ""]
+
+
 def render(folder: str) -> str:
     parts = [f"# NELSSA benchmark report: `{os.path.basename(os.path.abspath(folder))}`", ""]
     dirs = [folder] + sorted(os.path.join(folder, x) for x in os.listdir(folder)
@@ -164,7 +180,7 @@ def render(folder: str) -> str:
         rel = os.path.relpath(d, folder)
         rel = "" if rel == "." else rel
         for name, fn in (("summary.json", workload_md), ("calibration.json", calibration_md), ("hol.json", hol_md),
-                         ("accuracy.json", accuracy_md)):
+                         ("accuracy.json", accuracy_md), ("handoff.json", handoff_md)):
             p = os.path.join(d, name)
             if os.path.exists(p):
                 with open(p) as f:
@@ -174,7 +190,8 @@ def render(folder: str) -> str:
                 if name == "hol.json":
                     timelines += [((rel or ".") + ("" if m == "on" else f" {m}"), tl) for m, tl in _timelines(doc)]
     if not found:
-        raise FileNotFoundError(f"{folder}: no summary.json, calibration.json or hol.json (here or one level down)")
+        raise FileNotFoundError(f"{folder}: no summary.json, calibration.json, hol.json, accuracy.json or handoff.json "
+                                "(here or one level down)")
     if timelines:
         plot_lane_timelines(timelines, os.path.join(folder, "lane_timeline.png"))
         parts += ["## Long lane batches by run", "", _img("lane_timeline.png", "lane timeline"), ""]
