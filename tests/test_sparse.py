@@ -395,6 +395,27 @@ def test_kmeans_deterministic_and_segmented():
     assert ca == 1250
 
 
+def test_kmeans_global_assignment_bounded_by_logits_cap(monkeypatch):
+    """The last, global assignment compares every token with every segment's centroids (C grows with
+    the context): it runs in token chunks whose logits stay under ``max_logits_bytes`` (at 128K tokens
+    of 4 stacked layers it had allocated 17 GB at once on the H200), with the same labels as in one piece."""
+    k = torch.randn(2, 20000, 64)
+    whole, C = segmented_kmeans(k, seed=3, cluster_size=16, max_logits_bytes=1 << 40)
+    seen = []
+    bmm = torch.bmm
+
+    def tracked(a, b, *args, **kw):
+        out = bmm(a, b, *args, **kw)
+        if out.shape[-1] == C:  # the global assignment's logits [H, chunk, C]
+            seen.append(out.numel() * out.element_size())
+        return out
+    monkeypatch.setattr(torch, "bmm", tracked)
+    cap = 1 << 20
+    capped, C2 = segmented_kmeans(k, seed=3, cluster_size=16, max_logits_bytes=cap)
+    assert C2 == C and torch.equal(capped, whole)
+    assert len(seen) > 1 and max(seen) <= cap, (len(seen), max(seen))
+
+
 def test_selection_fills_budget_and_skips_empty_clusters():
     k, v = rand_kv(2, 3000, 64)
     ckv = cluster_kv(k, v)

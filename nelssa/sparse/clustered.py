@@ -341,6 +341,6 @@ def cluster_layers(keys: list[torch.Tensor], *, seed: int, cluster_size: int, se
     for i in range(0, len(keys), g):
         group = keys[i:i + g]
         labels, C = segmented_kmeans(torch.cat(group, 0), seed=seed + i, cluster_size=cluster_size, segment=segment,
-                                     iters=iters)
+                                     iters=iters, max_logits_bytes=max_logits_bytes)
         out.extend((lab, C) for lab in labels.split(H, 0))
     return out
