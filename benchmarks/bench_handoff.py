@@ -133,12 +133,12 @@ def main() -> None:
     idle = [steps.one() for _ in range(a.idle_steps)]
     res["idle_steps"] = step_stats(idle)
     print(f"[handoff] idle step p50 {res['idle_steps']['p50_ms']:.2f} ms", flush=True)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for n in ctxs:
         blocks = list(range(math.ceil(n / bs)))
         # the parts alone, the device otherwise idle
         pos = torch.arange(cfg.sink, n, device=dev)
         b, o = torch.tensor(blocks, device=dev)[pos // bs], pos % bs
-        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
         sync()
         t = time.perf_counter()
         ks = [read_kv(x.kv_cache, "flash", b, o, KH, D)[0].transpose(0, 1).contiguous() for x in layers]
@@ -170,8 +170,7 @@ def main() -> None:
         th.join()
         if prof is not None:
             prof.__exit__(None, None, None)
-            prof.export_chrome_trace(os.path.join(a.out, f"profile_{n}.json"))
-            os.system(f"gzip -f {os.path.join(a.out, f'profile_{n}.json')}")
+            prof.export_chrome_trace(os.path.join(a.out, f"profile_{n}.json.gz"))  # .gz: torch compresses it
             with open(os.path.join(a.out, f"profile_{n}.txt"), "w") as f:
                 f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
         move_s = end - t

@@ -71,11 +71,8 @@ def _start(devices: int, cores: int, memory: str, ingest: int = 0, spin_us: int 
     return p, int(m.group(1))
 
 
-GAP_S = 0.0  # --gap-us
-
-
 def _jobs(tier: NodeHostTier, rids: list[str], q: torch.Tensor, budget: float | None, scale: float, iters: int,
-          warmup: int = 20) -> dict:
+          warmup: int = 20, gap_s: float = 0.0) -> dict:
     """Round trips of one layer's job for all ``rids`` (budget None: empty selection)."""
     ckvs = [tier.layer_kv(r, 0) for r in rids]
     if budget is None:
@@ -84,7 +81,7 @@ def _jobs(tier: NodeHostTier, rids: list[str], q: torch.Tensor, budget: float | 
     else:
         sel = select_clusters(q, ckvs, budget, scale)
     if tier._native is not None:
-        return _native_jobs(tier, ckvs, q, sel, scale, iters, warmup)
+        return _native_jobs(tier, ckvs, q, sel, scale, iters, warmup, gap_s)
     job = encode_job(1, tier.client_id, 0, scale, q, rids, [c.length for c in ckvs], list(sel.ids), list(sel.counts))
     rt, node, comp = [], [], []
     for i in range(warmup + iters):
@@ -101,9 +98,9 @@ def _jobs(tier: NodeHostTier, rids: list[str], q: torch.Tensor, budget: float | 
 
 
 def _native_jobs(tier: NodeHostTier, ckvs: list, q: torch.Tensor, sel: Selection, scale: float, iters: int,
-                 warmup: int) -> dict:
+                 warmup: int, gap_s: float = 0.0) -> dict:
     """The native plane: each job a prepared HostCall's run() (the C++ round trip, what the long lane's
-    calls do); node and kernel times from the node's answer. ``GAP_S`` > 0: that long between jobs (a
+    calls do); node and kernel times from the node's answer. ``gap_s`` > 0: that long between jobs (a
     busy wait, so the client's core stays as busy as the lane's), the pace of an engine's lane batch
     (~0.7 ms of device work between its layers' calls on the H200) instead of back to back."""
     sel = pad_selection(sel)
@@ -113,7 +110,7 @@ def _native_jobs(tier: NodeHostTier, ckvs: list, q: torch.Tensor, sel: Selection
     for i in range(warmup + iters):
         c = tier._native.call(ckvs, q, sel, scale, 0, out, lse)
         t = time.perf_counter()
-        while GAP_S and time.perf_counter() - t < GAP_S:
+        while gap_s and time.perf_counter() - t < gap_s:
             pass
         t = time.perf_counter()
         c.run()
@@ -316,8 +313,6 @@ def main() -> None:
                     help="native plane: microseconds between jobs (the lane's pace; 0: back to back)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    global GAP_S
-    GAP_S = a.gap_us * 1e-6
     cores = len(os.sched_getaffinity(0))
     H, Hq, D, n = a.heads, a.qheads, a.dim, a.tokens
     scale = D ** -0.5
@@ -364,7 +359,7 @@ def main() -> None:
                 print(f"[bench_node] {nd} device(s), {plane}: {a.batch} x {n} tokens clustered and stored in "
                       f"{time.perf_counter() - t0:.1f} s; {a.iters} jobs per case", file=sys.stderr, flush=True)
                 for label, budget in (("empty", None), ("real", a.budget)):
-                    res = timed(tier, rids, q, budget, scale, a.iters)
+                    res = timed(tier, rids, q, budget, scale, a.iters, gap_s=a.gap_us * 1e-6)
                     case = {"devices": nd, "plane": plane, "job": label, **res}
                     report["cases"].append(case)
                     print(json.dumps(case), flush=True)
@@ -373,7 +368,7 @@ def main() -> None:
                     th = threading.Thread(target=_store_loop, args=(port, stop, a.store_tokens, a.store_layers, H, D, info))
                     th.start()
                     time.sleep(0.5)
-                    res = timed(tier, rids, q, a.budget, scale, a.iters, warmup=5)
+                    res = timed(tier, rids, q, a.budget, scale, a.iters, warmup=5, gap_s=a.gap_us * 1e-6)
                     stop.set()
                     th.join()
                     case = {"devices": nd, "plane": plane, "job": "real+store", **res, **info,
