@@ -50,34 +50,37 @@ class Steps:
         self.w = torch.randn(layers, width, cols, device=dev, dtype=dtype)
         self.x = torch.randn(8, width, device=dev, dtype=dtype)
         self.dev = dev
-        # the steps' stream: priority 0 is what vLLM's own dedicated stream has (vllm.utils.torch_utils.
-        # current_stream), the same as the hand-off's side stream; < 0 ranks it above (a test of whether
-        # the steps' stalls are the hand-off's queued kernels dispatched first)
+        # the steps' stream: the engine's step_priority (its worker sets vLLM's current stream to one of that
+        # priority); 0 is vLLM's own dedicated stream's, the same as the hand-off's side stream, whose
+        # queued kernels then delay the step's (H200: step p99 beside a 32K move 27 ms at 0, 7.8 at -1)
         self.stream = torch.cuda.Stream(dev, priority=priority) if dev.type == "cuda" else None
 
-    def one(self) -> float:
+    def one(self) -> tuple[float, float]:
+        """(seconds to the step's end, seconds to enqueue its kernels): a long enqueue is the host side
+        (the GIL, a lock in torch's allocator or the driver), a long wait after it the device side."""
         if self.stream is None:
             return self._one()
         with torch.cuda.stream(self.stream):
             return self._one()
 
-    def _one(self) -> float:
+    def _one(self) -> tuple[float, float]:
         t = time.perf_counter()
         x = self.x
         for w in self.w:
             x = (x @ w)[:, : self.x.shape[1]] * 1e-3
+        launched = time.perf_counter() - t
         if self.dev.type == "cuda":
             # the step's own stream only, as an engine's step waits for its sampled tokens (an event on its
             # stream), not for the hand-off's side stream (a device-wide synchronize would wait for that too)
             torch.cuda.current_stream(self.dev).synchronize()
-        return time.perf_counter() - t
+        return time.perf_counter() - t, launched
 
-    def run_until(self, stop: threading.Event, min_steps: int = 0) -> list[tuple[float, float]]:
-        """(start, seconds) of each step until ``stop`` (and at least ``min_steps``)."""
-        out: list[tuple[float, float]] = []
+    def run_until(self, stop: threading.Event, min_steps: int = 0) -> list[tuple[float, float, float]]:
+        """(start, seconds, enqueue seconds) of each step until ``stop`` (and at least ``min_steps``)."""
+        out: list[tuple[float, float, float]] = []
         while not stop.is_set() or len(out) < min_steps:
             t = time.perf_counter()
-            out.append((t, self.one()))
+            out.append((t, *self.one()))
         return out
 
 
@@ -101,8 +104,9 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="CONTEXT",
                     help="record that context's move with torch.profiler (CPU + CUDA; both threads): "
                          "profile_<CONTEXT>.json.gz (Chrome trace) and profile_<CONTEXT>.txt (top ops)")
-    ap.add_argument("--step-priority", type=int, default=0,
-                    help="CUDA priority of the steps' stream (0: vLLM's; -1 and lower: above the hand-off's)")
+    ap.add_argument("--step-priority", type=int, default=get_config().step_priority,
+                    help="CUDA priority of the steps' stream (default: the engine's, config step_priority; 0: "
+                         "vLLM's own, the hand-off's too)")
     ap.add_argument("--switch-us", type=float, default=200.0,
                     help="Python's GIL switch interval (the engine's worker sets 200 us with the lane)")
     a = ap.parse_args()
@@ -131,7 +135,8 @@ def main() -> None:
     for _ in range(5):
         steps.one()
     idle = [steps.one() for _ in range(a.idle_steps)]
-    res["idle_steps"] = step_stats(idle)
+    res["idle_steps"] = step_stats([x for x, _ in idle])
+    res["idle_steps"]["enqueue"] = step_stats([x for _, x in idle])
     print(f"[handoff] idle step p50 {res['idle_steps']['p50_ms']:.2f} ms", flush=True)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for n in ctxs:
@@ -182,13 +187,16 @@ def main() -> None:
         host.free(rid)
         row = {"context": n, "move_s": move_s, "tokens_per_s": (n - cfg.sink) / move_s, "read_s": read_s,
                "cluster_s": cluster_s, "bytes": 2 * L * KH * D * (n - cfg.sink) * torch.finfo(dtype).bits // 8,
-               "steps_during": step_stats([x for _, x in box["s"]]),
-               # the slowest steps beside the move: (start - submit, ms), to place them in its phases
-               "worst_steps": sorted(((st - t, 1e3 * x) for st, x in box["s"]), key=lambda y: -y[1])[:10]}
+               "steps_during": {**step_stats([x for _, x, _ in box["s"]]),
+                                "enqueue": step_stats([e for _, _, e in box["s"]])},
+               # the slowest steps beside the move: (start - submit, ms, of which enqueue ms), to place them
+               # in its phases and on a side (host: enqueue; device: the wait after it)
+               "worst_steps": sorted(((st - t, 1e3 * x, 1e3 * e) for st, x, e in box["s"]), key=lambda y: -y[1])[:10]}
         res["contexts"].append(row)
         sd = row["steps_during"]
         print(f"[handoff] {n:>7} tokens: move {move_s:.2f} s (read {read_s:.2f}, cluster {cluster_s:.2f} alone); "
-              f"steps during: {sd['n']} p50 {sd['p50_ms']:.2f} p99 {sd['p99_ms']:.2f} max {sd['max_ms']:.2f} ms",
+              f"steps during: {sd['n']} p50 {sd['p50_ms']:.2f} p99 {sd['p99_ms']:.2f} max {sd['max_ms']:.2f} ms "
+              f"(enqueue p99 {sd['enqueue']['p99_ms']:.2f} max {sd['enqueue']['max_ms']:.2f} ms)",
               flush=True)
     hand.close()
     with open(os.path.join(a.out, "handoff.json"), "w") as f:

@@ -8,10 +8,17 @@ At the head-of-line scenario's shape (two 100K-token requests, 8 KV heads of 128
   graph       the same chain captured as one CUDA graph and replayed (lane_batch.py's shape);
   *_empty     the same with empty selections (no rows read): the pure cost of a call.
 
+  paced       the host call run on a thread of its own (as the engine's flag poller runs them: an OpenMP
+              team of its own) with ``--gap-us`` between calls (the lane's device work between layers):
+              what a call costs when its team has waited in between, against ``kernel`` back to back.
+
 ``overhead`` = per-layer chain time - kernel time. Run it twice to compare the OpenMP pool's waiting
-policy (e.g. ``OMP_WAIT_POLICY=active``) or the pool's size (``NELSSA_POOL_THREADS``): both are recorded.
+policy (e.g. ``OMP_WAIT_POLICY=active``), the pool's size (``NELSSA_POOL_THREADS``) or torch's own
+OpenMP team on the main thread (``--torch-threads``: an engine process has one; libgomp lets teams
+spin only while its threads are fewer than the process's cores): all are recorded.
 
     python3 benchmarks/bench_host_call.py --out DIR [--length 100000] [--batch 2] [--layers 32]
+        [--gap-us 700] [--torch-threads N]
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import threading
 import time
 
 import torch
@@ -113,14 +122,48 @@ def measure(ckvs, sel, q, layers: int, reps: int) -> dict:
     return res
 
 
+def paced(ckvs, sel, q, calls: int, gap_s: float) -> dict:
+    """Host calls one at a time on a new thread, ``gap_s`` apart (busy wait): median / p90 of their
+    kernel time (HostCall.seconds)."""
+    B, Hq, D = q.shape
+    out, lse = torch.empty(B, Hq, D), torch.empty(B, Hq)
+    q_h = q.to(torch.bfloat16)
+    ts: list[float] = []
+
+    def run() -> None:
+        for i in range(calls + 20):
+            c = prepare_attend(q_h, ckvs, sel, D ** -0.5, out, lse)
+            c.run()
+            if c.state != "done":
+                raise RuntimeError(c.error)
+            if i >= 20:
+                ts.append(c.seconds * 1e3)
+            t = time.perf_counter()
+            while time.perf_counter() - t < gap_s:
+                pass
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join()
+    ts.sort()
+    return {"median_ms": statistics.median(ts), "p90_ms": ts[int(0.9 * (len(ts) - 1))], "gap_us": gap_s * 1e6}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     add_hol_shape_args(ap)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--gap-us", type=float, default=700.0, help="paced: between calls (the lane's pace)")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="torch.set_num_threads and one parallel CPU op on the main thread first (0: torch's default)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    if a.torch_threads:
+        torch.set_num_threads(a.torch_threads)
+    x = torch.randn(1024, 1024)
+    (x @ x).sum()  # torch's OpenMP team on the main thread, as an engine process has it
     H, G, D = HOL_HEADS
     ckvs = hol_shape_kv(a.length, a.batch)
     q = torch.randn(a.batch, H * G, D, dtype=torch.bfloat16)
@@ -130,8 +173,11 @@ def main() -> None:
            "selected_tokens": [int(x.sum()) for x in sel.tokens(ckvs)], "pool_threads": get_config().pool_threads,
            "env": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
                    if k in os.environ},
+           "torch_threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)),
            "real": measure(ckvs, sel, q, a.layers, a.reps), "empty": measure(ckvs, empty, q, a.layers, a.reps)}
-    tag = f"{os.environ.get('OMP_WAIT_POLICY', 'default')}_t{get_config().pool_threads}"
+    res["paced"] = {"real": paced(ckvs, sel, q, 300, a.gap_us * 1e-6), "empty": paced(ckvs, empty, q, 300, a.gap_us * 1e-6),
+                    "real_back_to_back": paced(ckvs, sel, q, 300, 0.0)}
+    tag = f"{os.environ.get('OMP_WAIT_POLICY', 'default')}_t{get_config().pool_threads}_tt{torch.get_num_threads()}"
     with open(os.path.join(a.out, f"host_call_{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))

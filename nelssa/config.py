@@ -106,6 +106,11 @@ class NelssaConfig:
                                   # graph's host waits block their queue, and a step stream sharing it waits
                                   # too (H200 profile, docs/results.md). 0: the environment's. An explicit
                                   # CUDA_DEVICE_MAX_CONNECTIONS in the environment wins
+    step_priority: int = -1       # CUDA: priority of the engine's step stream (vLLM's current stream, set by
+                                  # the worker before its model runner is built; lower = higher priority);
+                                  # the lane's streams one above it, the hand-off's side stream at 0 (the
+                                  # lowest), so a hand-off's k-means never delays a step's kernels
+                                  # (bench_handoff, H200: step p99 beside a 32K move 27 -> 7.8 ms). 0: vLLM's own
     stall_log_ms: float = 0.0     # log every thread's stack when the engine's step thread makes no step for this
                                   # long while it has work (vllm_plugin/watchdog.py; 0 = off)
     sink: int = 16                # first tokens kept on the device
@@ -174,6 +179,8 @@ class NelssaConfig:
             "cluster_size >= 1, segment >= cluster_size and iters >= 1 required")
         req(isinstance(self.lane_connections, int) and 0 <= self.lane_connections <= 32,
             f"lane_connections must be an int in [0, 32], got {self.lane_connections!r}")
+        req(isinstance(self.step_priority, int) and -2 <= self.step_priority <= 0,
+            f"step_priority must be an int in [-2, 0] (torch has CUDA stream priorities 0 to -3; the lane one above), got {self.step_priority!r}")
         req(self.lane_host_wait in ("flags", "hostfn"),
             f"lane_host_wait must be 'flags' or 'hostfn', got {self.lane_host_wait!r}")
         req(self.pool_threads >= 1, f"pool_threads must be >= 1, got {self.pool_threads}")
@@ -216,6 +223,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_LANE_HOST_WAIT": ("lane_host_wait", str),
     "NELSSA_LANE_CONNECTIONS": ("lane_connections", int),
     "NELSSA_LANE_CHAIN": ("lane_chain", _bool),
+    "NELSSA_STEP_PRIORITY": ("step_priority", int),
     "NELSSA_LONG_PREFILLS": ("long_prefills", int),
     "NELSSA_LONG_CHUNK": ("long_chunk", int),
     "NELSSA_MIGRATE": ("migrate", _bool),

@@ -26,8 +26,9 @@ case "$what" in
     for d in "$@"; do bash "$d/install-vllm-bundle.sh" "$d"; done ;;
   handoff)
     build_ext
-    python3 benchmarks/bench_handoff.py --out "$OUT/handoff" "$@" 2>&1 | grep -v -i warn | tail -n 20
-    python3 -m nelssa.cli bench report "$OUT/handoff" >/dev/null 2>&1 || true
+    hout="$OUT/handoff${HOL_TAG:+_$HOL_TAG}"  # HOL_TAG=x: several runs per call
+    python3 benchmarks/bench_handoff.py --out "$hout" "$@" 2>&1 | grep -v -i warn | tail -n 20
+    python3 -m nelssa.cli bench report "$hout" >/dev/null 2>&1 || true
     exit 0 ;;
   node)
     grpc_wheels

@@ -325,3 +325,26 @@ def test_step_timer_logs_long_device_spans(caplog):
         timer.end(timer.start(), "last")
     msgs = [r.getMessage() for r in caplog.records if "NELSSA step" in r.getMessage()]
     assert len(msgs) == 1 and "long" in msgs[0], msgs
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_step_stream_priority_ranks_steps_above_the_handoff():
+    """worker.step_stream makes vLLM's current stream (the engine's steps, its graphs) one of
+    config step_priority on this thread; the hand-off's side stream has torch's lowest priority (0), so
+    its k-means never delays a step's kernels; 0 leaves vLLM's own stream."""
+    from vllm.utils.torch_utils import current_stream
+
+    from nelssa.config import NelssaConfig
+    from nelssa.vllm_plugin.worker import step_stream
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    before = current_stream()
+    step_stream(NelssaConfig(step_priority=0), dev)
+    assert current_stream() is before
+    try:
+        step_stream(NelssaConfig(step_priority=-1), dev)
+        s = current_stream()
+        assert s.priority == -1 and torch.cuda.current_stream() == s
+        assert torch.cuda.Stream(priority=0).priority > s.priority  # the hand-off's: lower priority
+    finally:
+        torch.cuda.set_stream(before)

@@ -6,8 +6,8 @@ request that grew long). Nothing proportional to a request's length runs on the 
 
 Contract (worker side; the ranges come from policy.Policy, the switch from the scheduler):
   1. ``submit(rid, blocks, lo, hi)`` right after the forward that wrote tokens [lo, hi) of the request:
-     one background thread reads them from the paged cache (on CUDA on a side stream that first waits
-     for the main stream's work so far), clusters all layers and packs them into host memory as a
+     one background thread reads them from the paged cache (on CUDA on a side stream of the lowest
+     priority that first waits for the main stream's work so far), clusters all layers and packs them into host memory as a
      *prepared* part (``commit=False``): attention does not see it yet. Ranges of a request are
      submitted in order and back to back; ``end(rid)`` is where the next one starts. When a move is
      complete, ``on_done(rid, hi, generation)`` reports it (to the scheduler, through the connector).
@@ -67,7 +67,9 @@ class Handoff:
             ev = torch.cuda.Event()
             ev.record()
             if self._side is None:
-                self._side = torch.cuda.Stream()
+                # torch's lowest priority: the engine's step stream (config step_priority) and the lane's
+                # go first, a move's k-means fills the device's idle time
+                self._side = torch.cuda.Stream(priority=0)
         for rid, blocks, lo, hi in moves:
             if lo != self.end(rid):
                 raise RuntimeError(f"hand-off of {rid}: range [{lo}, {hi}) does not follow {self.end(rid)}")

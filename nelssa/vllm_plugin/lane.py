@@ -94,12 +94,13 @@ class Lane:
         # held by the step's forward and logits and the lane's dense parts on CPU (5); reentrant, so logits
         # computed within a wrapped forward cannot deadlock; a no-op lock on CUDA
         self.dense_lock = threading.RLock() if not self.cuda else contextlib.nullcontext()
-        # high priority: the lane's few kernels per layer go ahead of the step's queued blocks, so the host
-        # tier gets each layer's queries sooner
-        self.stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
+        # one priority above the step's stream (cfg.step_priority): the lane's few kernels per layer go ahead
+        # of the step's queued blocks, so the host tier gets each layer's queries sooner
+        prio = min(cfg.step_priority, 0) - 1
+        self.stream = torch.cuda.Stream(device, priority=prio) if self.cuda else None
         # the host tier's calls and their results' copies (lane_host.py, 2); with lane_chain the lane's own
         # stream: a batch is one chain (lane_host.py, 3)
-        self.host_stream = (self.stream if cfg.lane_chain else torch.cuda.Stream(device, priority=-1)) \
+        self.host_stream = (self.stream if cfg.lane_chain else torch.cuda.Stream(device, priority=prio)) \
             if self.cuda else None
         self._host_buffers: dict = {}   # pinned buffers of lane_host batches, reused across batches
         self._staging: dict = {}        # lane_inputs.Staging of batches not replayed, per shape

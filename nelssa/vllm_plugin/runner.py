@@ -91,6 +91,12 @@ class NelssaRunnerMixin:
                 self.nelssa_step_timer = StepTimer(cfg.stall_log_ms)
         log.info("NELSSA on: T_input=%d budget=%.3f sink=%d recent=%d chunk=%d, %d layers, host pool %d threads",
                  cfg.T_input, cfg.budget, cfg.sink, cfg.recent, cfg.chunk, len(layers), cfg.pool_threads)
+        if self.device.type == "cuda":
+            from vllm.utils.torch_utils import current_stream
+            prio = current_stream().priority
+            (log.info if prio == cfg.step_priority else log.warning)(
+                "NELSSA: steps run on a CUDA stream of priority %d (step_priority %d; the hand-off's 0)",
+                prio, cfg.step_priority)
 
     def capture_model(self, *args, **kwargs):
         """vLLM's CUDA-graph capture, then the lane's (lane.warm): nothing is captured while serving."""

@@ -34,6 +34,17 @@ def hardware_queues(cfg: NelssaConfig | None) -> str | None:
     return os.environ["CUDA_DEVICE_MAX_CONNECTIONS"]
 
 
+def step_stream(cfg: NelssaConfig | None, device: torch.device) -> None:
+    """CUDA: the engine's steps on a stream of ``cfg.step_priority`` (< 0: above the hand-off's side stream,
+    which has torch's lowest priority 0). vLLM steps, captures and replays its graphs on its "current
+    stream" (``vllm.utils.torch_utils.current_stream``, a stream of its own made on first use, priority 0);
+    ``torch.cuda.set_stream`` (vLLM keeps track of it) on this thread, before the model runner is built,
+    makes ours that stream. The runner logs the priority its steps run at (runner.load_model)."""
+    if cfg is None or cfg.step_priority == 0:
+        return
+    torch.cuda.set_stream(torch.cuda.Stream(device, priority=cfg.step_priority))
+
+
 def _cpu_classes():
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.cpu_worker import CPUWorker
@@ -67,11 +78,13 @@ def _gpu_classes():
 
     class NelssaGPUWorker(Worker):
         def init_device(self):
-            if hardware_queues(vllm_nelssa_config(self.vllm_config.additional_config)) is not None:
+            cfg = vllm_nelssa_config(self.vllm_config.additional_config)
+            if hardware_queues(cfg) is not None:
                 log.info("NELSSA lane: CUDA_DEVICE_MAX_CONNECTIONS=%s", os.environ["CUDA_DEVICE_MAX_CONNECTIONS"])
             super().init_device()
             if self.use_v2_model_runner:
                 raise ValueError("NELSSA needs vLLM's V1 model runner: set VLLM_USE_V2_MODEL_RUNNER=0")
+            step_stream(cfg, self.device)
             self.model_runner = NelssaGPUModelRunner(self.vllm_config, self.device)
 
     return NelssaGPUModelRunner, NelssaGPUWorker
