@@ -107,6 +107,9 @@ def main() -> None:
     ap.add_argument("--step-priority", type=int, default=get_config().step_priority,
                     help="CUDA priority of the steps' stream (default: the engine's, config step_priority; 0: "
                          "vLLM's own, the hand-off's too)")
+    ap.add_argument("--no-warm", action="store_true",
+                    help="skip Handoff.warm (the engine warms before serving): the first move then pays the "
+                         "thread's one-time CUDA set-up beside the steps")
     ap.add_argument("--switch-us", type=float, default=200.0,
                     help="Python's GIL switch interval (the engine's worker sets 200 us with the lane)")
     a = ap.parse_args()
@@ -131,7 +134,8 @@ def main() -> None:
                  "shape": dict(layers=L, kv_heads=KH, head_dim=D, block_size=bs, dtype=a.dtype, sink=cfg.sink,
                                cluster_size=cfg.cluster_size, segment=cfg.segment, iters=cfg.iters),
                  "step_gb": a.step_gb, "switch_us": a.switch_us, "step_priority": a.step_priority, "setup_s": time.perf_counter() - t0, "contexts": []}
-    print(f"[handoff] setup {res['setup_s']:.1f} s on {res['device']}", flush=True)
+    res["warm_s"] = 0.0 if a.no_warm else hand.warm(min(cfg.segment, nb * bs))  # as the engine, before serving
+    print(f"[handoff] setup {res['setup_s']:.1f} s on {res['device']}, warm {res['warm_s']:.2f} s", flush=True)
     for _ in range(5):
         steps.one()
     idle = [steps.one() for _ in range(a.idle_steps)]
@@ -139,7 +143,7 @@ def main() -> None:
     res["idle_steps"]["enqueue"] = step_stats([x for _, x in idle])
     print(f"[handoff] idle step p50 {res['idle_steps']['p50_ms']:.2f} ms", flush=True)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    for n in ctxs:
+    for i, n in enumerate(ctxs):
         blocks = list(range(math.ceil(n / bs)))
         # the parts alone, the device otherwise idle
         pos = torch.arange(cfg.sink, n, device=dev)
@@ -155,7 +159,7 @@ def main() -> None:
         cluster_s = time.perf_counter() - t
         del ks, pos, b, o
         # the move, steps running beside it
-        rid = f"ctx{n}"
+        rid = f"ctx{n}_{i}"  # a context may repeat (the first move vs the next)
         stop = threading.Event()
         box: dict = {}
         th = threading.Thread(target=lambda: box.setdefault("s", steps.run_until(stop, min_steps=3)))

@@ -99,10 +99,17 @@ class NelssaRunnerMixin:
                 prio, cfg.step_priority)
 
     def capture_model(self, *args, **kwargs):
-        """vLLM's CUDA-graph capture, then the lane's (lane.warm): nothing is captured while serving."""
+        """vLLM's CUDA-graph capture, then the lane's (lane.warm): nothing is captured while serving; and the
+        hand-off's first-move set-up (handoff.warm)."""
         out = super().capture_model(*args, **kwargs)
         if getattr(self, "nelssa_lane", None) is not None:
             self.nelssa_lane.warm()
+        hand = getattr(self, "nelssa_handoff", None)
+        if hand is not None and self.device.type == "cuda":
+            # the hand-off thread's one-time CUDA set-up before serving, not beside the first move's steps
+            tokens = min(self.nelssa_cfg.segment, self.kv_cache_config.num_blocks * self.cache_config.block_size)
+            log.info("NELSSA: hand-off warmed (a %d-token move's work, nothing stored) in %.2f s", tokens,
+                     hand.warm(tokens))
         return out
 
     def initialize_kv_cache(self, *args, **kwargs):
