@@ -349,28 +349,3 @@ def test_step_stream_priority_ranks_steps_above_the_handoff():
     finally:
         torch.cuda.set_stream(before)
 
-
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_handoff_warm_stores_nothing():
-    """Handoff.warm runs a move's work on the hand-off thread and side stream (CUDA) and leaves the host
-    tier and its counters as they were; a move after it is stored as usual."""
-    from types import SimpleNamespace
-
-    from nelssa.config import get_config
-    from nelssa.node.local import LocalHostTier
-    from nelssa.vllm_plugin.attention import read_kv
-    from nelssa.vllm_plugin.handoff import Handoff
-
-    cfg, L, KH, D, bs = get_config(), 2, 2, 64, 16
-    layers = [SimpleNamespace(kv_cache=torch.randn(64, KH, bs, 2 * D, device="cuda", dtype=torch.bfloat16),
-                              impl=SimpleNamespace(nelssa_kv_layout="flash"), num_kv_heads=KH, head_size=D)
-              for _ in range(L)]
-    host = LocalHostTier(cfg, num_layers=L)
-    hand = Handoff(host, layers, bs, cfg.sink, read_kv)
-    assert hand.warm(1000) > 0
-    assert not host.reqs and host.stats.long_requests == 0 and host.stats.moved_tokens == 0
-    hand.submit([("r", list(range(40)), cfg.sink, 640)])
-    hand.wait_all()
-    hand.ready("r", 640)
-    assert host.committed("r") == 640 - cfg.sink
-    hand.close()

@@ -431,3 +431,32 @@ def test_handoff_bench_moves_every_token(tmp_path):
     assert report([str(tmp_path)]) == 0
     md = (tmp_path / "report.md").read_text()
     assert "## Hand-off time vs context (cpu)" in md and "| 1,200 |" in md and "![hand-off](handoff.png)" in md
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_handoff_warm_stores_nothing(device):
+    """Handoff.warm runs a move's work (read, k-means of every layer, packing) on the hand-off thread
+    and leaves the host tier and its counters as they were; a move after it is stored as usual."""
+    from types import SimpleNamespace
+
+    from nelssa.config import get_config
+    from nelssa.node.local import LocalHostTier
+    from nelssa.vllm_plugin.attention import read_kv
+    from nelssa.vllm_plugin.handoff import Handoff
+
+    cfg, L, KH, D, bs = get_config(), 2, 2, 64, 16
+    layers = [SimpleNamespace(kv_cache=torch.randn(64, KH, bs, 2 * D, device=device),
+                              impl=SimpleNamespace(nelssa_kv_layout="flash"), num_kv_heads=KH, head_size=D)
+              for _ in range(L)]
+    host = LocalHostTier(cfg, num_layers=L)
+    hand = Handoff(host, layers, bs, cfg.sink, read_kv)
+    try:
+        assert hand.warm(0) == 0.0
+        assert hand.warm(700) > 0
+        assert not host.reqs and host.stats.long_requests == 0 and host.stats.moved_tokens == 0
+        hand.submit([("r", list(range(40)), cfg.sink, 640)])
+        hand.wait_all()
+        hand.ready("r", 640)
+        assert host.committed("r") == 640 - cfg.sink
+    finally:
+        hand.close()

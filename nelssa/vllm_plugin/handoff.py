@@ -30,6 +30,7 @@ the failure with the request.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -121,30 +122,34 @@ class Handoff:
 
     # ------------------------------------------------------------------ 0. warm
     def warm(self, tokens: int) -> float:
-        """CUDA, once before serving: one move's device and host work (read, k-means of all layers,
-        packing one layer through this thread's staging buffers) on the hand-off thread and side stream,
-        storing nothing (no host-tier call, no counter) -> seconds. A process's first move otherwise
-        pays its thread's one-time CUDA set-up (library handles, kernels loaded on first use, pinned
-        buffers) while the engine steps: on the H200 the steps beside the first 8K move stood 190-205 ms
-        on the host side, beside the next one 11 ms at most (bench_handoff). What the blocks hold does
-        not matter (nothing is kept)."""
-        if not self.layers[0].kv_cache.is_cuda or tokens <= 0:
-            return 0.0
-        return self._pool.submit(self._warm, tokens).result()
+        """Once before serving: one move's device and host work (read, k-means of all layers, packing one
+        layer, on CUDA through this thread's staging buffers) on the hand-off thread (and side stream),
+        storing nothing (no host-tier call, no counter) -> seconds. On CUDA a process's first move
+        otherwise pays its thread's one-time set-up (library handles, kernels loaded on first use,
+        pinned buffers) while the engine steps: on the H200 the steps beside the first 8K move stood
+        190-205 ms on the host side, beside the next one 11 ms at most (bench_handoff); the runner warms
+        on CUDA only. The k-means runs on random keys of the cache's shape (uninitialised blocks may
+        hold NaNs; what they hold is never used)."""
+        return self._pool.submit(self._warm, tokens).result() if tokens > 0 else 0.0
 
     def _warm(self, tokens: int) -> float:
         from nelssa.sparse.clustered import cluster_layers, pack, part_stats
         t = time.perf_counter()
-        if self._side is None:
+        cuda = self.layers[0].kv_cache.is_cuda
+        if cuda and self._side is None:
             self._side = torch.cuda.Stream(priority=0)
         cfg = self.host.cfg
-        with torch.cuda.stream(self._side):
-            ks, vs = self._read(list(range(-(-tokens // self.block_size))), 0, tokens)
+        with torch.cuda.stream(self._side) if cuda else contextlib.nullcontext():
+            k0, _ = self._read([0], 0, 1)  # the gather's kernels
+            gen = torch.Generator(device=k0[0].device).manual_seed(cfg.seed)
+            ks = [torch.randn(k.shape[0], tokens, k.shape[2], generator=gen, device=k.device).to(k.dtype)
+                  for k in k0]
             labels = cluster_layers(ks, seed=cfg.seed, cluster_size=cfg.cluster_size, segment=cfg.segment,
                                     iters=cfg.iters)
             lab, C = labels[0]
-            pack(ks[0], vs[0], part_stats(ks[0], vs[0], lab, C)[1])
-        self._side.synchronize()
+            pack(ks[0], ks[0], part_stats(ks[0], ks[0], lab, C)[1])
+        if cuda:
+            self._side.synchronize()
         return time.perf_counter() - t
 
     # ------------------------------------------------------------------ 2. ready

@@ -105,11 +105,16 @@ class NelssaRunnerMixin:
         if getattr(self, "nelssa_lane", None) is not None:
             self.nelssa_lane.warm()
         hand = getattr(self, "nelssa_handoff", None)
-        if hand is not None and self.device.type == "cuda":
+        if hand is not None and self.device.type == "cuda":  # (CPU: no one-time set-up worth a k-means)
             # the hand-off thread's one-time CUDA set-up before serving, not beside the first move's steps
             tokens = min(self.nelssa_cfg.segment, self.kv_cache_config.num_blocks * self.cache_config.block_size)
-            log.info("NELSSA: hand-off warmed (a %d-token move's work, nothing stored) in %.2f s", tokens,
-                     hand.warm(tokens))
+            try:
+                secs = hand.warm(tokens)
+            except torch.OutOfMemoryError as e:
+                raise RuntimeError(f"NELSSA: the hand-off's warm-up (a {tokens}-token move, k-means scratch up to "
+                                   "~1 GiB) found no device memory beside vLLM's: every move would fail; lower "
+                                   "gpu_memory_utilization") from e
+            log.info("NELSSA: hand-off warmed (a %d-token move's work, nothing stored) in %.2f s", tokens, secs)
         return out
 
     def initialize_kv_cache(self, *args, **kwargs):
