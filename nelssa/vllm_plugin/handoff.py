@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from nelssa.sparse.clustered import cluster_layers, pack, part_stats
 from nelssa.sparse.kmeans import to_device
 
 log = logging.getLogger("vllm.nelssa")
@@ -133,7 +134,6 @@ class Handoff:
         return self._pool.submit(self._warm, tokens).result() if tokens > 0 else 0.0
 
     def _warm(self, tokens: int) -> float:
-        from nelssa.sparse.clustered import cluster_layers, pack, part_stats
         t = time.perf_counter()
         cuda = self.layers[0].kv_cache.is_cuda
         if cuda and self._side is None:

@@ -96,7 +96,7 @@ class Lane:
         self.dense_lock = threading.RLock() if not self.cuda else contextlib.nullcontext()
         # one priority above the step's stream (cfg.step_priority): the lane's few kernels per layer go ahead
         # of the step's queued blocks, so the host tier gets each layer's queries sooner
-        prio = min(cfg.step_priority, 0) - 1
+        prio = cfg.step_priority - 1
         self.stream = torch.cuda.Stream(device, priority=prio) if self.cuda else None
         # the host tier's calls and their results' copies (lane_host.py, 2); with lane_chain the lane's own
         # stream: a batch is one chain (lane_host.py, 3)
