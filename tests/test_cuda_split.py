@@ -82,7 +82,8 @@ def select_kernel_case(device: str) -> None:
     logit exact in any summation order, so equal masses are exact ties and unequal ones far apart:
     four requests (one with more clusters than a selection tile, one whose centroids are all equal),
     empty clusters, duplicated centroids of different sizes (ties broken by ascending id), budgets
-    from one token to all."""
+    from one token to all. Triton's interpreter (CPU) runs the budgets at the edges and one between
+    (1e-6, 0.04, 0.5, 1.0: ~30 s of the suite less); CUDA all seven."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     g = torch.Generator().manual_seed(3)
     H, G, D = 2, 2, 64
@@ -98,7 +99,7 @@ def select_kernel_case(device: str) -> None:
     ckvs = [request(C) for C in (1500, 300, 777, 400)]
     ckvs[3].centroids[:] = ckvs[3].centroids[:, :1].clone()     # one request all ties: ids by ascending id
     q = torch.randint(-2, 3, (4, H * G, D), generator=g).float().to(device, dtype)
-    for budget in (1e-6, 0.04, 0.1, 0.3, 0.5, 0.9, 1.0):
+    for budget in (1e-6, 0.04, 0.1, 0.3, 0.5, 0.9, 1.0) if device == "cuda" else (1e-6, 0.04, 0.5, 1.0):
         for estimate in (True, False):
             ref = select_clusters(q, ckvs, budget, 0.125, estimate=estimate, device_out=True, kernel=False)
             got = select_clusters(q, ckvs, budget, 0.125, estimate=estimate, device_out=True, kernel=True)
