@@ -2,7 +2,8 @@
 # The head-of-line benchmark on the lent H200 host (no network there; /tmp survives while the machine
 # stays warm), in back-to-back calls:
 #   bash scripts/gpu_hol.sh stage .bundle/N          # once per vLLM bundle part (the last one installs)
-#   bash scripts/gpu_hol.sh bench [hol args ...]     # build nelssa._C, run `nelssa bench hol` (both modes);
+#   bash scripts/gpu_hol.sh bench [hol args ...]     # build nelssa._C, run `nelssa bench hol` (both modes;
+#                                                    # bench and handoff results come back as $OUT/<run>.tgz);
 #                                                    # HOL_TAG=x: results in $OUT/hol_x (several runs per call);
 #                                                    # HOL_NODE="nelssa-node args": the host tier as a node;
 #                                                    # HOL_ENGINE_CORES=0-3: the bench's engines pinned there
@@ -21,6 +22,8 @@ export NELSSA_CACHE=/tmp/nelssa-cache PYTHONUNBUFFERED=1
 # grpcio/protobuf newer than the host's (the generated stubs need them), and the extension once
 grpc_wheels() { pip install -q --no-deps --target /tmp/wheels .wheels/*.whl; export PYTHONPATH=/tmp/wheels:$PYTHONPATH; }
 build_ext() { [ -f nelssa/_C*.so ] || python3 setup.py -q build_ext --inplace >/dev/null; }
+# a call brings back at most 8 files from $OUT: a run's folder (and log) go back as one archive
+pack() { local d=$1; shift; tar czf "$d.tgz" -C "$(dirname "$d")" "$(basename "$d")" "$@" && rm -rf "$d"; }
 case "$what" in
   stage)
     for d in "$@"; do bash "$d/install-vllm-bundle.sh" "$d"; done ;;
@@ -29,6 +32,7 @@ case "$what" in
     hout="$OUT/handoff${HOL_TAG:+_$HOL_TAG}"  # HOL_TAG=x: several runs per call
     python3 benchmarks/bench_handoff.py --out "$hout" "$@" 2>&1 | grep -v -i warn | tail -n 20
     python3 -m nelssa.cli bench report "$hout" >/dev/null 2>&1 || true
+    pack "$hout"
     exit 0 ;;
   node)
     grpc_wheels
@@ -114,6 +118,8 @@ PY
       [ -f "$d/profiler_out_0.txt" ] && cp "$d/profiler_out_0.txt" "$out/${m}_table.txt"
       rm -rf "$d"
     done
+    [ -f "$out.log" ] && mv "$out.log" "$out/run.log"
+    pack "$out"
     exit $rc ;;
   *) echo "unknown step $what" >&2; exit 2 ;;
 esac
