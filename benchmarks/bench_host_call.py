@@ -127,12 +127,11 @@ def paced(ckvs, sel, q, calls: int, gap_s: float) -> dict:
     kernel time (HostCall.seconds)."""
     B, Hq, D = q.shape
     out, lse = torch.empty(B, Hq, D), torch.empty(B, Hq)
-    q_h = q.to(torch.bfloat16)
     ts: list[float] = []
 
     def run() -> None:
         for i in range(calls + 20):
-            c = prepare_attend(q_h, ckvs, sel, D ** -0.5, out, lse)
+            c = prepare_attend(q, ckvs, sel, D ** -0.5, out, lse)
             c.run()
             if c.state != "done":
                 raise RuntimeError(c.error)

@@ -70,16 +70,21 @@ class Handoff:
         if self.layers[0].kv_cache.is_cuda:
             ev = torch.cuda.Event()
             ev.record()
-            if self._side is None:
-                # torch's lowest priority: the engine's step stream (config step_priority) and the lane's
-                # go first, a move's k-means fills the device's idle time
-                self._side = torch.cuda.Stream(priority=0)
+            self._side_stream()
         for rid, blocks, lo, hi in moves:
             if lo != self.end(rid):
                 raise RuntimeError(f"hand-off of {rid}: range [{lo}, {hi}) does not follow {self.end(rid)}")
             self._end[rid] = hi
             fut = self._pool.submit(self._run, ev, rid, list(blocks), lo, hi, self._gen.get(rid, 0))
             self._moves.setdefault(rid, []).append((hi, fut))
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The moves' CUDA stream, made on first use (the paged cache exists only once vLLM bound it), at
+        torch's lowest priority: the engine's step stream (config step_priority) and the lane's go first,
+        a move's k-means fills the device's idle time."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(priority=0)
+        return self._side
 
     def _run(self, ev, rid: str, blocks: list[int], lo: int, hi: int, gen: int) -> None:
         if rid in self._failed:
@@ -136,10 +141,8 @@ class Handoff:
     def _warm(self, tokens: int) -> float:
         t = time.perf_counter()
         cuda = self.layers[0].kv_cache.is_cuda
-        if cuda and self._side is None:
-            self._side = torch.cuda.Stream(priority=0)
         cfg = self.host.cfg
-        with torch.cuda.stream(self._side) if cuda else contextlib.nullcontext():
+        with torch.cuda.stream(self._side_stream()) if cuda else contextlib.nullcontext():
             k0, _ = self._read([0], 0, 1)  # the gather's kernels
             gen = torch.Generator(device=k0[0].device).manual_seed(cfg.seed)
             ks = [torch.randn(k.shape[0], tokens, k.shape[2], generator=gen, device=k.device).to(k.dtype)
