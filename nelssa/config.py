@@ -89,6 +89,11 @@ class NelssaConfig:
     lane_switch_us: int = 200     # with the lane: Python's GIL switch interval (us) in the worker
     lane_gather_ms: float = 50.0  # the lane waits up to this long for the long requests it reported to
                                   # come back, so they run as one batch
+    lane_spec: bool = True        # with the lane: after a batch the lane drafts each greedy row's next token
+                                  # itself (lm_head + argmax) and computes that position at once, without
+                                  # waiting for the step; the step's sampling stays the authority (a draft
+                                  # that differs from it is discarded and the position recomputed)
+                                  # (vllm_plugin/lane_spec.py)
     lane_host_calls: bool = True  # CUDA lane: a batch enqueued whole, the device waiting for each layer's host
                                   # attention (vllm_plugin/lane_host.py, lane_host_wait); off: the lane thread
                                   # waits for it layer by layer
@@ -218,6 +223,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_SINK": ("sink", int),
     "NELSSA_RECENT": ("recent", int),
     "NELSSA_CHUNK": ("chunk", int),
+    "NELSSA_LANE_SPEC": ("lane_spec", _bool),
     "NELSSA_LANE_HOST_CALLS": ("lane_host_calls", _bool),
     "NELSSA_LANE_BATCH_GRAPH": ("lane_batch_graph", _bool),
     "NELSSA_LANE_HOST_WAIT": ("lane_host_wait", str),

@@ -49,6 +49,9 @@ def test_hol_cpu_preset_is_well_formed_and_exact(tmp_path, cut_model_dir):
     assert nel.get("nelssa:moved_tokens_total", 0) >= s["scenario"]["long_len"] - 200, nel
     assert nel.get("nelssa:long_requests_total", 0) == 1, nel
     assert nel.get("nelssa:lane_rows_total", 0) >= 10, nel  # the long request's tokens came from the lane
+    # drafts (lane_spec.py): the lane computed positions before the step sampled their tokens, and the step's
+    # tokens confirmed them (greedy requests; every output above is NELSSA_OFF's all the same)
+    assert nel.get("nelssa:lane_drafts_total{verified}", 0) >= 5, nel
     # no step waited for the host tier: the switch step computed the request on the device (lane.py, 0)
     assert nel["nelssa:offload_step_seconds_count"] == 0, nel
     assert set(s["targets"]) >= {"before_tpot_within_5pct", "prefill_max_gap_le_1s", "long_tpot_le_50ms"}

@@ -285,6 +285,53 @@ def test_lane_inputs_built_on_the_host():
     assert d2["pos"].tolist() == [1, 2] and d2["bt"].tolist() == inp.bt.tolist()
 
 
+def test_lane_drafts_chain_verify_and_drop():
+    """lane_spec.py's bookkeeping (the engine tests run drafts end to end: outputs equal NELSSA_OFF's): a
+    draft follows only a greedy job whose next slot is allocated, one per request; the step's job with the
+    same position, token and H takes a held draft's result (and hands it the next slot's blocks), a queued
+    one runs as verified; another token drops it; a draft whose H the step moved is stale."""
+    from nelssa.vllm_plugin.lane import Job
+    from nelssa.vllm_plugin.lane_spec import Drafts
+    tok = torch.tensor([5])
+
+    def job(rid, pos, **kw):
+        return Job(rid, pos, 32, tok, np.array([3, 4], np.int32), **kw)
+
+    d = Drafts()
+    assert d.chain(job("a", 20), torch.tensor([7]), 7, np.array([3, 4], np.int32)) is None  # not greedy
+    assert d.chain(job("a", 20, greedy=True), torch.tensor([7]), 7, None) is None          # slot not allocated
+    a = d.chain(job("a", 20, greedy=True), torch.tensor([7]), 7, np.array([3, 4], np.int32))
+    assert (a.pos, a.token_value, a.draft, a.verified, a.host_end, a.event) == (21, 7, True, False, 32, None)
+    assert a.next_blocks is None and a.greedy
+    assert d.chain(job("a", 20, greedy=True), torch.tensor([7]), 7, np.array([3, 4], np.int32)) is None  # one each
+    # the step's job for position 21 while the draft is queued: it runs as verified
+    real = job("a", 21, greedy=True, next_blocks=np.array([3, 4, 9], np.int32))
+    assert d.verify(real, 7) == ("queued", None) and a.verified and a.next_blocks.tolist() == [3, 4, 9]
+    d.finished(a)
+    assert not d.has("a")
+    # held, then verified: its result is the job's
+    b = d.chain(job("b", 40, greedy=True), torch.tensor([8]), 8, np.array([3, 4], np.int32))
+    hid = torch.ones(4)
+    d.hold(b, hid, torch.tensor([9]), 9)
+    kind, held = d.verify(job("b", 41, next_blocks=np.array([3, 4], np.int32)), 8)
+    assert kind == "held" and held.job is b and held.hidden is hid and held.nxt_value == 9 and not d.has("b")
+    # another token, another position or another H: dropped, the job runs
+    for real, t in ((job("c", 11), 6), (job("c", 12), 8), (Job("c", 11, 48, tok, np.array([3], np.int32)), 8)):
+        c = d.chain(job("c", 10, greedy=True), torch.tensor([8]), 8, np.array([3], np.int32))
+        d.hold(c, hid, torch.tensor([1]), 1)
+        assert d.verify(real, t) == ("mismatch", None) and not d.has("c")
+    assert d.verify(job("z", 3), 1) == ("none", None)
+    # the step moved H: stale (held or queued), unless it is the draft's
+    e = d.chain(job("e", 10, greedy=True), torch.tensor([8]), 8, np.array([3], np.int32))
+    f = d.chain(job("f", 10, greedy=True), torch.tensor([8]), 8, np.array([3], np.int32))
+    d.hold(f, hid, torch.tensor([1]), 1)
+    assert d.stale({"e": 32, "f": 64, "z": 16}) == {"f"} and d.has("e") and not d.has("f")
+    d.hold(e, hid, torch.tensor([1]), 1)
+    d.drop({"e"})
+    assert not d.has("e")
+    assert d.take_counts() == {"run": 7, "verified": 2, "mismatch": 3, "stale": 1} and d.take_counts() == {}
+
+
 def test_lane_batch_graph_keys_windows_and_forget():
     """lane_batch.py's bookkeeping (its capture and replay need CUDA: the H200 exactness check runs them):
     the key changes exactly when a request's clusters are replaced (a commit), the window table is the

@@ -52,6 +52,8 @@ def test_exact_mixed_batch_chunked_prefill(mixed):
         assert tokens(on)[rid] == ids, rid
     # the long lane computed most offloaded tokens (each long request's first offloaded step is a split step)
     assert on["host_totals"]["lane_rows"] >= 3 * 20, on["host_totals"]
+    # most of them as drafts the step's sampling confirmed (lane_spec.py), with the outputs equal all the same
+    assert on["host_totals"].get("lane_drafts:verified", 0) >= 3 * 10, on["host_totals"]
 
 
 def test_device_blocks_given_back(mixed):

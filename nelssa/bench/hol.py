@@ -106,14 +106,14 @@ def _prompt_ids(sc: Scenario, tok, r: dict, k: int) -> list[int]:
 
 
 def _scrape() -> dict[str, float]:
-    """vLLM and NELSSA metrics of this (front-end) process, summed over label sets except "part" and
-    "path" (kept as name{part})."""
+    """vLLM and NELSSA metrics of this (front-end) process, summed over label sets except "part", "path"
+    and "outcome" (kept as name{part})."""
     from prometheus_client import REGISTRY
     out: dict[str, float] = {}
     for fam in REGISTRY.collect():
         if fam.name.startswith(("vllm:", "nelssa:")):
             for s in fam.samples:
-                lab = s.labels.get("part") or s.labels.get("path")
+                lab = s.labels.get("part") or s.labels.get("path") or s.labels.get("outcome")
                 name = f"{s.name}{{{lab}}}" if lab else s.name
                 out[name] = out.get(name, 0.0) + float(s.value)
     return out

@@ -51,6 +51,8 @@ class HostStats:
         self.lane_captures = 0                 # long lane: batches captured as one CUDA graph
         self.lane_capture_failures = 0         # long lane: captures that failed (that request set runs enqueued)
         self.lane_paths: dict[str, float] = {}  # long lane: batches per way they ran (lane_batch.BatchGraphs.path)
+        self.lane_drafts: dict[str, float] = {}  # long lane: drafts by outcome (lane_spec.py: run, verified,
+                                                 # mismatch, stale)
         self.node_comm_s: list[float] = []     # through nelssa-node's native plane, per layer call: its round
                                                # trip minus the slowest device's kernel (issue 10's communication)
         self.lane_timeline_s: dict[str, float] = {}  # long lane batches with host calls: launch-to-end seconds
@@ -68,6 +70,7 @@ class HostStats:
                  "lane_batch_s": self.lane_batch_s, "lane_rows": self.lane_rows, "lane_step_s": self.lane_step_s,
                  "lane_split_s": self.lane_split_s, "lane_captures": self.lane_captures,
                  "lane_capture_failures": self.lane_capture_failures, "lane_paths": self.lane_paths,
+                 "lane_drafts": self.lane_drafts,
                  "node_comm_s": self.node_comm_s, "lane_timeline_s": self.lane_timeline_s,
                  "lane_timeline_batches": self.lane_timeline_batches, "handoff_failures": self.handoff_failures}
             self.reset()
@@ -80,6 +83,7 @@ class HostStats:
                     cur = getattr(self, k)
                     for part, x in v.items():
                         cur[part] = cur.get(part, 0.0) + x
+                        self.totals[f"{k}:{part}"] = self.totals.get(f"{k}:{part}", 0) + x
                     continue
                 if isinstance(getattr(self, k), list):
                     getattr(self, k).append(v)

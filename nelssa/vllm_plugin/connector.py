@@ -206,6 +206,10 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
         self._lane_paths = c(name="nelssa:lane_batches", labelnames=[*labelnames, "path"],
                              documentation="Long lane: batches by how they ran (replay, captured, or why enqueued: "
                                            "new_key, no_window, broken, capture_failed)")
+        self._lane_drafts = c(name="nelssa:lane_drafts", labelnames=[*labelnames, "outcome"],
+                              documentation="Long lane: drafts (a long request's next position computed before the "
+                                            "step sampled its token, lane_spec.py) by outcome: run, verified, "
+                                            "mismatch (the step sampled another token), stale (its host range moved)")
         self._labels = per_engine_labelvalues
 
     def observe(self, data: dict[str, Any], engine_idx: int = 0):
@@ -217,6 +221,8 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
             self._lane_timeline.labels(*self._labels[engine_idx], part).inc(x)
         for path, x in data.get("lane_paths", {}).items():
             self._lane_paths.labels(*self._labels[engine_idx], path).inc(x)
+        for outcome, x in data.get("lane_drafts", {}).items():
+            self._lane_drafts.labels(*self._labels[engine_idx], outcome).inc(x)
         for k, v in data.items():
             m = self.m.get(k)
             if m is None:

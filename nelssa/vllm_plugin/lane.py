@@ -42,6 +42,11 @@ and every short row of the step waits with it. With it:
   6. A request finished or preempted while its job runs: the runner cancels the job and waits for it
      (at most one layer) before the step that may reuse its blocks. A failing job fails its requests
      (runtime.fail): they finish with an error, never with text from a failed attention.
+  7. Drafts (config ``lane_spec``, lane_spec.py): after a batch the lane also takes the argmax of its
+     greedy rows' logits and computes their next position at once, before the step has sampled it;
+     the step's job for that position (4 -> 2) then only checks the token, so the lane does not wait
+     for the step between two tokens. The step's sampling stays the authority: a draft it does not
+     confirm is dropped and the position computed again.
 Without the lane the switch step and every later one are split steps (attention.py).
 """
 
@@ -60,6 +65,7 @@ import torch
 from nelssa.vllm_plugin import lane_host, lane_inputs, runtime, uva
 from nelssa.vllm_plugin.attention import StepPlan, split_attention
 from nelssa.vllm_plugin.lane_graphs import CaptureFailed, DenseGraphs, call_op, post_attention, pre_attention
+from nelssa.vllm_plugin.lane_spec import Drafts
 
 log = logging.getLogger("vllm.nelssa")
 
@@ -74,6 +80,13 @@ class Job:
     token: torch.Tensor      # [1] int64 input token id (device; valid after ``event``)
     blocks: Any              # [nb] int32 numpy: the request's block-table row (vLLM's host copy)
     event: Any = None        # CUDA event after the step's sampling (None on CPU)
+    # drafts (lane_spec.py)
+    greedy: bool = False     # the request samples greedily: the lane may draft its next position
+    next_blocks: Any = None  # the block-table row through pos + 1 when that slot is allocated, else None
+    token_host: Any = None   # (pinned int64 tensor, index): ``token`` on the host once ``event`` is done
+    draft: bool = False      # a draft (its input token the lane's argmax)
+    verified: bool = False   # a draft whose token the step sampled too
+    token_value: int = -1    # a draft's input token
 
 
 class _Window:
@@ -121,7 +134,10 @@ class Lane:
         self._ready: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (pos, final hidden [H])
         self._reported: dict[str, int] = {}
         self._awaiting: set[str] = set()  # reported, their next job not yet queued
+        self._running_drafts: set[str] = set()  # requests whose running job is a draft (lane_spec.py)
         self._gather_s = cfg.lane_gather_ms / 1e3
+        self.drafts = Drafts() if cfg.lane_spec else None  # lane_spec.py
+        self._draft_end = torch.cuda.Event() if self.cuda else None  # a replayed batch's end after its drafts' argmax
         self._blas_warm = False
         self._thread = threading.Thread(target=self._loop, name="nelssa-lane", daemon=True)
         self._thread.start()
@@ -202,14 +218,34 @@ class Lane:
                 self._ready.pop(r, None)
                 self._reported.pop(r, None)
             self._awaiting -= ids
-            self._cancel |= ids & self._running
-            if self._batch is not None and self._running and self._cancel >= self._running:
-                self._batch.cancel()  # its host calls not yet run return at once (lane_host.py, 5)
-            while self._running & ids:
-                self._cv.wait(0.1)
-            self._cancel -= ids
+            if self.drafts is not None:
+                self.drafts.drop(ids)
+            self._cv.notify_all()  # a gather waiting for them (_gathering) stops
+            self._wait_out(ids)
         if self.batch_graphs is not None:  # their graphs hold their host KV (lane_batch.py, 1)
             self.batch_graphs.forget(ids)
+
+    def _wait_out(self, ids: set) -> None:
+        """(Under the lock.) A running job of these requests cancelled and waited for: its results are not
+        kept, and nothing of it runs after this returns."""
+        self._cancel |= ids & self._running
+        if self._batch is not None and self._running and self._cancel >= self._running:
+            self._batch.cancel()  # its host calls not yet run return at once (lane_host.py, 5)
+        while self._running & ids:
+            self._cv.wait(0.1)
+        self._cancel -= ids
+
+    def stale(self, host_ends: dict[str, int]) -> None:
+        """Step thread, before a step's forward: drafts that use another host range H than this step's are
+        dropped, a running one waited for (lane_spec.py, 4)."""
+        if self.drafts is None or not host_ends:
+            return
+        with self._cv:
+            ids = self.drafts.stale(host_ends)
+            if ids:
+                self._queue = [j for j in self._queue if not (j.draft and j.req_id in ids)]
+                self._cv.notify_all()
+                self._wait_out(ids & self._running_drafts)
 
     def wait_any(self, timeout: float) -> None:
         """Block (without the GIL) until a job ends or ``timeout`` passes: an engine step with nothing
@@ -230,13 +266,18 @@ class Lane:
                 while not self._queue:
                     self._cv.wait()
                 end = time.monotonic() + self._gather_s
-                while self._awaiting and time.monotonic() < end:
+                while self._gathering() and time.monotonic() < end:
                     self._cv.wait(max(0.0, end - time.monotonic()))
                 jobs, self._queue = self._queue, []
                 self._running = {j.req_id for j in jobs}
+            if self.drafts is not None:
+                jobs = self._verify(jobs)
+                if not jobs:
+                    continue
             t0 = time.perf_counter()
+            nxt = None
             try:
-                hidden, failed = self._run(jobs)
+                hidden, failed, nxt = self._run(jobs)
             except Exception as e:  # noqa: BLE001 - these requests fail loudly; the lane goes on
                 log.exception("NELSSA lane: a job batch failed")
                 hidden, failed = None, {j.req_id: f"lane: {type(e).__name__}: {e}" for j in jobs}
@@ -253,12 +294,90 @@ class Lane:
                         log.error("NELSSA: request %s fails in the lane: %s", j.req_id, failed[j.req_id])
                         runtime.fail(j.req_id, failed[j.req_id])
                     elif hidden is not None:
-                        self._ready[j.req_id] = (j.pos, hidden[i])
-                        self._reported[j.req_id] = j.pos
-                        self._awaiting.add(j.req_id)
+                        if j.draft and not j.verified:  # its token not sampled by the step yet (lane_spec.py, 2)
+                            self.drafts.hold(j, hidden[i], nxt[0][i:i + 1], int(nxt[1][i]))
+                            continue
+                        if j.draft:
+                            self.drafts.finished(j)
+                        self._publish(j, hidden[i], nxt and (nxt[0][i:i + 1], int(nxt[1][i])))
                 self._running = set()
+                self._running_drafts = set()
                 self._cv.notify_all()
             self.host.stats.add(lane_batch_s=dt, lane_rows=len(jobs))
+            if self.drafts is not None:
+                with self._cv:
+                    counts = self.drafts.take_counts()
+                if counts:
+                    self.host.stats.add(lane_drafts=counts)
+
+    def _gathering(self) -> bool:
+        """(Under the lock.) Whether a request the lane expects a job of soon has none queued yet: one reported
+        without a draft, or one whose draft is held for the step's check (lane_spec.py, 2: its job follows
+        the step that samples it). The lane waits for them (up to ``lane_gather_ms``) so that the long
+        requests stay in one batch: a batch's cost hardly grows with its rows (H200 runs 47/48: a host call
+        0.77 ms at 1.22 rows per batch, 0.85 at 1.45). Before this wait for held drafts, runs 47-51 had 1.2
+        rows per batch, and where both long requests decode the first one's tokens came 61-67 ms apart,
+        the second's 45-47."""
+        if self._awaiting:
+            return True
+        if self.drafts is None or not self.drafts.held:
+            return False
+        queued = {j.req_id for j in self._queue}
+        return any(r not in queued for r in self.drafts.held)
+
+    def _publish(self, j: Job, hidden: torch.Tensor, nxt) -> None:
+        """(Under the lock.) ``j``'s position computed: reported to the scheduler; with drafts the next
+        position's draft queued from ``nxt`` (its argmax on the device, its value), else the lane waits
+        for the request's next job before a batch without it (the gather)."""
+        self._ready[j.req_id] = (j.pos, hidden)
+        self._reported[j.req_id] = j.pos
+        d = self.drafts.chain(j, *nxt, j.next_blocks) if self.drafts is not None and nxt else None
+        if d is not None:
+            self._queue.append(d)
+        else:
+            self._awaiting.add(j.req_id)
+
+    def _verify(self, jobs: list[Job]) -> list[Job]:
+        """The step's jobs against the drafts (lane_spec.py, 2) -> the jobs to run: the step's jobs without
+        a matching draft, the drafts still queued (verified or not) and the drafts that follow drafts
+        verified here (their results reported now). Waits for the steps' sampling of jobs with drafts."""
+        out = []
+        for j in jobs:
+            if j.draft:
+                continue
+            with self._cv:
+                has = self.drafts.has(j.req_id) and j.req_id not in self._cancel
+            if not has:
+                out.append(j)
+                continue
+            tok = self._token_value(j)
+            with self._cv:
+                kind, held = self.drafts.verify(j, tok)
+                if kind == "held":
+                    self._publish(held.job, held.hidden, (held.nxt, held.nxt_value))
+                    out += [d for d in self._queue if d.draft and d.req_id == j.req_id]
+                    self._queue = [d for d in self._queue if not (d.draft and d.req_id == j.req_id)]
+                elif kind != "queued":
+                    out.append(j)
+        with self._cv:
+            out += [j for j in jobs if j.draft and self.drafts.queued.get(j.req_id) is j]
+            out.sort(key=lambda j: j.req_id)  # one order per request set (lane_batch.py's key)
+            # running from here on, in the same hold of the lock as the check above: a step that finds a
+            # draft stale (lane_spec.py, 4) either removed it before this or waits for it to end
+            self._running = {j.req_id for j in out}
+            self._running_drafts = {j.req_id for j in out if j.draft}
+            self._cv.notify_all()
+        return out
+
+    @staticmethod
+    def _token_value(j: Job) -> int:
+        """The step's sampled token of ``j`` on the host (waits for that step's sampling)."""
+        if j.token_host is None:
+            return int(j.token.reshape(-1)[0])
+        if j.event is not None:
+            j.event.synchronize()  # without the GIL
+        buf, i = j.token_host
+        return int(buf[i])
 
     def _warm_blas(self) -> None:
         """CUDA, once, on the lane thread and stream before its first batch: cuBLAS and cuBLASLt handles
@@ -274,7 +393,9 @@ class Lane:
         self.stream.synchronize()
         self._blas_warm = True
 
-    def _run(self, jobs: list[Job]) -> tuple[torch.Tensor | None, dict[str, str]]:
+    def _run(self, jobs: list[Job]) -> tuple[torch.Tensor | None, dict[str, str], tuple | None]:
+        """The batch -> (final hidden states [n, H] or None when cancelled, failures by request, with
+        drafts the argmax of the rows' logits: (on the device [n], on the host [n]) or None)."""
         n = len(jobs)
         with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()):
             if self.cuda and not self._blas_warm:
@@ -295,7 +416,7 @@ class Lane:
             with self._cv:
                 self._batch = batch
             t0 = time.perf_counter()
-            h = end = None
+            h = end = nxt = None
             try:
                 replayed = None
                 if batch is not None and self.batch_graphs is not None:  # one replay (lane_batch.py)
@@ -319,16 +440,21 @@ class Lane:
                                            lambda i, q, out: self._attend(self.layers[i], q, out, md, plan),
                                            lambda: self._cancel >= set(plan.req_ids))
                         if h is None:
-                            return None, {}
+                            return None, {}, None
                     except CaptureFailed:  # logged; this size runs eagerly from now on (lane_graphs.py, 5)
                         plan.split.clear()
                         h = None
                 if h is None:
                     h = self._eager(ids, pos, slots, md, plan)
                     if h is None:
-                        return None, {}
+                        return None, {}, None
                 if replayed is None:
                     plan.split["dense"] = max(0.0, time.perf_counter() - t0 - sum(plan.split.values()))
+                if self.drafts is not None and any(j.greedy for j in jobs):  # lane_spec.py, 1
+                    nxt = self._argmax(h)
+                    if end is not None:  # the replay's end event came before these: the one wait covers them
+                        end = self._draft_end
+                        end.record(self.stream)
             finally:
                 if self.cuda:  # also on failure: nothing of the batch may still run (lane_host.py, 4)
                     t = time.perf_counter()
@@ -350,7 +476,18 @@ class Lane:
                         for r in plan.req_ids:
                             plan.fail(r, f"host tier: {err}")
         self.host.stats.add(lane_split_s=plan.split)
-        return h, dict(plan.failed)
+        return h, dict(plan.failed), nxt
+
+    def _argmax(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' next tokens as greedy sampling picks them (lane_spec.py, 1): vLLM's lm_head and logits
+        processor (not the model's compute_logits: that one injects the lane's rows into the step's) and
+        the argmax, on the device and copied to pinned memory (read after the batch's wait)."""
+        with self.dense_lock:
+            logits = self.model.logits_processor(self.model.lm_head, h)
+        nxt = logits.argmax(dim=-1)
+        host = torch.empty(nxt.shape, dtype=torch.long, pin_memory=self.cuda)
+        host.copy_(nxt, non_blocking=True)
+        return nxt, host
 
     def _device_inputs(self, inp: lane_inputs.LaneInputs, ids: torch.Tensor, plan: StepPlan):
         """(ids, positions, KV slots, window metadata) of a batch that is not replayed, on the device; the

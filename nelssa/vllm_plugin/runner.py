@@ -134,8 +134,9 @@ class NelssaRunnerMixin:
             self.nelssa_watchdog.beat(bool(scheduler_output.total_num_scheduled_tokens))
         preempted = scheduler_output.preempted_req_ids or set()
         lane = self.nelssa_lane
-        if lane is not None:  # before this step may reuse their blocks (lane.py, 5)
+        if lane is not None:  # before this step may reuse their blocks (lane.py, 5; lane_spec.py, 4)
             lane.drop(scheduler_output.finished_req_ids | preempted)
+            lane.stale(step_host_ends(scheduler_output.kv_connector_metadata))
             if not scheduler_output.total_num_scheduled_tokens:
                 lane.wait_any(0.002)  # nothing to run but busy lane rows: do not spin against the lane
         for rid in scheduler_output.finished_req_ids | preempted:
@@ -285,16 +286,29 @@ class NelssaRunnerMixin:
         return out
 
     def _nelssa_lane_submit(self, jobs, sampled: torch.Tensor) -> None:
-        """Queue the lane jobs of this step's offloaded rows (lane.py, 2): their sampled tokens as input."""
+        """Queue the lane jobs of this step's offloaded rows (lane.py, 2): their sampled tokens as input;
+        with drafts (lane_spec.py) also those tokens in pinned memory, for the lane's check, and the block
+        row through the next position's slot where the scheduler allocated it."""
+        from vllm.sampling_params import SamplingType
+
         from nelssa.vllm_plugin.lane import Job
         ev = torch.cuda.Event() if sampled.is_cuda else None
-        bt = self.input_batch.block_table[0].block_table.np  # the rows this step's inputs were made from
+        table = self.input_batch.block_table[0]
+        bt, nbr = table.block_table.np, table.num_blocks_per_row  # the rows this step's inputs were made from
         bs = self.cache_config.block_size
+        spec = self.nelssa_cfg.lane_spec
+        th = torch.empty(len(jobs), dtype=torch.long, pin_memory=sampled.is_cuda) if spec else None
         out = []
-        for rid, row, pos, h in jobs:
+        for k, (rid, row, pos, h) in enumerate(jobs):
             if rid in runtime.failed:
                 continue
-            out.append(Job(rid, pos, h, sampled[row, :1].to(torch.long, copy=True), bt[row, :pos // bs + 1].copy(), ev))
+            tok = sampled[row, :1].to(torch.long, copy=True)
+            greedy = spec and self.requests[rid].sampling_params.sampling_type == SamplingType.GREEDY
+            nxt = bt[row, :(pos + 1) // bs + 1].copy() if greedy and (pos + 1) // bs < nbr[row] else None
+            if th is not None:
+                th[k:k + 1].copy_(tok, non_blocking=True)
+            out.append(Job(rid, pos, h, tok, bt[row, :pos // bs + 1].copy(), ev, greedy=greedy, next_blocks=nxt,
+                           token_host=(th, k) if th is not None else None))
         if ev is not None and out:  # the token copies above ran on this stream: record after them
             ev.record()
         self.nelssa_lane.submit(out)

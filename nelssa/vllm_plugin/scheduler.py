@@ -48,7 +48,8 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   directly where the lane runs in the scheduler's process: vLLM's in-process executor); busy requests
   are left out of vLLM's running list while it schedules (they keep their place), and their H does
   not move. vLLM allocates one slot
-  ahead for every request (num_lookahead_tokens >= 1) for the position the lane writes. The switch
+  ahead for every request (num_lookahead_tokens >= 1) for the position the lane writes, two with the
+  lane's drafts (lane_spec.py: it writes the next one before the step has sampled its token). The switch
   itself goes through the lane: the first H of a request is sent as ``switching`` for one step (the
   request keeps its blocks and is computed on the device; the lane computes its next position with
   H), and is in use — its blocks below H freed — from the next scheduling on. So no step of the
@@ -103,7 +104,8 @@ class NelssaScheduler(Scheduler):
         if cfg is None:
             return
         if cfg.lane:
-            self.num_lookahead_tokens = max(self.num_lookahead_tokens, 1)
+            # the slot of the lane's position; with drafts (lane_spec.py, 1) the next one's too
+            self.num_lookahead_tokens = max(self.num_lookahead_tokens, 2 if cfg.lane_spec else 1)
         groups = self.kv_cache_config.kv_cache_groups
         specs = [g.kv_cache_spec for g in groups]
         if len(groups) != 1 or not isinstance(specs[0], NelssaSpec):
