@@ -330,6 +330,16 @@ def test_lane_drafts_chain_verify_and_drop():
     d.drop({"e"})
     assert not d.has("e")
     assert d.take_counts() == {"run": 7, "verified": 2, "mismatch": 3, "stale": 1} and d.take_counts() == {}
+    # who drafts: greedy requests whose logits nothing changes before the argmax
+    from vllm import SamplingParams
+
+    from nelssa.vllm_plugin.lane_spec import drafts_ok
+    assert drafts_ok(SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2))
+    for kw in ({"temperature": 0.7}, {"repetition_penalty": 1.1}, {"presence_penalty": 0.5},
+               {"frequency_penalty": 0.5}, {"logit_bias": {3: 2.0}}, {"allowed_token_ids": [1, 2]},
+               {"min_tokens": 4}):
+        assert not drafts_ok(SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **kw})), kw
+    assert not drafts_ok(None)
 
 
 def test_lane_batch_graph_keys_windows_and_forget():

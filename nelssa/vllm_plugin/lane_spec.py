@@ -29,7 +29,10 @@ proposes the token itself and the step checks it, as speculative decoding does, 
      drops the request's draft before its forward (``stale``: queued or held ones forgotten, a running
      one cancelled and waited for as lane.drop does), before the blocks below the new H can be reused.
   5. A finished or preempted request's draft goes with it (lane.drop -> ``Drafts.drop``).
-Requests that do not sample greedily never draft (their token would rarely match the argmax).
+Only requests whose token is the argmax of the model's own logits draft (``drafts_ok``): greedy, and no
+sampling parameter that changes the logits before the argmax (penalties, logit bias, allowed or bad
+words, structured output, a minimum length, a thinking budget); for the others a draft would often be
+wrong, and each wrong one costs a lane batch.
 The lane holds its condition's lock around every call here (lane.py).
 """
 
@@ -48,6 +51,16 @@ class Held:
     hidden: torch.Tensor     # its final hidden state [H]
     nxt: torch.Tensor        # its argmax on the device [1] int64 (the next draft's input token)
     nxt_value: int
+
+
+def drafts_ok(sp) -> bool:
+    """Whether a request with sampling parameters ``sp`` (vLLM's SamplingParams) drafts: its next token is the
+    argmax of the model's logits as they are."""
+    from vllm.sampling_params import SamplingType
+    return (sp is not None and sp.sampling_type == SamplingType.GREEDY and sp.repetition_penalty == 1.0
+            and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0 and not sp.logit_bias
+            and not sp.allowed_token_ids and not sp.bad_words and sp.structured_outputs is None
+            and not sp.min_tokens and getattr(sp, "thinking_token_budget", None) is None)
 
 
 class Drafts:

@@ -289,9 +289,8 @@ class NelssaRunnerMixin:
         """Queue the lane jobs of this step's offloaded rows (lane.py, 2): their sampled tokens as input;
         with drafts (lane_spec.py) also those tokens in pinned memory, for the lane's check, and the block
         row through the next position's slot where the scheduler allocated it."""
-        from vllm.sampling_params import SamplingType
-
         from nelssa.vllm_plugin.lane import Job
+        from nelssa.vllm_plugin.lane_spec import drafts_ok
         ev = torch.cuda.Event() if sampled.is_cuda else None
         table = self.input_batch.block_table[0]
         bt, nbr = table.block_table.np, table.num_blocks_per_row  # the rows this step's inputs were made from
@@ -303,7 +302,7 @@ class NelssaRunnerMixin:
             if rid in runtime.failed:
                 continue
             tok = sampled[row, :1].to(torch.long, copy=True)
-            greedy = spec and self.requests[rid].sampling_params.sampling_type == SamplingType.GREEDY
+            greedy = spec and drafts_ok(self.requests[rid].sampling_params)
             nxt = bt[row, :(pos + 1) // bs + 1].copy() if greedy and (pos + 1) // bs < nbr[row] else None
             if th is not None:
                 th[k:k + 1].copy_(tok, non_blocking=True)
