@@ -83,7 +83,7 @@ class Job:
     # drafts (lane_spec.py)
     greedy: bool = False     # the request samples greedily: the lane may draft its next position
     next_blocks: Any = None  # the block-table row through pos + 1 when that slot is allocated, else None
-    token_host: Any = None   # (pinned int64 tensor, index): ``token`` on the host once ``event`` is done
+    token_host: Any = None   # CUDA: (pinned int64 tensor, index), ``token`` on the host once ``event`` is done
     draft: bool = False      # a draft (its input token the lane's argmax)
     verified: bool = False   # a draft whose token the step sampled too
     token_value: int = -1    # a draft's input token
@@ -294,12 +294,15 @@ class Lane:
                         log.error("NELSSA: request %s fails in the lane: %s", j.req_id, failed[j.req_id])
                         runtime.fail(j.req_id, failed[j.req_id])
                     elif hidden is not None:
+                        row = (nxt[0][i:i + 1], int(nxt[1][i])) if nxt is not None else None  # its argmax
                         if j.draft and not j.verified:  # its token not sampled by the step yet (lane_spec.py, 2)
-                            self.drafts.hold(j, hidden[i], nxt[0][i:i + 1], int(nxt[1][i]))
+                            self.drafts.hold(j, hidden[i], *row)
                             continue
                         if j.draft:
                             self.drafts.finished(j)
-                        self._publish(j, hidden[i], nxt and (nxt[0][i:i + 1], int(nxt[1][i])))
+                        d = self._publish(j, hidden[i], row)
+                        if d is not None:
+                            self._queue.append(d)
                 self._running = set()
                 self._running_drafts = set()
                 self._cv.notify_all()
@@ -325,17 +328,16 @@ class Lane:
         queued = {j.req_id for j in self._queue}
         return any(r not in queued for r in self.drafts.held)
 
-    def _publish(self, j: Job, hidden: torch.Tensor, nxt) -> None:
-        """(Under the lock.) ``j``'s position computed: reported to the scheduler; with drafts the next
-        position's draft queued from ``nxt`` (its argmax on the device, its value), else the lane waits
-        for the request's next job before a batch without it (the gather)."""
+    def _publish(self, j: Job, hidden: torch.Tensor, nxt) -> Job | None:
+        """(Under the lock.) ``j``'s position computed: reported to the scheduler. With drafts -> the next
+        position's draft from ``nxt`` (its argmax on the device, its value), for the caller to run; without
+        one the lane waits for the request's next job before a batch without it (the gather)."""
         self._ready[j.req_id] = (j.pos, hidden)
         self._reported[j.req_id] = j.pos
         d = self.drafts.chain(j, *nxt, j.next_blocks) if self.drafts is not None and nxt else None
-        if d is not None:
-            self._queue.append(d)
-        else:
+        if d is None:
             self._awaiting.add(j.req_id)
+        return d
 
     def _verify(self, jobs: list[Job]) -> list[Job]:
         """The step's jobs against the drafts (lane_spec.py, 2) -> the jobs to run: the step's jobs without
@@ -354,9 +356,9 @@ class Lane:
             with self._cv:
                 kind, held = self.drafts.verify(j, tok)
                 if kind == "held":
-                    self._publish(held.job, held.hidden, (held.nxt, held.nxt_value))
-                    out += [d for d in self._queue if d.draft and d.req_id == j.req_id]
-                    self._queue = [d for d in self._queue if not (d.draft and d.req_id == j.req_id)]
+                    d = self._publish(held.job, held.hidden, (held.nxt, held.nxt_value))
+                    if d is not None:
+                        out.append(d)
                 elif kind != "queued":
                     out.append(j)
         with self._cv:

@@ -79,6 +79,11 @@ class Drafts:
     def has(self, rid: str) -> bool:
         return rid in self.queued or rid in self.held
 
+    def _of(self, rid: str):
+        """The request's draft job, queued, running or held (None: none)."""
+        q, h = self.queued.get(rid), self.held.get(rid)
+        return q if q is not None else (h.job if h is not None else None)
+
     def chain(self, job, nxt: torch.Tensor, nxt_value: int, next_blocks) -> Any | None:
         """The draft that follows ``job`` (its input verified; ``nxt`` its argmax) or None (1); registered as
         queued. ``next_blocks``: the block-table row through the draft's position (None: not allocated)."""
@@ -106,33 +111,24 @@ class Drafts:
         ("mismatch", None) a draft dropped, ("queued", None) the queued draft marked verified (the job is
         not run), ("held", result) the held draft's result is the job's."""
         rid = job.req_id
-        q, h = self.queued.get(rid), self.held.get(rid)
-        d = q if q is not None else (h.job if h is not None else None)
+        d = self._of(rid)
         if d is None:
             return "none", None
         if d.pos == job.pos and d.token_value == token and d.host_end == job.host_end:
             self._count("verified")
             d.next_blocks, d.verified = job.next_blocks, True  # the step's row reaches the next slot (1)
-            if q is not None:
+            if rid in self.queued:
                 return "queued", None
-            del self.held[rid]
-            return "held", h
+            return "held", self.held.pop(rid)
         self._count("mismatch")
-        self.queued.pop(rid, None)
-        self.held.pop(rid, None)
+        self.drop((rid,))
         return "mismatch", None
 
     def stale(self, host_ends: dict[str, int]) -> set[str]:
         """Requests whose draft uses another H than the step's (4): held ones forgotten here; the caller
         removes the queued ones from its queue and waits for a running one."""
-        out = set()
-        for rid, h in host_ends.items():
-            q, held = self.queued.get(rid), self.held.get(rid)
-            d = q if q is not None else (held.job if held is not None else None)
-            if d is not None and d.host_end != h:
-                out.add(rid)
-                self.queued.pop(rid, None)
-                self.held.pop(rid, None)
+        out = {rid for rid, h in host_ends.items() if (d := self._of(rid)) is not None and d.host_end != h}
+        self.drop(out)
         if out:
             self._count("stale", len(out))
         return out

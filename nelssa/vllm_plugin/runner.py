@@ -287,8 +287,9 @@ class NelssaRunnerMixin:
 
     def _nelssa_lane_submit(self, jobs, sampled: torch.Tensor) -> None:
         """Queue the lane jobs of this step's offloaded rows (lane.py, 2): their sampled tokens as input;
-        with drafts (lane_spec.py) also those tokens in pinned memory, for the lane's check, and the block
-        row through the next position's slot where the scheduler allocated it."""
+        with drafts (lane_spec.py) also, on CUDA, those tokens in pinned memory for the lane's check (a CPU
+        token is read as it is), and the block row through the next position's slot where the scheduler
+        allocated it."""
         from nelssa.vllm_plugin.lane import Job
         from nelssa.vllm_plugin.lane_spec import drafts_ok
         ev = torch.cuda.Event() if sampled.is_cuda else None
@@ -296,7 +297,7 @@ class NelssaRunnerMixin:
         bt, nbr = table.block_table.np, table.num_blocks_per_row  # the rows this step's inputs were made from
         bs = self.cache_config.block_size
         spec = self.nelssa_cfg.lane_spec
-        th = torch.empty(len(jobs), dtype=torch.long, pin_memory=sampled.is_cuda) if spec else None
+        th = torch.empty(len(jobs), dtype=torch.long, pin_memory=True) if spec and sampled.is_cuda else None
         out = []
         for k, (rid, row, pos, h) in enumerate(jobs):
             if rid in runtime.failed:
