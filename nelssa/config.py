@@ -89,11 +89,10 @@ class NelssaConfig:
     lane_switch_us: int = 200     # with the lane: Python's GIL switch interval (us) in the worker
     lane_gather_ms: float = 50.0  # the lane waits up to this long for the long requests it reported to
                                   # come back, so they run as one batch
-    lane_spec: bool = True        # with the lane: after a batch the lane drafts each greedy row's next token
-                                  # itself (lm_head + argmax) and computes that position at once, without
-                                  # waiting for the step; the step's sampling stays the authority (a draft
-                                  # that differs from it is discarded and the position recomputed)
-                                  # (vllm_plugin/lane_spec.py)
+    lane_spec: bool = True        # with the lane: a greedy row's next token is the argmax of the lane's own
+                                  # logits (the step samples from them), so the lane computes the next
+                                  # positions at once and publishes them without waiting for the steps;
+                                  # the steps' tokens are checked after the fact (vllm_plugin/lane_spec.py)
     lane_host_calls: bool = True  # CUDA lane: a batch enqueued whole, the device waiting for each layer's host
                                   # attention (vllm_plugin/lane_host.py, lane_host_wait); off: the lane thread
                                   # waits for it layer by layer

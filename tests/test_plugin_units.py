@@ -285,51 +285,73 @@ def test_lane_inputs_built_on_the_host():
     assert d2["pos"].tolist() == [1, 2] and d2["bt"].tolist() == inp.bt.tolist()
 
 
-def test_lane_drafts_chain_verify_and_drop():
+def test_lane_drafts_chain_check_and_drop():
     """lane_spec.py's bookkeeping (the engine tests run drafts end to end: outputs equal NELSSA_OFF's): a
-    draft follows only a greedy job whose next slot is allocated, one per request; the step's job with the
-    same position, token and H takes a held draft's result (and hands it the next slot's blocks), a queued
-    one runs as verified; another token drops it; a draft whose H the step moved is stale."""
+    draft follows only a greedy job, one at a time per request, as far as the newest block row a step gave
+    (past it the chain waits for the next step's job); the step's job of a drafted position is checked, not
+    run, and another token there is a mismatch; a step's job past a stalled chain runs; drafts with
+    another H than the step's are stale; a chain ends at its request's last position or a stop token."""
     from nelssa.vllm_plugin.lane import Job
     from nelssa.vllm_plugin.lane_spec import Drafts
     tok = torch.tensor([5])
 
-    def job(rid, pos, **kw):
-        return Job(rid, pos, 32, tok, np.array([3, 4], np.int32), **kw)
+    def job(rid, pos, h=32, **kw):
+        return Job(rid, pos, h, tok, np.array([3, 4], np.int32), **kw)
 
-    d = Drafts()
-    assert d.chain(job("a", 20), torch.tensor([7]), 7, np.array([3, 4], np.int32)) is None  # not greedy
-    assert d.chain(job("a", 20, greedy=True), torch.tensor([7]), 7, None) is None          # slot not allocated
-    a = d.chain(job("a", 20, greedy=True), torch.tensor([7]), 7, np.array([3, 4], np.int32))
-    assert (a.pos, a.token_value, a.draft, a.verified, a.host_end, a.event) == (21, 7, True, False, 32, None)
-    assert a.next_blocks is None and a.greedy
-    assert d.chain(job("a", 20, greedy=True), torch.tensor([7]), 7, np.array([3, 4], np.int32)) is None  # one each
-    # the step's job for position 21 while the draft is queued: it runs as verified
-    real = job("a", 21, greedy=True, next_blocks=np.array([3, 4, 9], np.int32))
-    assert d.verify(real, 7) == ("queued", None) and a.verified and a.next_blocks.tolist() == [3, 4, 9]
+    d = Drafts(block_size=16)
+    assert d.chain(job("a", 20), torch.tensor([7]), 7) is None and not d.has("a")  # not greedy
+    # no block row from a step yet: the chain waits; the step's job with a row through slot 33 resumes it
+    assert d.chain(job("a", 20, greedy=True), torch.tensor([7]), 7) is None and "a" in d.stalled
+    checked, a = d.accept(job("a", 20, greedy=True, alloc=np.array([3, 4, 9], np.int32)))
+    assert not checked and a is not None and "a" not in d.stalled
+    assert (a.pos, a.token_value, a.draft, a.host_end, a.event, a.alloc) == (21, 7, True, 32, None, None)
+    assert a.blocks.tolist() == [3, 4] and a.greedy
+    assert d.chain(job("a", 20, greedy=True), torch.tensor([7]), 7) is None  # one queued at a time
     d.finished(a)
-    assert not d.has("a")
-    # held, then verified: its result is the job's
-    b = d.chain(job("b", 40, greedy=True), torch.tensor([8]), 8, np.array([3, 4], np.int32))
-    hid = torch.ones(4)
-    d.hold(b, hid, torch.tensor([9]), 9)
-    kind, held = d.verify(job("b", 41, next_blocks=np.array([3, 4], np.int32)), 8)
-    assert kind == "held" and held.job is b and held.hidden is hid and held.nxt_value == 9 and not d.has("b")
-    # another token, another position or another H: dropped, the job runs
-    for real, t in ((job("c", 11), 6), (job("c", 12), 8), (Job("c", 11, 48, tok, np.array([3], np.int32)), 8)):
-        c = d.chain(job("c", 10, greedy=True), torch.tensor([8]), 8, np.array([3], np.int32))
-        d.hold(c, hid, torch.tensor([1]), 1)
-        assert d.verify(real, t) == ("mismatch", None) and not d.has("c")
-    assert d.verify(job("z", 3), 1) == ("none", None)
-    # the step moved H: stale (held or queued), unless it is the draft's
-    e = d.chain(job("e", 10, greedy=True), torch.tensor([8]), 8, np.array([3], np.int32))
-    f = d.chain(job("f", 10, greedy=True), torch.tensor([8]), 8, np.array([3], np.int32))
-    d.hold(f, hid, torch.tensor([1]), 1)
+    # the draft ran: the next one follows at once, as far as the row's three blocks (position 47)
+    a2 = d.chain(a, torch.tensor([8]), 8)
+    assert (a2.pos, a2.token_value) == (22, 8)
+    d.finished(a2)
+    chain = a2
+    for p in range(23, 48):
+        chain = d.chain(chain, torch.tensor([p]), p)
+        d.finished(chain)
+    assert chain.pos == 47 and chain.blocks.tolist() == [3, 4, 9]
+    assert d.chain(chain, torch.tensor([1]), 1) is None and d.stalled["a"][0] is chain  # slot 48 not allocated
+    # the step's jobs of drafted positions are checked, not run; the same token -> verified
+    checked, nxt = d.accept(job("a", 21, greedy=True, alloc=np.array([3, 4, 9], np.int32)))
+    assert checked and nxt is None and d.check(job("a", 21), 7)
+    checked, nxt = d.accept(job("a", 22, greedy=True, alloc=np.array([3, 4, 9], np.int32)))
+    assert checked and not d.check(job("a", 22), 99)  # another token: a mismatch (the lane fails the request)
+    # a longer row resumes the stalled chain
+    checked, nxt = d.accept(job("a", 23, greedy=True, alloc=np.array([3, 4, 9, 11], np.int32)))
+    assert checked and nxt is not None and nxt.pos == 48 and nxt.blocks.tolist() == [3, 4, 9, 11]
+    assert d.check(job("a", 5), 1)  # a position never drafted (or dropped): nothing to check
+    # a step's job for the position a stalled chain could not draft runs (and ends the wait)
+    b = d.chain(job("b", 40, greedy=True, alloc=np.array([3, 4], np.int32)), torch.tensor([8]), 8)  # 41: no slot
+    assert b is None and "b" in d.stalled
+    checked, nxt = d.accept(job("b", 41, greedy=True, alloc=np.array([3, 4, 9, 12], np.int32)))
+    assert not checked and nxt is None and not d.has("b")
+    # the step moved H: every draft of another H is stale (queued, drafted or stalled), not the step's own
+    e = d.chain(job("e", 10, greedy=True, alloc=np.array([3], np.int32)), torch.tensor([8]), 8)
+    f = d.chain(job("f", 10, greedy=True, alloc=np.array([3], np.int32)), torch.tensor([8]), 8)
+    d.finished(f)
+    assert e is not None and f is not None
     assert d.stale({"e": 32, "f": 64, "z": 16}) == {"f"} and d.has("e") and not d.has("f")
-    d.hold(e, hid, torch.tensor([1]), 1)
-    d.drop({"e"})
-    assert not d.has("e")
-    assert d.take_counts() == {"run": 7, "verified": 2, "mismatch": 3, "stale": 1} and d.take_counts() == {}
+    # a step's job with another H than its drafted position's: dropped as stale, the job runs
+    checked, _ = d.accept(job("e", 11, h=48))
+    assert not checked and not d.has("e")
+    # the chain ends with its request: at its last position, or at a stop token
+    assert d.chain(job("g", 30, greedy=True, alloc=np.array([3, 4], np.int32), last=30), torch.tensor([1]), 1) is None
+    assert d.chain(job("g", 30, greedy=True, alloc=np.array([3, 4], np.int32), stops=frozenset({2})),
+                   torch.tensor([2]), 2) is None
+    assert not d.has("g")
+    g = d.chain(job("g", 29, greedy=True, alloc=np.array([3, 4], np.int32), last=30, stops=frozenset({2})),
+                torch.tensor([1]), 1)
+    assert g is not None and g.pos == 30 and (g.last, g.stops) == (30, frozenset({2}))
+    d.drop({"a", "e", "f", "g"})
+    assert not d.has("a") and "a" not in d.rows
+    assert d.take_counts() == {"run": 31, "verified": 1, "mismatch": 1, "stale": 2} and d.take_counts() == {}
     # who drafts: greedy requests whose logits nothing changes before the argmax
     from vllm import SamplingParams
 

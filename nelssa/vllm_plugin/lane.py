@@ -25,15 +25,14 @@ and every short row of the step waits with it. With it:
      decoder layers for their rows with vLLM's modules: norm -> qkv -> rope -> KV write at p's
      slot -> split attention (window on the device + the host tier over the selected
      clusters, ``attention.split_attention``, the same code as a split step) -> o_proj -> MLP; the
-     final norm gives each row's hidden state. After the stream is done: reported (request -> p)
-     through the NELSSA connector; the scheduler clears ``busy``.
+     final norm and vLLM's lm_head and logits processor give each row's logits. After the stream is
+     done: reported (request -> p) through the NELSSA connector; the scheduler clears ``busy``.
   4. The step that schedules a request at the reported position is a "lane row", shrunk where vLLM
      prepares the step's inputs (runner ``_prepare_inputs``): its sequence length is 1 (it attends a
      live block's first token, no work proportional to its length) and its token's KV slot is the
      pad slot -1 (the lane wrote p), so the step runs like any decode step — on its full CUDA graph
-     when no row of it is split. Its hidden state is replaced by the lane's before the logits
-     (NelssaLlamaForCausalLM.compute_logits), so vLLM samples it like any row (sampling parameters,
-     logprobs, stop conditions). Then 2 again.
+     when no row of it is split. Its logits are the lane's (NelssaLlamaForCausalLM.compute_logits),
+     so vLLM samples it like any row (sampling parameters, logprobs, stop conditions). Then 2 again.
   5. CPU: vLLM's CPU linear layers run oneDNN through handles that are not safe to use from two
      threads at once (they share one scratchpad), so the lane's dense parts and the step's forward
      and logits (its lm_head is such a linear) take turns (``dense_lock``; CUDA needs none). Without
@@ -43,10 +42,9 @@ and every short row of the step waits with it. With it:
      (at most one layer) before the step that may reuse its blocks. A failing job fails its requests
      (runtime.fail): they finish with an error, never with text from a failed attention.
   7. Drafts (config ``lane_spec``, lane_spec.py): after a batch the lane also takes the argmax of its
-     greedy rows' logits and computes their next position at once, before the step has sampled it;
-     the step's job for that position (4 -> 2) then only checks the token, so the lane does not wait
-     for the step between two tokens. The step's sampling stays the authority: a draft it does not
-     confirm is dropped and the position computed again.
+     greedy rows' logits and computes their next position at once, its result published like any
+     job's; the step's job for that position (4 -> 2) is only checked against it, so neither the lane
+     nor the request waits for a step between two tokens: every step can sample one of its tokens.
 Without the lane the switch step and every later one are split steps (attention.py).
 """
 
@@ -81,11 +79,12 @@ class Job:
     blocks: Any              # [nb] int32 numpy: the request's block-table row (vLLM's host copy)
     event: Any = None        # CUDA event after the step's sampling (None on CPU)
     # drafts (lane_spec.py)
-    greedy: bool = False     # the request samples greedily: the lane may draft its next position
-    next_blocks: Any = None  # the block-table row through pos + 1 when that slot is allocated, else None
+    greedy: bool = False     # the request drafts (lane_spec.drafts_ok)
+    alloc: Any = None        # a step's job of a drafting request: its whole block row (the slots allocated ahead)
+    last: int = -1           # the last position its request needs (-1: not known), and its stop tokens
+    stops: frozenset = frozenset()
     token_host: Any = None   # CUDA: (pinned int64 tensor, index), ``token`` on the host once ``event`` is done
     draft: bool = False      # a draft (its input token the lane's argmax)
-    verified: bool = False   # a draft whose token the step sampled too
     token_value: int = -1    # a draft's input token
 
 
@@ -131,12 +130,13 @@ class Lane:
         self._queue: list[Job] = []
         self._running: set[str] = set()
         self._cancel: set[str] = set()
-        self._ready: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (pos, final hidden [H])
+        self._ready: dict[str, dict[int, torch.Tensor]] = {}  # request -> {computed position: its logits [V]}
         self._reported: dict[str, int] = {}
         self._awaiting: set[str] = set()  # reported, their next job not yet queued
         self._running_drafts: set[str] = set()  # requests whose running job is a draft (lane_spec.py)
+        self._checks: list[Job] = []  # step jobs of drafted positions, checked once their step has sampled
         self._gather_s = cfg.lane_gather_ms / 1e3
-        self.drafts = Drafts() if cfg.lane_spec else None  # lane_spec.py
+        self.drafts = Drafts(block_size) if cfg.lane_spec else None  # lane_spec.py
         self._draft_end = torch.cuda.Event() if self.cuda else None  # a replayed batch's end after its drafts' argmax
         self._blas_warm = False
         self._thread = threading.Thread(target=self._loop, name="nelssa-lane", daemon=True)
@@ -192,19 +192,21 @@ class Lane:
             return
         with self._cv:
             for j in jobs:
-                self._ready.pop(j.req_id, None)
                 self._awaiting.discard(j.req_id)
             self._queue.extend(jobs)
             self._cv.notify_all()
 
     def ready(self, req_id: str, pos: int) -> bool:
         with self._cv:
-            r = self._ready.get(req_id)
-        return r is not None and r[0] == pos
+            return pos in self._ready.get(req_id, ())
 
-    def take(self, req_id: str) -> torch.Tensor:
+    def take(self, req_id: str, pos: int) -> torch.Tensor:
+        """The logits of the request's position ``pos`` (a step samples from them); earlier ones forgotten."""
         with self._cv:
-            return self._ready.pop(req_id)[1]
+            r = self._ready[req_id]
+            for p in [p for p in r if p < pos]:
+                del r[p]
+            return r.pop(pos)
 
     def drop(self, req_ids) -> None:
         """Forget these requests (finished or preempted): queued jobs removed, a running job cancelled
@@ -218,6 +220,7 @@ class Lane:
                 self._ready.pop(r, None)
                 self._reported.pop(r, None)
             self._awaiting -= ids
+            self._checks = [j for j in self._checks if j.req_id not in ids]
             if self.drafts is not None:
                 self.drafts.drop(ids)
             self._cv.notify_all()  # a gather waiting for them (_gathering) stops
@@ -237,15 +240,24 @@ class Lane:
 
     def stale(self, host_ends: dict[str, int]) -> None:
         """Step thread, before a step's forward: drafts that use another host range H than this step's are
-        dropped, a running one waited for (lane_spec.py, 4)."""
+        dropped, a running one waited for, and their published results past the position this step takes
+        (the request's first one: positions are taken in order) discarded (lane_spec.py, 4)."""
         if self.drafts is None or not host_ends:
             return
         with self._cv:
             ids = self.drafts.stale(host_ends)
             if ids:
                 self._queue = [j for j in self._queue if not (j.draft and j.req_id in ids)]
+                self._checks = [j for j in self._checks if j.req_id not in ids]
                 self._cv.notify_all()
                 self._wait_out(ids & self._running_drafts)
+                for rid in ids:
+                    r = self._ready.get(rid)
+                    if r:
+                        first = min(r)
+                        self._ready[rid] = {first: r[first]}
+                        if rid in self._reported:
+                            self._reported[rid] = first
 
     def wait_any(self, timeout: float) -> None:
         """Block (without the GIL) until a job ends or ``timeout`` passes: an engine step with nothing
@@ -264,23 +276,24 @@ class Lane:
         while True:
             with self._cv:
                 while not self._queue:
-                    self._cv.wait()
+                    self._check_drafts()
+                    self._cv.wait(0.01 if self._checks else None)
                 end = time.monotonic() + self._gather_s
                 while self._gathering() and time.monotonic() < end:
                     self._cv.wait(max(0.0, end - time.monotonic()))
                 jobs, self._queue = self._queue, []
                 self._running = {j.req_id for j in jobs}
             if self.drafts is not None:
-                jobs = self._verify(jobs)
+                jobs = self._accept(jobs)
                 if not jobs:
                     continue
             t0 = time.perf_counter()
             nxt = None
             try:
-                hidden, failed, nxt = self._run(jobs)
+                logits, failed, nxt = self._run(jobs)
             except Exception as e:  # noqa: BLE001 - these requests fail loudly; the lane goes on
                 log.exception("NELSSA lane: a job batch failed")
-                hidden, failed = None, {j.req_id: f"lane: {type(e).__name__}: {e}" for j in jobs}
+                logits, failed = None, {j.req_id: f"lane: {type(e).__name__}: {e}" for j in jobs}
             dt = time.perf_counter() - t0
             path = self.batch_graphs.path if self.batch_graphs is not None else ""
             if self.cfg.stall_log_ms > 0 and (dt * 1e3 > self.cfg.stall_log_ms / 2 or path not in ("", "replay")):
@@ -288,21 +301,19 @@ class Lane:
                          t0, t0 + dt, dt * 1e3)  # perf_counter: the clock of the watchdog and the hol stamps
             with self._cv:
                 for i, j in enumerate(jobs):
+                    if j.draft:
+                        self.drafts.finished(j)
                     if j.req_id in self._cancel:
                         continue
                     if j.req_id in failed:
                         log.error("NELSSA: request %s fails in the lane: %s", j.req_id, failed[j.req_id])
                         runtime.fail(j.req_id, failed[j.req_id])
-                    elif hidden is not None:
+                    elif logits is not None:
                         row = (nxt[0][i:i + 1], int(nxt[1][i])) if nxt is not None else None  # its argmax
-                        if j.draft and not j.verified:  # its token not sampled by the step yet (lane_spec.py, 2)
-                            self.drafts.hold(j, hidden[i], *row)
-                            continue
-                        if j.draft:
-                            self.drafts.finished(j)
-                        d = self._publish(j, hidden[i], row)
+                        d = self._publish(j, logits[i], row)
                         if d is not None:
                             self._queue.append(d)
+                self._check_drafts()
                 self._running = set()
                 self._running_drafts = set()
                 self._cv.notify_all()
@@ -314,55 +325,45 @@ class Lane:
                     self.host.stats.add(lane_drafts=counts)
 
     def _gathering(self) -> bool:
-        """(Under the lock.) Whether a request the lane expects a job of soon has none queued yet: one reported
-        without a draft, or one whose draft is held for the step's check (lane_spec.py, 2: its job follows
-        the step that samples it). The lane waits for them (up to ``lane_gather_ms``) so that the long
-        requests stay in one batch: a batch's cost hardly grows with its rows (H200 runs 47/48: a host call
-        0.77 ms at 1.22 rows per batch, 0.85 at 1.45). Before this wait for held drafts, runs 47-51 had 1.2
-        rows per batch, and where both long requests decode the first one's tokens came 61-67 ms apart,
-        the second's 45-47."""
-        if self._awaiting:
-            return True
-        if self.drafts is None or not self.drafts.held:
-            return False
-        queued = {j.req_id for j in self._queue}
-        return any(r not in queued for r in self.drafts.held)
+        """(Under the lock.) Whether a request the lane reported without a draft has no job queued yet. The lane
+        waits for them (up to ``lane_gather_ms``) so that the long requests stay in one batch: a batch's
+        cost hardly grows with its rows (H200 runs 47/48: a host call 0.77 ms at 1.22 rows per batch, 0.85
+        at 1.45). Drafting requests do not wait for anything (lane_spec.py): their drafts follow their
+        batch at once, so two of them stay in one batch once they have met in one."""
+        return bool(self._awaiting)
 
-    def _publish(self, j: Job, hidden: torch.Tensor, nxt) -> Job | None:
+    def _publish(self, j: Job, logits: torch.Tensor, nxt) -> Job | None:
         """(Under the lock.) ``j``'s position computed: reported to the scheduler. With drafts -> the next
         position's draft from ``nxt`` (its argmax on the device, its value), for the caller to run; without
         one the lane waits for the request's next job before a batch without it (the gather)."""
-        self._ready[j.req_id] = (j.pos, hidden)
+        self._ready.setdefault(j.req_id, {})[j.pos] = logits
         self._reported[j.req_id] = j.pos
-        d = self.drafts.chain(j, *nxt, j.next_blocks) if self.drafts is not None and nxt else None
-        if d is None:
+        d = self.drafts.chain(j, *nxt) if self.drafts is not None and nxt else None
+        if d is None and not (nxt and self.drafts.last(j, nxt[1])):  # else the request ends here
             self._awaiting.add(j.req_id)
         return d
 
-    def _verify(self, jobs: list[Job]) -> list[Job]:
-        """The step's jobs against the drafts (lane_spec.py, 2) -> the jobs to run: the step's jobs without
-        a matching draft, the drafts still queued (verified or not) and the drafts that follow drafts
-        verified here (their results reported now). Waits for the steps' sampling of jobs with drafts."""
-        out = []
-        for j in jobs:
-            if j.draft:
-                continue
-            with self._cv:
-                has = self.drafts.has(j.req_id) and j.req_id not in self._cancel
-            if not has:
-                out.append(j)
-                continue
-            tok = self._token_value(j)
-            with self._cv:
-                kind, held = self.drafts.verify(j, tok)
-                if kind == "held":
-                    d = self._publish(held.job, held.hidden, (held.nxt, held.nxt_value))
-                    if d is not None:
-                        out.append(d)
-                elif kind != "queued":
-                    out.append(j)
+    def _accept(self, jobs: list[Job]) -> list[Job]:
+        """The step's jobs against the drafts (lane_spec.py, 3) -> the jobs to run: the step's jobs of positions
+        not drafted, the drafts still queued and drafts that waited for a step's block row. The step's jobs
+        of drafted positions are checked later (``_check_drafts``), without waiting for their steps here."""
         with self._cv:
-            out += [j for j in jobs if j.draft and self.drafts.queued.get(j.req_id) is j]
+            out = []
+            for j in jobs:
+                if j.draft:
+                    if self.drafts.queued.get(j.req_id) is j:  # not dropped as stale meanwhile (lane_spec.py, 4)
+                        out.append(j)
+                    continue
+                if j.req_id in self._cancel:
+                    continue
+                checked, d = self.drafts.accept(j)
+                if checked:
+                    self._checks.append(j)
+                else:
+                    out.append(j)
+                if d is not None:
+                    out.append(d)
+            self._check_drafts()
             out.sort(key=lambda j: j.req_id)  # one order per request set (lane_batch.py's key)
             # running from here on, in the same hold of the lock as the check above: a step that finds a
             # draft stale (lane_spec.py, 4) either removed it before this or waits for it to end
@@ -371,12 +372,33 @@ class Lane:
             self._cv.notify_all()
         return out
 
+    def _check_drafts(self) -> None:
+        """(Under the lock.) The step's jobs of drafted positions whose steps have sampled: their tokens against
+        the drafts' (lane_spec.py, 3); a mismatch fails the request."""
+        if not self._checks:
+            return
+        left = []
+        for j in self._checks:
+            tok = self._token_value(j, wait=False)
+            if tok is None:
+                left.append(j)
+            elif not self.drafts.check(j, tok):
+                msg = (f"lane: the step sampled another token at position {j.pos} than the lane's draft, the argmax "
+                       f"of the same logits (a logits processor that moves the argmax?)")
+                log.error("NELSSA: request %s fails: %s", j.req_id, msg)
+                runtime.fail(j.req_id, msg)
+                self.drafts.drop((j.req_id,))
+                self._ready.pop(j.req_id, None)
+        self._checks = left
+
     @staticmethod
-    def _token_value(j: Job) -> int:
-        """The step's sampled token of ``j`` on the host (waits for that step's sampling)."""
+    def _token_value(j: Job, wait: bool = True) -> int | None:
+        """The step's sampled token of ``j`` on the host; None if its step has not sampled yet and not ``wait``."""
         if j.token_host is None:
             return int(j.token.reshape(-1)[0])
         if j.event is not None:
+            if not wait and not j.event.query():
+                return None
             j.event.synchronize()  # without the GIL
         buf, i = j.token_host
         return int(buf[i])
@@ -396,8 +418,8 @@ class Lane:
         self._blas_warm = True
 
     def _run(self, jobs: list[Job]) -> tuple[torch.Tensor | None, dict[str, str], tuple | None]:
-        """The batch -> (final hidden states [n, H] or None when cancelled, failures by request, with
-        drafts the argmax of the rows' logits: (on the device [n], on the host [n]) or None)."""
+        """The batch -> (the rows' logits [n, V] or None when cancelled, failures by request, with drafts the
+        argmax of the rows' logits: (on the device [n], on the host [n]) or None)."""
         n = len(jobs)
         with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()):
             if self.cuda and not self._blas_warm:
@@ -418,7 +440,7 @@ class Lane:
             with self._cv:
                 self._batch = batch
             t0 = time.perf_counter()
-            h = end = nxt = None
+            h = end = nxt = logits = None
             try:
                 replayed = None
                 if batch is not None and self.batch_graphs is not None:  # one replay (lane_batch.py)
@@ -452,11 +474,12 @@ class Lane:
                         return None, {}, None
                 if replayed is None:
                     plan.split["dense"] = max(0.0, time.perf_counter() - t0 - sum(plan.split.values()))
-                if self.drafts is not None and any(j.greedy for j in jobs):  # lane_spec.py, 1
-                    nxt = self._argmax(h)
-                    if end is not None:  # the replay's end event came before these: the one wait covers them
-                        end = self._draft_end
-                        end.record(self.stream)
+                logits = self._logits(h)  # the result (3; lane_spec.py, 1)
+                if self.drafts is not None and any(j.greedy for j in jobs):  # lane_spec.py, 2
+                    nxt = self._argmax(logits)
+                if end is not None:  # the replay's end event came before these: the one wait covers them
+                    end = self._draft_end
+                    end.record(self.stream)
             finally:
                 if self.cuda:  # also on failure: nothing of the batch may still run (lane_host.py, 4)
                     t = time.perf_counter()
@@ -478,14 +501,17 @@ class Lane:
                         for r in plan.req_ids:
                             plan.fail(r, f"host tier: {err}")
         self.host.stats.add(lane_split_s=plan.split)
-        return h, dict(plan.failed), nxt
+        return logits, dict(plan.failed), nxt
 
-    def _argmax(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' next tokens as greedy sampling picks them (lane_spec.py, 1): vLLM's lm_head and logits
-        processor (not the model's compute_logits: that one injects the lane's rows into the step's) and
-        the argmax, on the device and copied to pinned memory (read after the batch's wait)."""
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The rows' logits from their final hidden states: vLLM's lm_head and logits processor (not the model's
+        compute_logits: that one writes the lane's rows into the step's)."""
         with self.dense_lock:
-            logits = self.model.logits_processor(self.model.lm_head, h)
+            return self.model.logits_processor(self.model.lm_head, h)
+
+    def _argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' next tokens as greedy sampling picks them from these logits (lane_spec.py, 2), on the
+        device and copied to pinned memory (read after the batch's wait)."""
         nxt = logits.argmax(dim=-1)
         host = torch.empty(nxt.shape, dtype=torch.long, pin_memory=self.cuda)
         host.copy_(nxt, non_blocking=True)

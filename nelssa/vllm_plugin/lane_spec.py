@@ -1,56 +1,51 @@
-"""Drafts: the long lane computes a request's next position before the step has sampled its token
-(config ``lane_spec``; lane.py).
+"""Drafts: the long lane runs ahead of the steps for requests that sample greedily (config ``lane_spec``;
+lane.py).
 
 Without drafts a long request's token costs a lane batch plus the step that samples it: the lane's next
-job waits for that step (lane.py, 2-4), 6-16 ms in the decode phase and 50-150 ms while a long prompt
-prefills beside it (H200 runs 37-46: lane batch ~60 ms, long TPOT 66 and 110 ms). With drafts the lane
-proposes the token itself and the step checks it, as speculative decoding does, one token deep:
+job waits for that step (lane.py, 2-4). With vLLM's async scheduling the step that samples a position's
+token is scheduled before the lane has computed that position, so the request is scheduled again only
+two steps after the lane's report: one token per two steps, ~87 ms per token while a long prompt
+prefills beside it (H200 run 51: steps of ~40 ms). With drafts the lane computes the next positions
+itself and publishes them at once, so a step finds the request's next position ready and every step
+can sample one of its tokens:
 
-  1. Draft. After a batch the lane computes the logits of its rows' final hidden states (vLLM's
-     lm_head and logits processor, on the lane's stream) and their argmax. A row whose job's input
-     token is verified (a job from the step, or a verified draft: 2), whose request samples greedily
-     and whose next position's KV slot is allocated (with drafts on the scheduler allocates two slots
-     ahead; the step's job carries the block-table row through that slot, ``Job.next_blocks``) queues a
-     draft: the job of the next position, that argmax as its input token, the same host range H. A
-     draft's result (hidden state and its own argmax) is held here, not reported.
-  2. Verify. The step that computes the position before a draft's (the request's lane row, its hidden
-     state injected) samples the real token with vLLM's sampler — sampling parameters, logits
-     processors and logprobs stay vLLM's: it is the authority — and queues the next position's job as
-     always, its token also copied to pinned memory. The lane compares that job with the request's
-     draft once the step's sampling is done: the same position, token and H -> the draft IS that job
-     (held: its result is reported at once and 1 follows from it; queued: it runs as a verified job).
-     Anything else (``mismatch``): the draft is dropped and the job runs as always; the KV slot the
-     draft wrote is written again by it before anything reads it (the step attends a lane row's first
-     token only, lane.py 4).
-  3. One draft per request, from a verified input only: a draft never builds on a draft, so a wrong one
-     costs one lane batch and nothing else, and the lane never runs more than one position ahead of the
-     tokens vLLM has sampled.
+  1. Logits. A lane batch ends with the logits of its rows (vLLM's lm_head and logits processor on the
+     lane's stream, ``Lane._logits``); they are the lane's result, and the step that schedules the
+     position samples from exactly these logits (NelssaLlamaForCausalLM.compute_logits writes them into
+     the step's logits), with vLLM's sampler, sampling parameters and logprobs.
+  2. Draft. A row whose request drafts (``drafts_ok``: greedy, nothing that changes the logits before
+     the argmax) queues the job of its next position at once, the argmax of its logits as input token
+     and the same host range H: that argmax is the token the step's greedy sampler will pick from the
+     same logits, so the draft's result is published like any job's (lane.py, 3) and the chain goes
+     on, a position at a time. Its KV slot must be allocated: a draft uses the newest block row the
+     steps gave for its request (``Job.alloc``; the scheduler allocates two slots ahead); past it the
+     chain waits (``stalled``) for the next step's job to bring a longer row. The chain ends where the
+     request does (``last``): at its last position (max_tokens, the model's length) or when the argmax is
+     one of its stop tokens, so no draft runs for a finished request (a finished request's running job
+     is waited for before its blocks are reused, lane.drop).
+  3. Check. The step's job for a drafted position (its sampled token) does not run: it is checked
+     against the draft's token once that step's sampling is done, without the lane waiting for it. By
+     1-2 they are equal; a difference means the step sampled something else than the argmax of the
+     lane's logits (a bug, or a logits processor that ``drafts_ok`` does not know), after the step may
+     already have used the draft's result, so the request fails loudly (``mismatch``).
   4. H: the scheduler moves a request's H only at a step that schedules it, and that step's worker
-     drops the request's draft before its forward (``stale``: queued or held ones forgotten, a running
-     one cancelled and waited for as lane.drop does), before the blocks below the new H can be reused.
-  5. A finished or preempted request's draft goes with it (lane.drop -> ``Drafts.drop``).
-Only requests whose token is the argmax of the model's own logits draft (``drafts_ok``): greedy, and no
-sampling parameter that changes the logits before the argmax (penalties, logit bias, allowed or bad
-words, structured output, a minimum length, a thinking budget); for the others a draft would often be
-wrong, and each wrong one costs a lane batch.
+     drops the request's drafts with another H before its forward (``stale``): queued ones forgotten, a
+     running one cancelled and waited for, published results past the step's position discarded.
+     The step's job then runs as without drafts.
+  5. A finished or preempted request's drafts go with it (lane.drop -> ``Drafts.drop``).
+Only requests whose token is the argmax of the model's logits draft (``drafts_ok``: greedy, and no
+sampling parameter that changes the logits before the argmax: penalties, logit bias, allowed or bad
+words, structured output, a minimum length, a thinking budget); the runner also turns drafts off for an
+engine with logits processors of its own that can change the argmax (``argmax_kept``).
 The lane holds its condition's lock around every call here (lane.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
-
-
-@dataclass
-class Held:
-    """A draft's result, not yet verified (1)."""
-    job: Any                 # the draft's lane.Job
-    hidden: torch.Tensor     # its final hidden state [H]
-    nxt: torch.Tensor        # its argmax on the device [1] int64 (the next draft's input token)
-    nxt_value: int
 
 
 def drafts_ok(sp) -> bool:
@@ -63,10 +58,22 @@ def drafts_ok(sp) -> bool:
             and not sp.min_tokens and getattr(sp, "thinking_token_budget", None) is None)
 
 
+def argmax_kept(logitsprocs) -> bool:
+    """Whether an engine's batch-level logits processors (vLLM's LogitsProcessors of the input batch) leave the
+    argmax of a ``drafts_ok`` request's logits alone: only vLLM's built-in ones that can move it, which such
+    a request does not use (logit bias, min tokens)."""
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
+    return all(isinstance(p, (LogitBiasLogitsProcessor, MinTokensLogitsProcessor))
+               for p in getattr(logitsprocs, "non_argmax_invariant", ()))
+
+
 class Drafts:
-    def __init__(self) -> None:
-        self.queued: dict[str, Any] = {}   # request -> its draft Job, queued or running
-        self.held: dict[str, Held] = {}    # request -> a finished draft's result
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.queued: dict[str, Any] = {}    # request -> its draft Job, queued or running (one at a time)
+        self.marks: dict[str, dict[int, tuple[int, int]]] = {}  # request -> {drafted position: (token, H)}
+        self.rows: dict[str, Any] = {}      # request -> the newest block row a step gave (Job.alloc)
+        self.stalled: dict[str, tuple] = {}  # request -> (job, argmax, its value): its next slot not allocated
         self.counts: dict[str, float] = {}  # outcome -> drafts since the last take (run, verified, mismatch, stale)
 
     def _count(self, outcome: str, n: int = 1) -> None:
@@ -77,63 +84,83 @@ class Drafts:
         return out
 
     def has(self, rid: str) -> bool:
-        return rid in self.queued or rid in self.held
+        return rid in self.queued or bool(self.marks.get(rid)) or rid in self.stalled
 
-    def _of(self, rid: str):
-        """The request's draft job, queued, running or held (None: none)."""
-        q, h = self.queued.get(rid), self.held.get(rid)
-        return q if q is not None else (h.job if h is not None else None)
-
-    def chain(self, job, nxt: torch.Tensor, nxt_value: int, next_blocks) -> Any | None:
-        """The draft that follows ``job`` (its input verified; ``nxt`` its argmax) or None (1); registered as
-        queued. ``next_blocks``: the block-table row through the draft's position (None: not allocated)."""
-        if not job.greedy or next_blocks is None or self.has(job.req_id):
+    def chain(self, job, nxt: torch.Tensor, nxt_value: int) -> Any | None:
+        """The draft that follows ``job`` (its result published; ``nxt`` its argmax) or None (2); registered as
+        queued. Without an allocated slot for it the chain waits (``resume``)."""
+        rid = job.req_id
+        if not job.greedy or rid in self.queued or self.last(job, nxt_value):
             return None
-        d = replace(job, pos=job.pos + 1, token=nxt, blocks=next_blocks, event=None, next_blocks=None,
-                    token_host=None, draft=True, verified=False, token_value=nxt_value)
-        self.queued[job.req_id] = d
+        pos, row = job.pos + 1, self.rows.get(rid, job.alloc)
+        if row is None or pos // self.bs >= len(row):
+            self.stalled[rid] = (job, nxt, nxt_value)
+            return None
+        self.stalled.pop(rid, None)
+        d = replace(job, pos=pos, token=nxt, blocks=row[:pos // self.bs + 1].copy(), event=None, alloc=None,
+                    token_host=None, draft=True, token_value=nxt_value)
+        self.marks.setdefault(rid, {})[pos] = (nxt_value, job.host_end)
+        self.queued[rid] = d
         self._count("run")
         return d
 
-    def hold(self, job, hidden: torch.Tensor, nxt: torch.Tensor, nxt_value: int) -> None:
-        """A draft ran and was not verified meanwhile: keep its result for its job (2)."""
-        if self.queued.get(job.req_id) is job:
-            del self.queued[job.req_id]
-            self.held[job.req_id] = Held(job, hidden, nxt, nxt_value)
+    @staticmethod
+    def last(job, nxt_value: int) -> bool:
+        """Whether ``job``'s position is the last its request needs (2): its last position, or its argmax (the
+        next token) one that stops it."""
+        return (0 <= job.last <= job.pos) or nxt_value in job.stops
 
     def finished(self, job) -> None:
-        """A verified draft ran: it is a job like any other from now on."""
+        """A draft ran (its result is published by the caller)."""
         if self.queued.get(job.req_id) is job:
             del self.queued[job.req_id]
 
-    def verify(self, job, token: int) -> tuple[str, Held | None]:
-        """The step's job ``job`` (sampled ``token``) against its request's draft (2): ("none", None) no draft,
-        ("mismatch", None) a draft dropped, ("queued", None) the queued draft marked verified (the job is
-        not run), ("held", result) the held draft's result is the job's."""
+    def accept(self, job) -> tuple[bool, Any | None]:
+        """A step's job (3) -> (whether it is checked instead of run, a stalled draft that can run now). Its
+        block row becomes the request's newest."""
         rid = job.req_id
-        d = self._of(rid)
-        if d is None:
-            return "none", None
-        if d.pos == job.pos and d.token_value == token and d.host_end == job.host_end:
-            self._count("verified")
-            d.next_blocks, d.verified = job.next_blocks, True  # the step's row reaches the next slot (1)
-            if rid in self.queued:
-                return "queued", None
-            return "held", self.held.pop(rid)
-        self._count("mismatch")
-        self.drop((rid,))
-        return "mismatch", None
+        if job.alloc is not None:
+            self.rows[rid] = job.alloc
+        m = self.marks.get(rid, {}).get(job.pos)
+        if m is not None and m[1] != job.host_end:  # another H: stale should have dropped it (4)
+            self.drop((rid,))
+            self._count("stale")
+            m = None
+        st = self.stalled.get(rid)
+        if st is not None and st[0].pos + 1 <= job.pos and m is None:
+            del self.stalled[rid]  # the step's job is the position the chain waited to draft: it runs
+            st = None
+        d = self.chain(*st) if st is not None else None
+        return m is not None, d
+
+    def check(self, job, token: int) -> bool:
+        """The step's sampled ``token`` for a drafted position (3): True when equal (or the draft was dropped
+        meanwhile), False on a mismatch."""
+        m = self.marks.get(job.req_id, {}).pop(job.pos, None)
+        if m is None:
+            return True
+        ok = m[0] == token
+        self._count("verified" if ok else "mismatch")
+        return ok
 
     def stale(self, host_ends: dict[str, int]) -> set[str]:
-        """Requests whose draft uses another H than the step's (4): held ones forgotten here; the caller
-        removes the queued ones from its queue and waits for a running one."""
-        out = {rid for rid, h in host_ends.items() if (d := self._of(rid)) is not None and d.host_end != h}
-        self.drop(out)
+        """Requests with drafts that use another H than the step's (4), dropped here; the caller removes their
+        queued draft from its queue, waits for a running one and discards their results past the step's."""
+        out = set()
+        for rid, h in host_ends.items():
+            q, st = self.queued.get(rid), self.stalled.get(rid)
+            if ((q is not None and q.host_end != h) or (st is not None and st[0].host_end != h)
+                    or any(m[1] != h for m in self.marks.get(rid, {}).values())):
+                out.add(rid)
+        self.drop(out, rows=False)
         if out:
             self._count("stale", len(out))
         return out
 
-    def drop(self, ids) -> None:
+    def drop(self, ids, rows: bool = True) -> None:
         for rid in ids:
             self.queued.pop(rid, None)
-            self.held.pop(rid, None)
+            self.marks.pop(rid, None)
+            self.stalled.pop(rid, None)
+            if rows:
+                self.rows.pop(rid, None)

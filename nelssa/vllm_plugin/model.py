@@ -55,7 +55,7 @@ class NelssaLlamaForCausalLM(LlamaForCausalLM):
         if vllm_config.speculative_config is not None:
             raise ValueError("NELSSA does not support speculative decoding (decode rows of long requests "
                              "must carry one query token)")
-        self.nelssa_inject = None  # (rows, hidden): the lane's hidden states for this step's lane rows
+        self.nelssa_inject = None  # (rows, logits): the lane's logits for this step's lane rows
         for module in self.modules():
             if type(module) is Attention:
                 # our own model's layers become the NELSSA subclass (same state, extra behaviour)
@@ -66,9 +66,10 @@ class NelssaLlamaForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden_states, *args, **kwargs):
         inj = getattr(self, "nelssa_inject", None)
-        if inj is not None:  # lane rows (lane.py): their hidden states come from the lane
-            self.nelssa_inject = None
-            rows, h = inj
-            hidden_states = hidden_states.index_copy(0, rows, h.to(hidden_states.dtype))
+        self.nelssa_inject = None
         with self.nelssa_dense_lock:
-            return super().compute_logits(hidden_states, *args, **kwargs)
+            logits = super().compute_logits(hidden_states, *args, **kwargs)
+        if inj is not None and logits is not None:  # lane rows (lane.py, 4): their logits are the lane's
+            rows, lane_logits = inj
+            logits = logits.index_copy(0, rows, lane_logits.to(logits.dtype))
+        return logits

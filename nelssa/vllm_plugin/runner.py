@@ -197,10 +197,12 @@ class NelssaRunnerMixin:
         plan, moves = step
         set_plan(plan)
         self._nelssa_lane_rows = len(plan.lane_rows)
-        if plan.lane_rows:
-            self.get_model().nelssa_inject = (
-                self._nelssa_lane_index(plan)[0],
-                torch.stack([self.nelssa_lane.take(r) for r in plan.cache["lane_rids"]]))
+        if plan.lane_rows:  # the lane's logits of their positions (lane.py, 4)
+            rows = [self.nelssa_lane.take(r, c) for r, c in zip(plan.cache["lane_rids"], plan.cache["lane_pos"])]
+            if rows[0].is_cuda:  # made on the lane's stream, read on this one: not reused before that read
+                for t in rows:
+                    t.record_stream(torch.cuda.current_stream())
+            self.get_model().nelssa_inject = (self._nelssa_lane_index(plan)[0], torch.stack(rows))
         t = time.perf_counter()
         try:  # CPU: the lane's dense parts wait while the step's forward runs (lane.py, 5)
             with self.get_model().nelssa_dense_lock:
@@ -229,7 +231,7 @@ class NelssaRunnerMixin:
         anchors = step_anchors(so.kv_connector_metadata)
         switching = step_switching(so.kv_connector_metadata)
         rows, rids, tok, hend, seqs, moves = [], [], [], [], [], []
-        lane, lrows, ltok, lrids, jobs = self.nelssa_lane, [], [], [], []
+        lane, lrows, ltok, lrids, lpos, jobs = self.nelssa_lane, [], [], [], [], []
         bad: dict[str, str] = {}
         qpos = 0
         for i in range(ib.num_reqs):
@@ -247,7 +249,7 @@ class NelssaRunnerMixin:
                 hj = h or (switching.get(rid, 0) if lane is not None and not failed else 0)
                 if h:
                     if lane is not None and s == 1 and not failed and lane.ready(rid, c):
-                        lrows.append(i), ltok.append(qpos), lrids.append(rid)  # computed by the lane
+                        lrows.append(i), ltok.append(qpos), lrids.append(rid), lpos.append(c)  # computed by the lane
                     else:
                         rows.append(i), rids.append(rid), tok.append(qpos), hend.append(h), seqs.append(n)
                 if hj:
@@ -274,7 +276,7 @@ class NelssaRunnerMixin:
         plan.cache["block_size"] = self.cache_config.block_size
         plan.cache["dtype"] = self.model_config.dtype
         plan.graphs = self._nelssa_graphs
-        plan.lane_rows, plan.lane_tokens, plan.cache["lane_rids"] = lrows, ltok, lrids
+        plan.lane_rows, plan.lane_tokens, plan.cache["lane_rids"], plan.cache["lane_pos"] = lrows, ltok, lrids, lpos
         self._nelssa_jobs = [j for j in jobs if j[0] not in bad]
         return plan, moves
 
@@ -288,26 +290,31 @@ class NelssaRunnerMixin:
     def _nelssa_lane_submit(self, jobs, sampled: torch.Tensor) -> None:
         """Queue the lane jobs of this step's offloaded rows (lane.py, 2): their sampled tokens as input;
         with drafts (lane_spec.py) also, on CUDA, those tokens in pinned memory for the lane's check (a CPU
-        token is read as it is), and the block row through the next position's slot where the scheduler
-        allocated it."""
+        token is read as it is), and a drafting request's whole block row (the slots allocated ahead)."""
         from nelssa.vllm_plugin.lane import Job
-        from nelssa.vllm_plugin.lane_spec import drafts_ok
+        from nelssa.vllm_plugin.lane_spec import argmax_kept, drafts_ok
         ev = torch.cuda.Event() if sampled.is_cuda else None
         table = self.input_batch.block_table[0]
         bt, nbr = table.block_table.np, table.num_blocks_per_row  # the rows this step's inputs were made from
         bs = self.cache_config.block_size
-        spec = self.nelssa_cfg.lane_spec
+        spec = self.nelssa_cfg.lane_spec and argmax_kept(self.input_batch.logitsprocs)
         th = torch.empty(len(jobs), dtype=torch.long, pin_memory=True) if spec and sampled.is_cuda else None
         out = []
         for k, (rid, row, pos, h) in enumerate(jobs):
             if rid in runtime.failed:
                 continue
             tok = sampled[row, :1].to(torch.long, copy=True)
-            greedy = spec and drafts_ok(self.requests[rid].sampling_params)
-            nxt = bt[row, :(pos + 1) // bs + 1].copy() if greedy and (pos + 1) // bs < nbr[row] else None
+            st = self.requests[rid]
+            sp = st.sampling_params
+            greedy = spec and drafts_ok(sp)
             if th is not None:
                 th[k:k + 1].copy_(tok, non_blocking=True)
-            out.append(Job(rid, pos, h, tok, bt[row, :pos // bs + 1].copy(), ev, greedy=greedy, next_blocks=nxt,
+            last, stops = -1, frozenset()
+            if greedy:  # where its chain of drafts ends (lane_spec.py, 2)
+                last = min(st.num_prompt_tokens + (sp.max_tokens or self.max_model_len), self.max_model_len) - 2
+                stops = frozenset(t for t in (sp.eos_token_id, *(sp.stop_token_ids or ())) if t is not None)
+            out.append(Job(rid, pos, h, tok, bt[row, :pos // bs + 1].copy(), ev, greedy=greedy,
+                           alloc=bt[row, :nbr[row]].copy() if greedy else None, last=last, stops=stops,
                            token_host=(th, k) if th is not None else None))
         if ev is not None and out:  # the token copies above ran on this stream: record after them
             ev.record()

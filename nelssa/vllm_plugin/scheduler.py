@@ -49,7 +49,7 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   are left out of vLLM's running list while it schedules (they keep their place), and their H does
   not move. vLLM allocates one slot
   ahead for every request (num_lookahead_tokens >= 1) for the position the lane writes, two with the
-  lane's drafts (lane_spec.py: it writes the next one before the step has sampled its token). The switch
+  lane's drafts (lane_spec.py: it runs ahead of the steps, as far as the allocated slots). The switch
   itself goes through the lane: the first H of a request is sent as ``switching`` for one step (the
   request keeps its blocks and is computed on the device; the lane computes its next position with
   H), and is in use — its blocks below H freed — from the next scheduling on. So no step of the
@@ -104,7 +104,7 @@ class NelssaScheduler(Scheduler):
         if cfg is None:
             return
         if cfg.lane:
-            # the slot of the lane's position; with drafts (lane_spec.py, 1) the next one's too
+            # the slot of the lane's position; with drafts (lane_spec.py, 2) the next one's too
             self.num_lookahead_tokens = max(self.num_lookahead_tokens, 2 if cfg.lane_spec else 1)
         groups = self.kv_cache_config.kv_cache_groups
         specs = [g.kv_cache_spec for g in groups]
@@ -432,7 +432,7 @@ class NelssaScheduler(Scheduler):
         failed = getattr(meta, "failed", None)
         for rid, pos in (getattr(meta, "lane", None) or {}).items():
             r = self.requests.get(rid)
-            if r is not None and r.num_computed_tokens == pos:  # else already scheduled again (_lane_ready)
+            if r is not None and r.num_computed_tokens <= pos:  # else older than its scheduling (_lane_ready)
                 self._busy.discard(rid)
         for rid, (end, gen) in (getattr(meta, "handoffs", None) or {}).items():
             r = self.requests.get(rid)
