@@ -386,9 +386,8 @@ class Lane:
                 msg = (f"lane: the step sampled another token at position {j.pos} than the lane's draft, the argmax "
                        f"of the same logits (a logits processor that moves the argmax?)")
                 log.error("NELSSA: request %s fails: %s", j.req_id, msg)
-                runtime.fail(j.req_id, msg)
+                runtime.fail(j.req_id, msg)  # its published results stay until it ends: a step may be taking one
                 self.drafts.drop((j.req_id,))
-                self._ready.pop(j.req_id, None)
         self._checks = left
 
     @staticmethod

@@ -301,17 +301,19 @@ class NelssaRunnerMixin:
         th = torch.empty(len(jobs), dtype=torch.long, pin_memory=True) if spec and sampled.is_cuda else None
         out = []
         for k, (rid, row, pos, h) in enumerate(jobs):
-            if rid in runtime.failed:
-                continue
-            tok = sampled[row, :1].to(torch.long, copy=True)
             st = self.requests[rid]
             sp = st.sampling_params
+            # the last position whose logits the request needs: its last token (max_tokens, or the model's
+            # length) is sampled from the one before it
+            last = min(st.num_prompt_tokens + (sp.max_tokens or self.max_model_len), self.max_model_len) - 2
+            if rid in runtime.failed or pos > last:  # failed, or this step sampled its last token
+                continue
+            tok = sampled[row, :1].to(torch.long, copy=True)
             greedy = spec and drafts_ok(sp)
             if th is not None:
                 th[k:k + 1].copy_(tok, non_blocking=True)
-            last, stops = -1, frozenset()
-            if greedy:  # where its chain of drafts ends (lane_spec.py, 2)
-                last = min(st.num_prompt_tokens + (sp.max_tokens or self.max_model_len), self.max_model_len) - 2
+            stops = frozenset()
+            if greedy:  # where its chain of drafts ends besides ``last`` (lane_spec.py, 2)
                 stops = frozenset(t for t in (sp.eos_token_id, *(sp.stop_token_ids or ())) if t is not None)
             out.append(Job(rid, pos, h, tok, bt[row, :pos // bs + 1].copy(), ev, greedy=greedy,
                            alloc=bt[row, :nbr[row]].copy() if greedy else None, last=last, stops=stops,
