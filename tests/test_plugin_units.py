@@ -364,6 +364,41 @@ def test_lane_drafts_chain_check_and_drop():
     assert not drafts_ok(None)
 
 
+def test_lane_release_keeps_a_running_jobs_request_until_it_ends():
+    """lane.py, 6: a finished request is forgotten at once (queue, results, drafts), but while a job of its
+    runs it is only cancelled: released (its host KV and blocks may go) once that job has ended; one with
+    no job running is released at once. Preempted requests go through drop, which waits."""
+    import threading
+
+    from nelssa.node.local import HostStats
+    from nelssa.vllm_plugin.lane import Job, Lane
+    from nelssa.vllm_plugin.lane_spec import Drafts
+
+    class Graphs:
+        forgotten: set = set()
+
+        def forget(self, ids):
+            self.forgotten |= set(ids)
+
+    lane = Lane.__new__(Lane)  # the bookkeeping only: no model, no thread
+    lane._cv, lane._batch, lane.batch_graphs = threading.Condition(), None, Graphs()
+    lane.host = type("H", (), {"stats": HostStats()})()
+    lane.drafts = Drafts(block_size=16)
+    lane._queue = [Job("q", 5, 32, torch.tensor([1]), np.array([3], np.int32))]
+    lane._ready, lane._reported = {"a": {7: torch.zeros(3)}, "q": {5: torch.zeros(3)}}, {"a": 7}
+    lane._awaiting, lane._checks, lane._cancel = {"q"}, [], set()
+    lane._running, lane._releasing, lane._released = {"a"}, set(), set()
+    lane.release({"a", "q"})
+    assert lane._queue == [] and "a" not in lane._ready and "q" not in lane._ready and not lane._awaiting
+    assert lane._cancel == {"a"} and lane.take_released() == {"q"}  # q had no job running
+    assert lane.batch_graphs.forgotten == {"q"} and lane.take_released() == set()
+    with lane._cv:  # the batch ends (lane._loop)
+        lane._running = set()
+        lane._settle()
+    assert lane._cancel == set() and lane.take_released() == {"a"} and lane.batch_graphs.forgotten == {"q", "a"}
+    assert lane.host.stats.totals.get("lane_finish_cancels") == 1
+
+
 def test_lane_batch_graph_keys_windows_and_forget():
     """lane_batch.py's bookkeeping (its capture and replay need CUDA: the H200 exactness check runs them):
     the key changes exactly when a request's clusters are replaced (a commit), the window table is the

@@ -23,13 +23,16 @@ MIXED = [  # long prompts of real text mixed with short ones, in one batch
     {"id": "grows", "text_tokens": 1950, "offset": 120000, "max_tokens": 250},
     # the same, aborted while its migration is in flight (NELSSA only: NELSSA_OFF never migrates)
     {"id": "grows_aborted", "text_tokens": 1950, "offset": 150000, "max_tokens": 250, "abort_on_migrate": True},
+    # aborted while the lane runs a job of it: its blocks and host KV go only once that job has ended
+    {"id": "aborted_in_lane", "text_tokens": 2300, "offset": 180000, "max_tokens": 64, "abort_in_lane": True},
 ]
 MAX_TOKENS = {r["id"]: r["max_tokens"] for r in MIXED}
 pytestmark = pytest.mark.engine
 
 
 def tokens(res):
-    return {k: r["token_ids"] for k, r in res["results"].items() if k not in ("aborted", "grows_aborted")}
+    return {k: r["token_ids"] for k, r in res["results"].items()
+            if k not in ("aborted", "grows_aborted", "aborted_in_lane")}
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +83,9 @@ def test_device_blocks_given_back(mixed):
     assert on["host_totals"]["long_requests"] >= 3, on["host_totals"]
     assert on["host_totals"]["cluster_s_n"] >= 3 + 4, on["host_totals"]
     assert on["final_free_blocks"] == off["final_free_blocks"] == on["total_blocks"] - 1
+    # the one aborted while the lane ran a job of it (lane.py, 6): its job cancelled, the step not waiting
+    # for it; freed all the same (above)
+    assert on["aborted_in_lane"] == ["aborted_in_lane"] and on["host_totals"].get("lane_finish_cancels", 0) >= 1
 
 
 def test_grown_request_migrates_without_recompute(mixed):

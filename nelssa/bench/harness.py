@@ -11,11 +11,13 @@ Spec "sync_handoff" (default true): after each step wait for NELSSA's background
 switch to host attention comes at deterministic steps (a run of `nelssa bench hol` keeps them
 asynchronous, as in serving).
 A request: {"id", "prompt_ids" | "text_tokens": n (+ "offset") | "chat": str, "max_tokens",
-"abort_at_step"?, "abort_on_migrate"?, "add_at_step"?, "after"?, "extra_args"?, "priority"?}. "after":
+"abort_at_step"?, "abort_on_migrate"?, "abort_in_lane"?, "add_at_step"?, "after"?, "extra_args"?,
+"priority"?}. "after":
 the id of an earlier request; added in the step after that one finished. "extra_args": the request's
 SamplingParams.extra_args (e.g. {"nelssa_offload": false}). "abort_on_migrate": aborted after
 the first step in which NELSSA's scheduler is migrating it (anchor set, not yet switched); listed in
-the output's "aborted_migrating".
+the output's "aborted_migrating". "abort_in_lane": aborted before the first step at which the long lane
+is running a job of it (lane.py, 6); listed in "aborted_in_lane".
 """
 
 from __future__ import annotations
@@ -91,10 +93,13 @@ def run(spec: dict) -> dict:
     seen: dict[str, Any] = {}
     results: dict[str, dict] = {}
     aborted_migrating: list[str] = []
+    aborted_in_lane: list[str] = []
+    lane = getattr(runner, "nelssa_lane", None)
     steps: list[dict] = []
     t0 = time.time()
     step = 0
     while step < spec.get("max_steps", 100000):
+        hold = None
         due = [r for r in pending if r.get("add_at_step", 0) <= step and ("after" not in r or r["after"] in results)]
         for r in due:
             pending.remove(r)
@@ -110,6 +115,18 @@ def run(spec: dict) -> dict:
                 eng.abort_request([r["id"]])
             if r.get("abort_at_step") == step and r["id"] not in results:
                 eng.abort_request([r["id"]])
+            # aborted while the long lane runs a job of it (lane.py, 6: released once that job has ended); the
+            # lane's lock held through the step that releases it, so that job cannot end before (the step takes
+            # the lock reentrantly on this thread, the lane thread waits for it only to end a batch)
+            if r.get("abort_in_lane") and r["id"] not in results and r["id"] not in aborted_in_lane \
+                    and lane is not None and hold is None:
+                lane._cv.acquire()
+                if rid in lane._running:
+                    aborted_in_lane.append(r["id"])
+                    eng.abort_request([r["id"]])
+                    hold = lane._cv
+                else:
+                    lane._cv.release()
         if not sched.has_requests():
             if not pending:  # as EngineCore: one more step flushes finished ids
                 break
@@ -117,7 +134,12 @@ def run(spec: dict) -> dict:
             if all(r.get("after") in internal and r["after"] not in results for r in pending):
                 raise RuntimeError(f"requests {[r['id'] for r in pending]} wait for requests that ended "
                                    "without a result")
-        outs = eng.step()
+        try:
+            outs = eng.step()
+        finally:
+            if hold is not None:
+                hold.release()
+                hold = None
         if sync_handoff:  # deterministic switch points for tests: each move done before the next step
             runner.nelssa_handoff.wait_all()
         for rid, req in sched.requests.items():
@@ -149,7 +171,7 @@ def run(spec: dict) -> dict:
         "final_host_bytes": host.nbytes if host is not None else 0,
         "host_requests": len(host.reqs) if host is not None else 0,
         "host_totals": dict(host.stats.totals) if host is not None else {},
-        "aborted_migrating": aborted_migrating,
+        "aborted_migrating": aborted_migrating, "aborted_in_lane": aborted_in_lane,
     }
     if spec.get("metrics"):
         out["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()

@@ -58,6 +58,7 @@ class HostStats:
         self.lane_timeline_s: dict[str, float] = {}  # long lane batches with host calls: launch-to-end seconds
                                                      # per part (lead, host, between, tail; lane_host.py, 7)
         self.lane_timeline_batches = 0
+        self.lane_finish_cancels = 0           # long lane: requests finished while a job of theirs ran (lane.py, 6)
         self.handoff_failures = 0              # background moves to the host tier that failed (handoff.py)
 
     def take(self) -> dict:
@@ -72,7 +73,8 @@ class HostStats:
                  "lane_capture_failures": self.lane_capture_failures, "lane_paths": self.lane_paths,
                  "lane_drafts": self.lane_drafts,
                  "node_comm_s": self.node_comm_s, "lane_timeline_s": self.lane_timeline_s,
-                 "lane_timeline_batches": self.lane_timeline_batches, "handoff_failures": self.handoff_failures}
+                 "lane_timeline_batches": self.lane_timeline_batches, "handoff_failures": self.handoff_failures,
+                 "lane_finish_cancels": self.lane_finish_cancels}
             self.reset()
         return d
 

@@ -47,10 +47,11 @@ class NelssaWorkerMeta(KVConnectorWorkerMetadata):
     failed: dict[str, str] = field(default_factory=dict)
     handoffs: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (end, generation)
     lane: dict[str, int] = field(default_factory=dict)  # request -> position the lane computed (lane.py)
+    released: list[str] = field(default_factory=list)  # finished requests the lane is done with (lane.py, 6)
 
     def aggregate(self, other: "NelssaWorkerMeta") -> "NelssaWorkerMeta":
         return NelssaWorkerMeta({**self.failed, **other.failed}, {**self.handoffs, **other.handoffs},
-                                {**self.lane, **other.lane})
+                                {**self.lane, **other.lane}, [*self.released, *other.released])
 
 
 def _ours(obj, cls, children: str):
@@ -177,6 +178,10 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
             "lane_timeline_batches": per_engine(c(name="nelssa:lane_timeline_batches", labelnames=labelnames,
                                                   documentation="Long lane: batches with host calls whose timeline "
                                                                 "is in nelssa:lane_timeline_seconds")),
+            "lane_finish_cancels": per_engine(c(name="nelssa:lane_finish_cancels", labelnames=labelnames,
+                                                documentation="Long lane: requests that finished while a job of "
+                                                              "theirs ran (cancelled; their blocks and host KV "
+                                                              "kept until it ended, lane.py 6)")),
             "lane_captures": per_engine(c(name="nelssa:lane_captures", labelnames=labelnames,
                                           documentation="Long lane: batches captured as one CUDA graph (lane_batch.py)")),
             "lane_capture_failures": per_engine(c(name="nelssa:lane_capture_failures", labelnames=labelnames,
@@ -209,7 +214,8 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
         self._lane_drafts = c(name="nelssa:lane_drafts", labelnames=[*labelnames, "outcome"],
                               documentation="Long lane: drafts (a long request's next position computed before the "
                                             "step sampled its token, lane_spec.py) by outcome: run, verified, "
-                                            "mismatch (the step sampled another token), stale (its host range moved)")
+                                            "mismatch (the step sampled another token: the request fails), "
+                                            "stale (its host range moved)")
         self._labels = per_engine_labelvalues
 
     def observe(self, data: dict[str, Any], engine_idx: int = 0):
@@ -276,10 +282,10 @@ class NelssaConnector(KVConnectorBase_V1):
         pass
 
     def build_connector_worker_meta(self):
-        new, done = runtime.take_new_failures(), runtime.take_handoffs()
+        new, done, rel = runtime.take_new_failures(), runtime.take_handoffs(), runtime.take_released()
         lane = runtime.lane()
         ln = lane.take_reports() if lane is not None else {}
-        return NelssaWorkerMeta(new, done, ln) if new or done or ln else None
+        return NelssaWorkerMeta(new, done, ln, rel) if new or done or ln or rel else None
 
     def get_kv_connector_stats(self):
         if self._role == KVConnectorRole.SCHEDULER:

@@ -38,9 +38,12 @@ and every short row of the step waits with it. With it:
      and logits (its lm_head is such a linear) take turns (``dense_lock``; CUDA needs none). Without
      the logits in it, a lane batch's o_proj/MLP and the step's lm_head overlapped: NaN in both (seen
      on an Intel Xeon: lane requests failed, short ones answered garbage).
-  6. A request finished or preempted while its job runs: the runner cancels the job and waits for it
-     (at most one layer) before the step that may reuse its blocks. A failing job fails its requests
-     (runtime.fail): they finish with an error, never with text from a failed attention.
+  6. A request finished while its job runs: the job is cancelled and the step goes on (``release``);
+     the scheduler keeps the request's blocks out of vLLM's pool, and the runner its host KV, until the
+     job has ended (NelssaScheduler._free_request_blocks; reported through the connector as
+     ``released``). A preempted request (vLLM frees its blocks at once): the runner waits for its job
+     (``drop``) before the step that may reuse them. A failing job fails its requests (runtime.fail):
+     they finish with an error, never with text from a failed attention.
   7. Drafts (config ``lane_spec``, lane_spec.py): after a batch the lane also takes the argmax of its
      greedy rows' logits and computes their next position at once, its result published like any
      job's; the step's job for that position (4 -> 2) is only checked against it, so neither the lane
@@ -135,6 +138,8 @@ class Lane:
         self._awaiting: set[str] = set()  # reported, their next job not yet queued
         self._running_drafts: set[str] = set()  # requests whose running job is a draft (lane_spec.py)
         self._checks: list[Job] = []  # step jobs of drafted positions, checked once their step has sampled
+        self._releasing: set[str] = set()  # finished requests whose running job was cancelled (6)
+        self._released: set[str] = set()   # finished requests with no job running any more (6)
         self._gather_s = cfg.lane_gather_ms / 1e3
         self.drafts = Drafts(block_size) if cfg.lane_spec else None  # lane_spec.py
         self._draft_end = torch.cuda.Event() if self.cuda else None  # a replayed batch's end after its drafts' argmax
@@ -215,18 +220,56 @@ class Lane:
         if not ids:
             return
         with self._cv:
-            self._queue = [j for j in self._queue if j.req_id not in ids]
-            for r in ids:
-                self._ready.pop(r, None)
-                self._reported.pop(r, None)
-            self._awaiting -= ids
-            self._checks = [j for j in self._checks if j.req_id not in ids]
-            if self.drafts is not None:
-                self.drafts.drop(ids)
-            self._cv.notify_all()  # a gather waiting for them (_gathering) stops
+            self._forget(ids)
             self._wait_out(ids)
         if self.batch_graphs is not None:  # their graphs hold their host KV (lane_batch.py, 1)
             self.batch_graphs.forget(ids)
+
+    def release(self, req_ids) -> None:
+        """Step thread: finished requests forgotten as by ``drop``, but a running job is only cancelled, not
+        waited for (6): they are ``released`` once it has ended."""
+        ids = set(req_ids)
+        if not ids:
+            return
+        with self._cv:
+            self._forget(ids)
+            running = ids & self._running
+            self._cancel |= running
+            if self._batch is not None and self._running and self._cancel >= self._running:
+                self._batch.cancel()  # its host calls not yet run return at once (lane_host.py, 5)
+            self._releasing |= running
+            self._released |= ids - running
+        if running:
+            self.host.stats.add(lane_finish_cancels=len(running))
+
+    def take_released(self) -> set[str]:
+        """Step thread: the finished requests no job of the lane runs for any more (6), their graphs forgotten:
+        their host KV and device blocks can go."""
+        with self._cv:
+            out, self._released = self._released, set()
+        if out and self.batch_graphs is not None:
+            self.batch_graphs.forget(out)
+        return out
+
+    def _forget(self, ids: set) -> None:
+        """(Under the lock.) Queued jobs, results, reports, drafts and checks of these requests gone."""
+        self._queue = [j for j in self._queue if j.req_id not in ids]
+        for r in ids:
+            self._ready.pop(r, None)
+            self._reported.pop(r, None)
+        self._awaiting -= ids
+        self._checks = [j for j in self._checks if j.req_id not in ids]
+        if self.drafts is not None:
+            self.drafts.drop(ids)
+        self._cv.notify_all()  # a gather waiting for them (_gathering) stops
+
+    def _settle(self) -> None:
+        """(Under the lock.) Released requests whose cancelled job is no longer running (6)."""
+        done = self._releasing - self._running
+        if done:
+            self._releasing -= done
+            self._released |= done
+            self._cancel -= done
 
     def _wait_out(self, ids: set) -> None:
         """(Under the lock.) A running job of these requests cancelled and waited for: its results are not
@@ -316,6 +359,7 @@ class Lane:
                 self._check_drafts()
                 self._running = set()
                 self._running_drafts = set()
+                self._settle()
                 self._cv.notify_all()
             self.host.stats.add(lane_batch_s=dt, lane_rows=len(jobs))
             if self.drafts is not None:
@@ -369,6 +413,7 @@ class Lane:
             # draft stale (lane_spec.py, 4) either removed it before this or waits for it to end
             self._running = {j.req_id for j in out}
             self._running_drafts = {j.req_id for j in out if j.draft}
+            self._settle()
             self._cv.notify_all()
         return out
 

@@ -133,16 +133,21 @@ class NelssaRunnerMixin:
         if self.nelssa_watchdog is not None:
             self.nelssa_watchdog.beat(bool(scheduler_output.total_num_scheduled_tokens))
         preempted = scheduler_output.preempted_req_ids or set()
+        finished = scheduler_output.finished_req_ids - preempted
         lane = self.nelssa_lane
-        if lane is not None:  # before this step may reuse their blocks (lane.py, 5; lane_spec.py, 4)
-            lane.drop(scheduler_output.finished_req_ids | preempted)
+        if lane is not None:  # before this step may reuse their blocks (lane.py, 6; lane_spec.py, 4)
+            lane.drop(preempted)    # vLLM frees a preempted request's blocks at once: its job waited for
+            lane.release(finished)  # the scheduler keeps a finished one's until the lane is done with it
             lane.stale(step_host_ends(scheduler_output.kv_connector_metadata))
             if not scheduler_output.total_num_scheduled_tokens:
                 lane.wait_any(0.002)  # nothing to run but busy lane rows: do not spin against the lane
-        for rid in scheduler_output.finished_req_ids | preempted:
+            finished = lane.take_released()  # their host KV goes now, their blocks after the report
+        for rid in finished | preempted:
             self.nelssa_handoff.drop(rid, preempted=rid in preempted)
             host.free(rid)
             runtime.forget(rid)
+        if lane is not None and finished:
+            runtime.released(finished)
         self._nelssa_so = scheduler_output
         timer = self.nelssa_step_timer
         started = timer.start() if timer is not None else None

@@ -10,6 +10,7 @@ _lock = threading.Lock()
 failed: dict[str, str] = {}   # request id -> why it failed; kept until the request is freed
 _reported: set[str] = set()
 _handoffs: dict[str, tuple[int, int]] = {}  # request id -> (end of completed hand-offs, generation)
+_released: list[str] = []  # finished requests the lane is done with, not yet reported (lane.py, 6)
 
 
 def set_host(host) -> None:
@@ -65,4 +66,17 @@ def take_handoffs() -> dict[str, tuple[int, int]]:
     global _handoffs
     with _lock:
         out, _handoffs = _handoffs, {}
+    return out
+
+
+def released(ids) -> None:
+    """Finished requests whose lane jobs have ended and whose host state is freed: their blocks can go."""
+    with _lock:
+        _released.extend(ids)
+
+
+def take_released() -> list[str]:
+    global _released
+    with _lock:
+        out, _released = _released, []
     return out

@@ -101,6 +101,11 @@ class NelssaScheduler(Scheduler):
         self._busy: set[str] = set()         # lane: requests whose next position the lane computes
         self._switching: dict[str, int] = {}  # lane: request -> first H, sent for its switch step
         self._switched: set[str] = set()     # lane: switching requests scheduled (H in use from next step)
+        # lane (lane.py, 6): a finished lane request's blocks stay out of the pool until the worker reports
+        # its lane job ended (a running job still writes its window)
+        self._lane_reqs: set[str] = set()    # finished lane requests whose blocks are not yet freed
+        self._fenced: dict[str, list] = {}   # request -> its blocks, popped from the manager, not yet freed
+        self._lane_released: set[str] = set()  # released by the worker while a connector still holds the blocks
         if cfg is None:
             return
         if cfg.lane:
@@ -401,6 +406,10 @@ class NelssaScheduler(Scheduler):
         return min(c, thr) if thr > 0 else c
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
+        rid = request.request_id
+        if self.nelssa is not None and self.nelssa.lane and (rid in self._host_end or rid in self._switching
+                                                               or rid in self._busy):
+            self._lane_reqs.add(rid)
         self._busy.discard(request.request_id)
         self._switching.pop(request.request_id, None)
         self._switched.discard(request.request_id)
@@ -410,6 +419,34 @@ class NelssaScheduler(Scheduler):
         self._switched_at.pop(request.request_id, None)
         self._anchor.pop(request.request_id, None)
         return super()._free_request(request, delay_free_blocks)
+
+    def _free_request_blocks(self, request: Request):
+        """A finished lane request's blocks are popped from vLLM's manager (vLLM's own deferral primitive) and
+        kept here until the worker reports the request released (lane.py, 6): its lane job may still run,
+        and it writes the request's window. Preempted requests (the worker waits for their jobs) and all
+        others go to vLLM at once."""
+        rid = request.request_id
+        if not (request.is_finished() and rid in self._lane_reqs):
+            return super()._free_request_blocks(request)
+        self._lane_reqs.discard(rid)
+        if rid in self._lane_released:  # the worker released it while a connector held the blocks
+            self._lane_released.discard(rid)
+            return super()._free_request_blocks(request)
+        self._fenced[rid] = self.kv_cache_manager.pop_blocks_for_free(request)
+
+    def _release(self, ids) -> None:
+        """The worker's lane is done with these finished requests (lane.py, 6): their blocks to the pool."""
+        for rid in ids:
+            blocks = self._fenced.pop(rid, None)
+            if blocks is not None:
+                self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))  # tail blocks evicted first
+            elif rid in self._lane_reqs:  # finished, blocks still held by a connector (_free_request_blocks)
+                self._lane_released.add(rid)
+
+    def has_requests(self) -> bool:
+        """Also while lane requests' blocks wait for their release: the engine keeps stepping until the
+        worker has reported it (its lane job ends within a batch)."""
+        return super().has_requests() or bool(self._fenced)
 
     def finish_requests(self, request_ids, finished_status):
         if self._held and request_ids is not None:
@@ -430,6 +467,7 @@ class NelssaScheduler(Scheduler):
         kvo = model_runner_output.kv_connector_output
         meta = nelssa_worker_meta(kvo.kv_connector_worker_meta) if kvo is not None else None
         failed = getattr(meta, "failed", None)
+        self._release(getattr(meta, "released", None) or ())
         for rid, pos in (getattr(meta, "lane", None) or {}).items():
             r = self.requests.get(rid)
             if r is not None and r.num_computed_tokens <= pos:  # else older than its scheduling (_lane_ready)
