@@ -10,8 +10,10 @@ Per step:
     generated tokens) are handed off in the background (handoff.Handoff.submit); completions go to
     the scheduler through the connector, which switches the request to them in a later step.
   * with the long lane (config ``lane``, lane.py): an offloaded row whose next position the lane
-    computed is a lane row (its hidden state injected before the logits); after the sampling every
-    offloaded row of the step queues the lane job of its next position.
+    computed is a lane row (its logits are the lane's); after the sampling every offloaded row of the
+    step queues the lane job of its next position (none after a request's last token). A finished
+    request's lane job is cancelled, not waited for (lane.release; the scheduler keeps its blocks until
+    it is reported released); a preempted one's is waited for (lane.drop).
 Failures are collected per request and reported through the NELSSA KV connector.
 """
 
