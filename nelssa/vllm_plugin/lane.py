@@ -214,8 +214,9 @@ class Lane:
             return r.pop(pos)
 
     def drop(self, req_ids) -> None:
-        """Forget these requests (finished or preempted): queued jobs removed, a running job cancelled
-        and waited for, so nothing of the lane writes their blocks after this returns."""
+        """Forget these requests (preempted: vLLM frees their blocks at once; finished ones go through
+        ``release``): queued jobs removed, a running job cancelled and waited for, so nothing of the lane
+        writes their blocks after this returns."""
         ids = set(req_ids)
         if not ids:
             return
