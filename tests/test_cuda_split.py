@@ -110,7 +110,10 @@ def select_kernel_case(device: str) -> None:
                 assert torch.equal(torch.isinf(lse), torch.isinf(rlse))
                 fin = torch.isfinite(rlse)
                 assert torch.allclose(lse[fin], rlse[fin], atol=1e-4, rtol=1e-5)
-                assert torch.allclose(o, ro, atol=2e-3 if dtype == torch.bfloat16 else 1e-5)
+                # (its largest difference in the message: one run of the suite failed here, on an AMX box with
+                # the no-bf16 caps, and passed 18 times alone; 2.9e-6 is this case's usual largest on CPU)
+                assert torch.allclose(o, ro, atol=2e-3 if dtype == torch.bfloat16 else 1e-5), \
+                    (budget, float((o - ro).abs().max()), float(ro.abs().max()))
             if budget == 1.0:  # everything non-empty selected, nothing estimated
                 assert torch.equal(ref.counts.cpu(), torch.stack([(c.sizes > 0).sum(1).cpu() for c in ckvs]))
     torch.testing.assert_close(select_clusters(q, ckvs, 0.04, 0.125, kernel=True).ids[0],
