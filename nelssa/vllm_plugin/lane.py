@@ -142,7 +142,7 @@ class Lane:
         self._released: set[str] = set()   # finished requests with no job running any more (6)
         self._gather_s = cfg.lane_gather_ms / 1e3
         self.drafts = Drafts(block_size) if cfg.lane_spec else None  # lane_spec.py
-        self._draft_end = torch.cuda.Event() if self.cuda else None  # a replayed batch's end after its drafts' argmax
+        self._logits_end = torch.cuda.Event() if self.cuda else None  # a replayed batch's end after its logits
         self._blas_warm = False
         self._thread = threading.Thread(target=self._loop, name="nelssa-lane", daemon=True)
         self._thread.start()
@@ -234,10 +234,7 @@ class Lane:
             return
         with self._cv:
             self._forget(ids)
-            running = ids & self._running
-            self._cancel |= running
-            if self._batch is not None and self._running and self._cancel >= self._running:
-                self._batch.cancel()  # its host calls not yet run return at once (lane_host.py, 5)
+            running = self._cancel_running(ids)
             self._releasing |= running
             self._released |= ids - running
         if running:
@@ -264,6 +261,16 @@ class Lane:
             self.drafts.drop(ids)
         self._cv.notify_all()  # a gather waiting for them (_gathering) stops
 
+    def _cancel_running(self, ids: set) -> set:
+        """(Under the lock.) A running job of these requests cancelled (its results not kept; when every
+        request of the running batch is, the batch's host calls not yet run return at once, lane_host.py,
+        5) -> the requests of ``ids`` with a job running."""
+        running = ids & self._running
+        self._cancel |= running
+        if self._batch is not None and self._running and self._cancel >= self._running:
+            self._batch.cancel()
+        return running
+
     def _settle(self) -> None:
         """(Under the lock.) Released requests whose cancelled job is no longer running (6)."""
         done = self._releasing - self._running
@@ -275,9 +282,7 @@ class Lane:
     def _wait_out(self, ids: set) -> None:
         """(Under the lock.) A running job of these requests cancelled and waited for: its results are not
         kept, and nothing of it runs after this returns."""
-        self._cancel |= ids & self._running
-        if self._batch is not None and self._running and self._cancel >= self._running:
-            self._batch.cancel()  # its host calls not yet run return at once (lane_host.py, 5)
+        self._cancel_running(ids)
         while self._running & ids:
             self._cv.wait(0.1)
         self._cancel -= ids
@@ -425,7 +430,7 @@ class Lane:
             return
         left = []
         for j in self._checks:
-            tok = self._token_value(j, wait=False)
+            tok = self._sampled_token(j)
             if tok is None:
                 left.append(j)
             elif not self.drafts.check(j, tok):
@@ -437,14 +442,12 @@ class Lane:
         self._checks = left
 
     @staticmethod
-    def _token_value(j: Job, wait: bool = True) -> int | None:
-        """The step's sampled token of ``j`` on the host; None if its step has not sampled yet and not ``wait``."""
+    def _sampled_token(j: Job) -> int | None:
+        """The step's sampled token of ``j`` on the host, or None while its step has not sampled it (CUDA)."""
         if j.token_host is None:
             return int(j.token.reshape(-1)[0])
-        if j.event is not None:
-            if not wait and not j.event.query():
-                return None
-            j.event.synchronize()  # without the GIL
+        if j.event is not None and not j.event.query():
+            return None
         buf, i = j.token_host
         return int(buf[i])
 
@@ -523,7 +526,7 @@ class Lane:
                 if self.drafts is not None and any(j.greedy for j in jobs):  # lane_spec.py, 2
                     nxt = self._argmax(logits)
                 if end is not None:  # the replay's end event came before these: the one wait covers them
-                    end = self._draft_end
+                    end = self._logits_end
                     end.record(self.stream)
             finally:
                 if self.cuda:  # also on failure: nothing of the batch may still run (lane_host.py, 4)

@@ -21,8 +21,7 @@ can sample one of its tokens:
      steps gave for its request (``Job.alloc``; the scheduler allocates two slots ahead); past it the
      chain waits (``stalled``) for the next step's job to bring a longer row. The chain ends where the
      request does (``last``): at its last position (max_tokens, the model's length) or when the argmax is
-     one of its stop tokens, so no draft runs for a finished request (a finished request's running job
-     is waited for before its blocks are reused, lane.drop).
+     one of its stop tokens, so no draft is left running when its request finishes.
   3. Check. The step's job for a drafted position (its sampled token) does not run: it is checked
      against the draft's token once that step's sampling is done, without the lane waiting for it. By
      1-2 they are equal; a difference means the step sampled something else than the argmax of the
@@ -32,7 +31,7 @@ can sample one of its tokens:
      drops the request's drafts with another H before its forward (``stale``): queued ones forgotten, a
      running one cancelled and waited for, published results past the step's position discarded.
      The step's job then runs as without drafts.
-  5. A finished or preempted request's drafts go with it (lane.drop -> ``Drafts.drop``).
+  5. A finished or preempted request's drafts go with it (lane.release / lane.drop -> ``Drafts.drop``).
 Only requests whose token is the argmax of the model's logits draft (``drafts_ok``: greedy, and no
 sampling parameter that changes the logits before the argmax: penalties, logit bias, allowed or bad
 words, structured output, a minimum length, a thinking budget); the runner also turns drafts off for an
@@ -88,7 +87,8 @@ class Drafts:
 
     def chain(self, job, nxt: torch.Tensor, nxt_value: int) -> Any | None:
         """The draft that follows ``job`` (its result published; ``nxt`` its argmax) or None (2); registered as
-        queued. Without an allocated slot for it the chain waits (``resume``)."""
+        queued. Without an allocated slot for it the chain waits (``stalled``) until ``accept`` gets a longer
+        block row."""
         rid = job.req_id
         if not job.greedy or rid in self.queued or self.last(job, nxt_value):
             return None
