@@ -16,7 +16,9 @@
 #   NODE_DEVICES [1]  NODE_ARGS [extra nelssa-node arguments]
 #   VLLM_EXTRA_ARGS [empty]: appended to both vLLM instances' arguments, e.g. "--dtype float32 --enforce-eager"
 #   PREFILL_GPU [0]  DECODE_GPU [1 with two GPUs, else 0]  GPU_MEMORY_SPLIT [0.45: each instance's
-#       --gpu-memory-utilization when P and D share a GPU]
+#       --gpu-memory-utilization when P and D share a GPU; "P,D" for two values, e.g. 0.5,0.27]. On a
+#       shared GPU D starts once P is healthy: vLLM sizes its KV cache from the device's free memory,
+#       which the other instance's start would be changing
 #   NELSSA_ENGINE_CORES: cores of both vLLM instances (taskset/numactl), or PREFILL_CORES / DECODE_CORES
 #   NELSSA_AFFINITY_CORES: D's host-attention pool (NELSSA config)   NODE_CORES: the node's cores
 #   LOG_DIR [${TMPDIR:-/tmp}/nelssa-pd-$PROXY_PORT]: logs and the PID record (stop reads it)
@@ -163,6 +165,7 @@ export NELSSA_BUDGET=${NELSSA_BUDGET:-0.04}
 ngpu=0
 if command -v nvidia-smi >/dev/null 2>&1; then ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
 dev_flag=--cpu
+shared_gpu=0
 p_env=() d_env=() p_extra=() d_extra=()
 if [ "$ngpu" -gt 0 ]; then
   dev_flag=--cuda
@@ -170,8 +173,17 @@ if [ "$ngpu" -gt 0 ]; then
   DECODE_GPU=${DECODE_GPU:-$([ "$ngpu" -ge 2 ] && echo 1 || echo 0)}
   p_env=(CUDA_VISIBLE_DEVICES="$PREFILL_GPU") d_env=(CUDA_VISIBLE_DEVICES="$DECODE_GPU")
   if [ "$PREFILL_GPU" = "$DECODE_GPU" ]; then
-    p_extra=(--gpu-memory-utilization "${GPU_MEMORY_SPLIT:-0.45}") d_extra=(--gpu-memory-utilization "${GPU_MEMORY_SPLIT:-0.45}")
-    log "P and D share GPU $PREFILL_GPU (--gpu-memory-utilization ${GPU_MEMORY_SPLIT:-0.45} each)"
+    shared_gpu=1
+    split=${GPU_MEMORY_SPLIT:-0.45}
+    p_util=${split%%,*} d_util=${split#*,}
+    for u in "$p_util" "$d_util"; do
+      "$PY" -c "import sys; v = float(sys.argv[1]); sys.exit(0 if 0 < v < 1 else 1)" "$u" 2>/dev/null \
+        || { log "GPU_MEMORY_SPLIT=$split: each value must be a fraction in (0, 1)"; exit 2; }
+    done
+    "$PY" -c "import sys; sys.exit(0 if float(sys.argv[1]) + float(sys.argv[2]) < 1 else 1)" "$p_util" "$d_util" \
+      || { log "GPU_MEMORY_SPLIT=$split: P's and D's shares of the one GPU must add up to less than 1"; exit 2; }
+    p_extra=(--gpu-memory-utilization "$p_util") d_extra=(--gpu-memory-utilization "$d_util")
+    log "P and D share GPU $PREFILL_GPU (--gpu-memory-utilization P $p_util, D $d_util; D starts once P is healthy)"
   fi
   log "GPUs: P on $PREFILL_GPU, D on $DECODE_GPU (kv_buffer_device cuda)"
 else
@@ -233,6 +245,13 @@ fi
 launch prefill "$PREFILL_PORT $PREFILL_NIXL_PORT" "$LOG_DIR/prefill.log" $(pin "$PREFILL_CORES") \
   env "${p_env[@]}" "$PY" -m nelssa.proxy.pd engine-cmd --exec --role prefill --port "$PREFILL_PORT" \
   --nixl-port "$PREFILL_NIXL_PORT" --model "$MODEL" "$dev_flag" "${off_flag[@]}" "${lease[@]}" -- "${extra[@]}" "${p_extra[@]}"
+if [ "$shared_gpu" = 1 ]; then
+  read -r _ ppid _ < <(grep '^prefill ' "$STATE")
+  log "waiting for P's health before D starts (one GPU)"
+  "$PY" -m nelssa.proxy.pd wait --timeout "$HEALTH_TIMEOUT" --pid "$ppid=prefill" \
+    "http://127.0.0.1:$PREFILL_PORT/health" >&2 \
+    || { log "P did not become healthy; last lines of its log:"; tail -n 15 "$LOG_DIR/prefill.log" >&2; exit 1; }
+fi
 # shellcheck disable=SC2046
 launch decode "$DECODE_PORT $DECODE_NIXL_PORT" "$LOG_DIR/decode.log" $(pin "$DECODE_CORES") \
   env "${d_env[@]}" "$PY" -m nelssa.proxy.pd engine-cmd --exec --role decode --port "$DECODE_PORT" \

@@ -12,6 +12,12 @@
 #   bash scripts/gpu_hol.sh handoff [args]           # benchmarks/bench_handoff.py (no vLLM needed: no staging) + its report
 #   bash scripts/gpu_hol.sh node [bench_node args]   # benchmarks/bench_node.py (carry .wheels: grpcio); a node that
 #                                                    # crashes leaves its native frames, resolved, in $OUT/node_crash.txt
+#   PD_MODE=on|off bash scripts/gpu_hol.sh pd [hol-http --set args]
+#                                                    # the P/D stack (run_pd_with_nelssa.sh: P and D on this host's
+#                                                    # GPUs, one shared GPU split PD_SPLIT [0.5,0.27]) and the
+#                                                    # head-of-line scenario through its proxy (`nelssa bench
+#                                                    # hol-http`); carry .pdwheels (nixl==1.5.1, nixl-cu13==1.5.1
+#                                                    # cp312 wheels) once; PD_ENGINE [local] D's host tier
 # Carried folders: .bundle/N (../shared/gpu/make-vllm-bundle.sh .bundle), .gpumodel/dummy-llama-3.1-8b
 # (`nelssa make-dummy-model --out .gpumodel/dummy-llama-3.1-8b`: config + tokenizer). Results: $OUT.
 set -euo pipefail
@@ -57,6 +63,67 @@ for m in re.finditer(r"_C[^ (]*\.so\(([^)+]*)\+(0x[0-9a-f]+)\)", open(crash).rea
     print(hex(addr), " | ".join(r.stdout.split("\n")))
 PY
     fi
+    exit $rc ;;
+  pd)
+    [ -d /tmp/site/vllm ] || { echo "vLLM is not installed: stage all bundle parts first" >&2; exit 2; }
+    mkdir -p /tmp/site/nelssa-0.1.0.dist-info
+    printf 'Metadata-Version: 2.1\nName: nelssa\nVersion: 0.1.0\n' > /tmp/site/nelssa-0.1.0.dist-info/METADATA
+    printf '[vllm.general_plugins]\nnelssa = nelssa.vllm_plugin:register\n' > /tmp/site/nelssa-0.1.0.dist-info/entry_points.txt
+    if [ ! -d /tmp/nixl/nixl ]; then
+      ls .pdwheels/nixl*.whl >/dev/null 2>&1 || { echo "NIXL is not installed: carry .pdwheels once" >&2; exit 2; }
+      pip install -q --no-deps --target /tmp/nixl .pdwheels/*.whl
+    fi
+    export PYTHONPATH=/tmp/nixl:$PYTHONPATH
+    grpc_wheels
+    build_ext
+    { lscpu | grep -E "Model name|^CPU\(s\)"; nvidia-smi --query-gpu=name,memory.total --format=csv; } | tee "$OUT/machine.txt"
+    python3 -c "import vllm, nixl, nelssa._C; from nixl._api import nixl_agent; print('vllm', vllm.__version__, 'nixl ok')"
+    mode=${PD_MODE:-on}
+    out="$OUT/pd_$mode${HOL_TAG:+_$HOL_TAG}"
+    mkdir -p "$out"
+    model=$PWD/.gpumodel/dummy-llama-3.1-8b
+    # both modes: the V1 model runner (NELSSA's D needs it; stock P/D the same, so only NELSSA differs)
+    export VLLM_USE_V2_MODEL_RUNNER=0 NELSSA_PYTHON=python3 MODEL=$model LOG_DIR=/tmp/pd_$mode
+    export NELSSA_T_INPUT=8192 NELSSA_BUDGET=0.04 NELSSA_ENGINE=${PD_ENGINE:-local} NELSSA_LANE=1
+    export NELSSA_HOST_CAPACITY=64GiB GPU_MEMORY_SPLIT=${PD_SPLIT:-0.5,0.27} HEALTH_TIMEOUT=400
+    # P keeps a prompt's KV for D this long (vLLM's 30 s): D admits a 100K prompt only when its KV fits
+    # (stock: after the other long request; NELSSA: after its hand-off), both modes alike
+    export NIXL_KV_LEASE_S=${PD_LEASE_S:-120}
+    # the h200 preset's server arguments (nelssa bench hol-http --preset h200), less the memory share
+    export VLLM_EXTRA_ARGS="--load-format dummy --max-model-len 131072 --max-num-seqs 128 --max-num-batched-tokens 8192 --long-prefill-token-threshold 2048 --no-enable-prefix-caching --seed 0"
+    if [ "$mode" = off ]; then export NELSSA_OFF=1; else unset NELSSA_OFF; fi
+    rm -rf "$LOG_DIR"
+    bash run_pd_with_nelssa.sh > "$out/launcher.log" 2>&1 &
+    stack=$!
+    t=$SECONDS
+    until grep -q "ready:" "$out/launcher.log"; do
+      kill -0 $stack 2>/dev/null || { echo "the stack did not start:"; tail -n 60 "$out/launcher.log"; break; }
+      sleep 2
+    done
+    echo "stack up after $((SECONDS - t)) s"
+    rc=0
+    if kill -0 $stack 2>/dev/null; then
+      python3 -m nelssa.cli bench hol-http --preset h200 --model "$model" --out "$out" \
+        --endpoints "$mode=http://127.0.0.1:8300" \
+        --metrics "$mode=http://127.0.0.1:8200/metrics+http://127.0.0.1:8100/metrics" "$@" 2>&1 \
+        | tee "$out/bench.log" | grep -vE "^\[hol-http" | tail -n 40 || rc=$?
+      # KV moved P -> D over NIXL: the connectors' transfer stats in D's metrics
+      for side in d:8200 p:8100; do
+        python3 -c "import sys; from nelssa.bench.serving import http_get; print(http_get(sys.argv[1]))" \
+          "http://127.0.0.1:${side#*:}/metrics" | grep -E "^(vllm:nixl|vllm:num_preemptions|nelssa:)" \
+          > "$out/${side%%:*}_metrics_end.txt" || true
+      done
+      bash run_pd_with_nelssa.sh stop >> "$out/launcher.log" 2>&1 || rc=$?
+    else
+      rc=1
+    fi
+    wait $stack 2>/dev/null || true
+    for lg in "$LOG_DIR"/*.log; do
+      [ -f "$lg" ] || continue
+      grep -E "NELSSA|nixl|NIXL|Traceback|Error" "$lg" | tail -n 300 > "$out/$(basename "${lg%.log}")_diag.txt" || true
+      gzip -c "$lg" > "$out/$(basename "$lg").gz"
+    done
+    pack "$out"
     exit $rc ;;
   bench|check|select)
     [ -d /tmp/site/vllm ] || { echo "vLLM is not installed: stage all bundle parts first" >&2; exit 2; }

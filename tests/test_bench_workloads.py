@@ -354,7 +354,18 @@ def test_replay_against_a_fake_endpoint(tmp_path, monkeypatch):
         recs = [json.loads(x) for x in (tmp_path / f"requests_{mode}.jsonl").read_text().splitlines()]
         assert all(len(r["stamps"]) == r["n_out"] == r["output_tokens"] for r in recs)
     assert s["ratios_on_over_off"][name]["decode_tok_s"] > 0
-    for f in ("summary.json", "throughput.png", "running.png", "short_tpot_cdf.png", "metrics_on.jsonl"):
+    for mode in ("on", "off"):  # nelssa bench hol's phases from the streams' stamps
+        a = s["hol"][mode]
+        (lg,) = a["long"]
+        assert lg["tokens"] == preset["hol-http"]["long_out"] and lg["ttft_s"] > 0 and a["errors"] == []
+        lo, hi = a["phases_s"]["long_prefill"]
+        assert 0.2 <= lo < hi <= a["phases_s"]["long_decode"][1]
+        assert a["before"]["n_short_arrivals"] + a["long_prefill"]["n_short_arrivals"] + \
+            a["long_decode"]["n_short_arrivals"] <= len(plan) - 1
+        assert a["preemptions"] == 0.0 and set(a["residency_targets"]) == {
+            f"{ph}_{k}_le_1.5x_before" for ph in ("long_prefill", "long_decode") for k in ("ttft", "itl")}
+    assert set(s["hol_targets"]) >= {"long_tpot_le_50ms", "prefill_max_gap_le_1s"}
+    for f in ("summary.json", "throughput.png", "running.png", "short_tpot_cdf.png", "metrics_on.jsonl", "hol.png"):
         assert (tmp_path / f).exists(), f
 
 

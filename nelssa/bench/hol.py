@@ -277,6 +277,31 @@ def analyse(run: dict) -> dict:
     return out
 
 
+def residency_targets(a: dict) -> dict:
+    """The P/D stack's target (issue 11), on one mode's analysis: short TTFT p99 and ITL p99 within 1.5x
+    of their before-phase values through the whole long residency, its prefill included."""
+    b = a["before"]
+
+    def within(phase: str, key: str):
+        v, base = a[phase][key], b[key]
+        return None if v is None or base is None else bool(v <= 1.5 * base)
+    return {f"{ph}_{k}_le_1.5x_before": within(ph, f"short_{k}_p99_ms")
+            for ph in ("long_prefill", "long_decode") for k in ("ttft", "itl")}
+
+
+def from_http(run: dict) -> dict:
+    """An endpoint run (nelssa.bench.serving.replay: stamps per streamed chunk, /metrics samples) in the
+    shape ``analyse`` reads: a failed request counts as an error, the counters' growth between the first
+    and the last /metrics sample as the run's metrics (summed over the sampled instances: P and D behind
+    a proxy)."""
+    first, last = (run["samples"][0], run["samples"][-1]) if run["samples"] else ({}, {})
+    metrics = {k: v - first.get(k, 0.0) for k, v in last.items() if k.startswith("nelssa:")}
+    if "preemptions" in last:
+        metrics["vllm:num_preemptions_total"] = last["preemptions"] - first.get("preemptions", 0.0)
+    reqs = [{**r, "finish_reason": "length" if r["success"] else "error"} for r in run["requests"]]
+    return {"requests": reqs, "samples": run["samples"], "metrics": metrics, "wall_s": run.get("wall_s", 0.0)}
+
+
 def targets(on: dict, off: dict) -> dict:
     """Issue 9's acceptance, checked on one invocation's numbers (None: not measurable here)."""
     b, p, d = on["before"], on["long_prefill"], on["long_decode"]

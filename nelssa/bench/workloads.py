@@ -206,6 +206,12 @@ def summarise(runs: dict[str, dict], meta: dict) -> dict:
     for mode, run in runs.items():
         summ["modes"][mode] = {name: point_stats([r for r in run["requests"] if r["point"] == name], run["samples"],
                                                  span) for name, span in run["points"].items()}
+    if meta.get("workload") == "hol-http":  # nelssa bench hol's phases and targets, through the endpoint
+        from nelssa.bench import hol
+        phases = {m: hol.analyse(hol.from_http(r)) for m, r in runs.items()}
+        summ["hol"] = {m: {**a, "residency_targets": hol.residency_targets(a)} for m, a in phases.items()}
+        if "on" in phases and "off" in phases:
+            summ["hol_targets"] = hol.targets(phases["on"], phases["off"])
     if "on" in runs and "off" in runs:
         summ["ratios_on_over_off"] = {
             name: {k: ratio(_get(summ["modes"]["on"][name], k), _get(summ["modes"]["off"][name], k))
@@ -312,6 +318,10 @@ def plot_all(runs: dict[str, dict], summ: dict, out: str) -> list[str]:
         files.append("sweep.png")
         fig.savefig(os.path.join(out, files[-1]), dpi=110)
         plt.close(fig)
+    if "hol" in summ:  # the head-of-line scenario's phases, as `nelssa bench hol` draws them
+        from nelssa.bench import hol
+        files.append("hol.png")
+        hol.plot(runs, summ["hol"], os.path.join(out, files[-1]))
     return files
 
 
@@ -414,6 +424,15 @@ def _table(summ: dict) -> str:
                         f"{f(st.get('running_max'), 0)}  waiting max {f(st.get('waiting_max'), 0)}  KV max "
                         f"{f(100 * st['kv_usage_max'] if st.get('kv_usage_max') is not None else None, 0)}%  "
                         f"preemptions {f(st.get('preemptions'), 0)}")
+    for mode, a in summ.get("hol", {}).items():
+        for ph in ("before", "long_prefill", "long_decode"):
+            x = a[ph]
+            gap = x["max_gap_without_short_token_s"]
+            rows.append(f"{mode:>3} hol {ph:<12} short TTFT p50/p99 {f(x['short_ttft_p50_ms'])}/{f(x['short_ttft_p99_ms'])} ms"
+                        f"  ITL p50/p99 {f(x['short_itl_p50_ms'])}/{f(x['short_itl_p99_ms'])} ms  longest gap "
+                        f"{f(gap, 2)} s")
+        rows.append(f"{mode:>3} hol long " + ", ".join(f"{x['id']} TTFT {f(x['ttft_s'], 2)} s TPOT {f(x['tpot_ms'])} ms"
+                                                     for x in a["long"]) + f"; residency targets {a['residency_targets']}")
     for name, r in summ.get("ratios_on_over_off", {}).items():
         rows.append(f"on/off {name}: " + ", ".join(f"{k} {f(v, 2)}" for k, v in r.items() if v is not None))
     return "\n".join(rows)
