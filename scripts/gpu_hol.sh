@@ -26,7 +26,10 @@ shift
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ATTENTION_BACKEND=FLASH_ATTN
 export NELSSA_CACHE=/tmp/nelssa-cache PYTHONUNBUFFERED=1
 # grpcio/protobuf newer than the host's (the generated stubs need them), and the extension once
-grpc_wheels() { pip install -q --no-deps --target /tmp/wheels .wheels/*.whl; export PYTHONPATH=/tmp/wheels:$PYTHONPATH; }
+grpc_wheels() {  # once per machine: .wheels carried by a call before (or this one)
+  [ -d /tmp/wheels/grpc ] || pip install -q --no-deps --target /tmp/wheels .wheels/*.whl
+  export PYTHONPATH=/tmp/wheels:$PYTHONPATH
+}
 build_ext() { [ -f nelssa/_C*.so ] || python3 setup.py -q build_ext --inplace >/dev/null; }
 # a call brings back at most 8 files from $OUT: a run's folder (and log) go back as one archive
 pack() { local d=$1; shift; tar czf "$d.tgz" -C "$(dirname "$d")" "$(basename "$d")" "$@" && rm -rf "$d"; }
