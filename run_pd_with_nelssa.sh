@@ -23,6 +23,8 @@
 #   NELSSA_AFFINITY_CORES: D's host-attention pool (NELSSA config)   NODE_CORES: the node's cores
 #   LOG_DIR [${TMPDIR:-/tmp}/nelssa-pd-$PROXY_PORT]: logs and the PID record (stop reads it)
 #   NIXL_KV_LEASE_S [120 on CPU, vLLM's 30 on GPUs]: how long P keeps a request's KV for D
+#   NIXL_CONNECTOR [NixlPushConnector on GPUs, NixlConnector (pull) on CPU]: vLLM's NIXL connector, both
+#       instances (between processes of one host UCX reads GPU memory over TCP: see nelssa/proxy/pd.py)
 #   WARMUP_TRIES [5]: P->D warm-up requests (first NIXL handshake) before "ready"
 #   HEALTH_TIMEOUT [900] s   PROXY_ARGS [extra nelssa-proxy arguments]   NELSSA_PYTHON [the project venv]
 #
@@ -236,6 +238,7 @@ off_flag=()
 [ "$off" = 0 ] || off_flag=(--off)
 lease=()
 [ -z "${NIXL_KV_LEASE_S:-}" ] || lease=(--kv-lease "$NIXL_KV_LEASE_S")
+[ -z "${NIXL_CONNECTOR:-}" ] || lease+=(--nixl-connector "$NIXL_CONNECTOR")
 if [ "$engine" = node ]; then
   # shellcheck disable=SC2046,SC2206
   launch node "$NODE_PORT" "$LOG_DIR/node.log" $(pin "${NODE_CORES:-}") env "$PY" -m nelssa.node \

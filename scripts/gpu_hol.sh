@@ -91,7 +91,7 @@ PY
     export NELSSA_HOST_CAPACITY=64GiB GPU_MEMORY_SPLIT=${PD_SPLIT:-0.5,0.27} HEALTH_TIMEOUT=400
     # P keeps a prompt's KV for D this long (vLLM's 30 s): D admits a 100K prompt only when its KV fits
     # (stock: after the other long request; NELSSA: after its hand-off), both modes alike
-    export NIXL_KV_LEASE_S=${PD_LEASE_S:-120}
+    export NIXL_KV_LEASE_S=${PD_LEASE_S:-120} UCX_PROTO_INFO=y  # UCX prints the protocols (transports) it selects
     # the h200 preset's server arguments (nelssa bench hol-http --preset h200), less the memory share
     export VLLM_EXTRA_ARGS="--load-format dummy --max-model-len 131072 --max-num-seqs 128 --max-num-batched-tokens 8192 --long-prefill-token-threshold 2048 --no-enable-prefix-caching --seed 0"
     if [ "$mode" = off ]; then export NELSSA_OFF=1; else unset NELSSA_OFF; fi
@@ -123,7 +123,7 @@ PY
     wait $stack 2>/dev/null || true
     for lg in "$LOG_DIR"/*.log; do
       [ -f "$lg" ] || continue
-      grep -E "NELSSA|nixl|NIXL|Traceback|Error" "$lg" | tail -n 300 > "$out/$(basename "${lg%.log}")_diag.txt" || true
+      grep -E "NELSSA|nixl|NIXL|UCX|ucp_context|Traceback|Error" "$lg" | tail -n 300 > "$out/$(basename "${lg%.log}")_diag.txt" || true
       gzip -c "$lg" > "$out/$(basename "$lg").gz"
     done
     pack "$out"

@@ -18,6 +18,15 @@ loads the remote KV; the NELSSA connector moves none). P stays stock vLLM for no
 ``nelssa/proxy/__init__.py``: the long data path with clustering on P is the next step).
 NixlConnector's buffer device is ``cuda`` on GPUs and ``cpu`` on vLLM's CPU platform, where NIXL
 registers the paged KV cache as DRAM and moves it with UCX.
+
+Which of vLLM's NIXL connectors (``nixl_connector``): ``NixlConnector`` (vLLM's alias of
+``NixlPullConnector``: D reads P's blocks) on the CPU platform, where it is tested; on GPUs
+``NixlPushConnector`` (P writes into the blocks D registered). Between GPUs of one host UCX moves
+device memory with ``cuda_ipc``, which serves a remote write at copy speed but a remote read (GET)
+only over NVLink (``cuda_ipc`` disables get-zcopy without NVLinks, and UCX falls back to TCP:
+vLLM issue #52607, ai-dynamo/nixl #1097). Measured on the lent H200 with P and D sharing the GPU:
+the pull connector took 45 s per transfer on average (87.5 GB in 468 transfers, 8 short requests/s
+backed up into 38-s TTFTs before any long request). Both connectors take the same proxy flow.
 """
 
 from __future__ import annotations
@@ -32,8 +41,20 @@ import urllib.error
 import urllib.request
 
 
-def nixl_config(role: str, cuda: bool, lease_s: int | None = None) -> dict:
-    kv = {"kv_connector": "NixlConnector", "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+NIXL_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector")
+
+
+def default_nixl_connector(cuda: bool) -> str:
+    """Push on GPUs (remote reads between processes of one host fall back to TCP; see above), vLLM's
+    default (pull) on the CPU platform."""
+    return "NixlPushConnector" if cuda else "NixlConnector"
+
+
+def nixl_config(role: str, cuda: bool, lease_s: int | None = None, connector: str | None = None) -> dict:
+    connector = connector or default_nixl_connector(cuda)
+    if connector not in NIXL_CONNECTORS:
+        raise ValueError(f"NIXL connector must be one of {', '.join(NIXL_CONNECTORS)}, got {connector!r}")
+    kv = {"kv_connector": connector, "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
           "kv_buffer_device": "cuda" if cuda else "cpu"}
     if lease_s is None and not cuda:
         # P holds a request's blocks for D this long (vLLM's default 30 s). On a loaded CPU box D's read
@@ -47,7 +68,7 @@ def nixl_config(role: str, cuda: bool, lease_s: int | None = None) -> dict:
 
 def engine_command(role: str, port: int, *, model: str, nelssa: dict | None, cuda: bool, extra: list[str],
                    host: str = "127.0.0.1", python: str = sys.executable,
-                   lease_s: int | None = None) -> tuple[list[str], dict[str, str]]:
+                   lease_s: int | None = None, nixl_connector: str | None = None) -> tuple[list[str], dict[str, str]]:
     """(argv, extra environment) of one P or D instance. ``nelssa`` None: no NELSSA on this instance."""
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be prefill or decode, got {role!r}")
@@ -58,7 +79,7 @@ def engine_command(role: str, port: int, *, model: str, nelssa: dict | None, cud
     if not cuda and not any(a == "--dtype" or a.startswith("--dtype=") for a in extra):
         from nelssa.cpu import cpu_dtype
         cmd += ["--dtype", cpu_dtype()]  # P and D must agree: the same function decides both
-    kv = nixl_config(role, cuda, lease_s)
+    kv = nixl_config(role, cuda, lease_s, nixl_connector)
     if nelssa is not None and role == "decode":
         from nelssa.config import load_config
         from nelssa.vllm_plugin import SCHEDULER, WORKER_CPU, WORKER_GPU
@@ -189,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--kv-lease", type=int, default=None,
                    help="s P keeps a request's KV for D (NixlConnector kv_lease_duration; default 120 on CPU, "
                         "vLLM's 30 on GPUs)")
+    e.add_argument("--nixl-connector", choices=NIXL_CONNECTORS, default=None,
+                   help="vLLM's NIXL connector (default: NixlPushConnector on GPUs, NixlConnector on CPU)")
     e.add_argument("--exec", action="store_true", help="replace this process by the engine")
     w = sub.add_parser("wait")
     w.add_argument("--timeout", type=float, default=600)
@@ -212,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             model = str(prepare_smollm2())
         nelssa = None if a.off else json.loads(a.nelssa)
         cmd, env = engine_command(a.role, a.port, model=model, nelssa=nelssa, cuda=cuda, extra=extra,
-                                  lease_s=a.kv_lease)
+                                  lease_s=a.kv_lease, nixl_connector=a.nixl_connector)
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(a.nixl_port)
         env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
         if a.exec:
