@@ -23,8 +23,10 @@
 #   NELSSA_AFFINITY_CORES: D's host-attention pool (NELSSA config)   NODE_CORES: the node's cores
 #   LOG_DIR [${TMPDIR:-/tmp}/nelssa-pd-$PROXY_PORT]: logs and the PID record (stop reads it)
 #   NIXL_KV_LEASE_S [120 on CPU, vLLM's 30 on GPUs]: how long P keeps a request's KV for D
-#   NIXL_CONNECTOR [NixlPushConnector on GPUs, NixlConnector (pull) on CPU]: vLLM's NIXL connector, both
-#       instances (between processes of one host UCX reads GPU memory over TCP: see nelssa/proxy/pd.py)
+#   NIXL_CONNECTOR [NixlConnector (pull)]: vLLM's NIXL connector of both instances (NixlPushConnector:
+#       see nelssa/proxy/pd.py)   UCX_CUDA_IPC_ENABLE_GET_ZCOPY [y on GPUs]: D reads P's GPU blocks over
+#       cuda_ipc without NVLink too (UCX's default "auto" falls back to TCP there: 45 s per transfer
+#       measured with P and D sharing an H200)
 #   WARMUP_TRIES [5]: P->D warm-up requests (first NIXL handshake) before "ready"
 #   HEALTH_TIMEOUT [900] s   PROXY_ARGS [extra nelssa-proxy arguments]   NELSSA_PYTHON [the project venv]
 #
@@ -187,7 +189,8 @@ if [ "$ngpu" -gt 0 ]; then
     p_extra=(--gpu-memory-utilization "$p_util") d_extra=(--gpu-memory-utilization "$d_util")
     log "P and D share GPU $PREFILL_GPU (--gpu-memory-utilization P $p_util, D $d_util; D starts once P is healthy)"
   fi
-  log "GPUs: P on $PREFILL_GPU, D on $DECODE_GPU (kv_buffer_device cuda)"
+  export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=${UCX_CUDA_IPC_ENABLE_GET_ZCOPY:-y}
+  log "GPUs: P on $PREFILL_GPU, D on $DECODE_GPU (kv_buffer_device cuda; UCX_CUDA_IPC_ENABLE_GET_ZCOPY=$UCX_CUDA_IPC_ENABLE_GET_ZCOPY)"
 else
   log "no GPU: vLLM's CPU platform, NIXL over DRAM (kv_buffer_device cpu)"
 fi

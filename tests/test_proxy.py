@@ -452,14 +452,13 @@ def test_engine_commands():
         assert kv(c)["kv_connector"] == "NixlConnector" and "--disable-hybrid-kv-cache-manager" not in c
         assert "--worker-cls" not in c and c[2] == "vllm.entrypoints.openai.api_server"
     g, genv = engine_command("decode", 1, model="m", nelssa={}, cuda=True, extra=[])
-    # GPUs: push (UCX reads GPU memory between processes of one host over TCP), vLLM's lease
     assert kv(g)["kv_connector_extra_config"]["connectors"][0] == {
-        "kv_connector": "NixlPushConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cuda"}
+        "kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cuda"}  # vLLM's lease
     p2, _ = engine_command("prefill", 1, model="m", nelssa=None, cuda=True, extra=[], lease_s=45)
     assert kv(p2)["kv_connector_extra_config"] == {"kv_lease_duration": 45}
-    assert kv(p2)["kv_connector"] == "NixlPushConnector"
-    p3, _ = engine_command("prefill", 1, model="m", nelssa=None, cuda=True, extra=[], nixl_connector="NixlConnector")
-    assert kv(p3)["kv_connector"] == "NixlConnector"
+    p3, _ = engine_command("prefill", 1, model="m", nelssa=None, cuda=True, extra=[],
+                           nixl_connector="NixlPushConnector")
+    assert kv(p3)["kv_connector"] == "NixlPushConnector"
     with pytest.raises(ValueError, match="NIXL connector"):
         engine_command("prefill", 1, model="m", nelssa=None, cuda=True, extra=[], nixl_connector="Nixl")
     assert genv == {"VLLM_USE_V2_MODEL_RUNNER": "0"} and "--dtype" not in g

@@ -20,13 +20,15 @@ NixlConnector's buffer device is ``cuda`` on GPUs and ``cpu`` on vLLM's CPU plat
 registers the paged KV cache as DRAM and moves it with UCX.
 
 Which of vLLM's NIXL connectors (``nixl_connector``): ``NixlConnector`` (vLLM's alias of
-``NixlPullConnector``: D reads P's blocks) on the CPU platform, where it is tested; on GPUs
-``NixlPushConnector`` (P writes into the blocks D registered). Between GPUs of one host UCX moves
-device memory with ``cuda_ipc``, which serves a remote write at copy speed but a remote read (GET)
-only over NVLink (``cuda_ipc`` disables get-zcopy without NVLinks, and UCX falls back to TCP:
-vLLM issue #52607, ai-dynamo/nixl #1097). Measured on the lent H200 with P and D sharing the GPU:
-the pull connector took 45 s per transfer on average (87.5 GB in 468 transfers, 8 short requests/s
-backed up into 38-s TTFTs before any long request). Both connectors take the same proxy flow.
+``NixlPullConnector``: D reads P's blocks) by default; ``NixlPushConnector`` (P writes into the blocks
+D registered, paired by the request id both get) can be chosen but did not complete a transfer here
+(on the 2-vCPU box D's registration reached P only after P's lease expired). Between GPUs of one host
+UCX moves device memory with ``cuda_ipc``, which by default serves a remote read (GET) only where it
+detects NVLink and otherwise falls back to TCP (ai-dynamo/nixl #1097, vLLM #52607). Measured on the
+lent H200 with P and D sharing the GPU, consistent with that: 45 s per transfer on average (87.5 GB in
+468 transfers; 8 short requests/s backed up into 38-s TTFTs before any long request). The launcher
+therefore sets ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` on GPUs (UCX's own switch for cuda_ipc reads
+without NVLink; not measured yet).
 """
 
 from __future__ import annotations
@@ -45,9 +47,8 @@ NIXL_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector")
 
 
 def default_nixl_connector(cuda: bool) -> str:
-    """Push on GPUs (remote reads between processes of one host fall back to TCP; see above), vLLM's
-    default (pull) on the CPU platform."""
-    return "NixlPushConnector" if cuda else "NixlConnector"
+    """vLLM's default (pull) on both platforms; see above for push."""
+    return "NixlConnector"
 
 
 def nixl_config(role: str, cuda: bool, lease_s: int | None = None, connector: str | None = None) -> dict:
@@ -129,9 +130,11 @@ def warmup(prefill: str, decode: str, tries: int, timeout: float = 600.0) -> Non
     load). Done here, no user request pays for it or fails on it."""
     import json as _json
 
-    def post(url: str, body: dict) -> dict:
+    def post(url: str, body: dict, rid: str) -> dict:
+        # P and D get the same request id, as from the proxy: the push connector pairs D's registration
+        # with P's finished prefill by it (vLLM nixl/push_worker.py, _pop_matching_finished_blocks)
         req = urllib.request.Request(url + "/v1/completions", data=_json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", "X-Request-Id": rid})
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return _json.loads(r.read())
 
@@ -140,11 +143,12 @@ def warmup(prefill: str, decode: str, tries: int, timeout: float = 600.0) -> Non
     last = None
     for i in range(tries):
         t = time.monotonic()
+        rid = f"nelssa-warmup-{os.getpid()}-{i}"
         try:
             p = post(prefill, {"model": model, "prompt": "warm up", "max_tokens": 1, "kv_transfer_params": {
-                "do_remote_decode": True, "do_remote_prefill": False}})
+                "do_remote_decode": True, "do_remote_prefill": False}}, rid)
             post(decode, {"model": model, "prompt": "warm up", "max_tokens": 1,
-                          "kv_transfer_params": p.get("kv_transfer_params")})
+                          "kv_transfer_params": p.get("kv_transfer_params")}, rid)
             print(f"NIXL P->D warm-up done in {time.monotonic() - t:.0f} s (try {i + 1})", flush=True)
             return
         except urllib.error.HTTPError as e:  # an answer, e.g. D's 500 after a failed handshake: retry
@@ -211,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="s P keeps a request's KV for D (NixlConnector kv_lease_duration; default 120 on CPU, "
                         "vLLM's 30 on GPUs)")
     e.add_argument("--nixl-connector", choices=NIXL_CONNECTORS, default=None,
-                   help="vLLM's NIXL connector (default: NixlPushConnector on GPUs, NixlConnector on CPU)")
+                   help="vLLM's NIXL connector (default NixlConnector: pull)")
     e.add_argument("--exec", action="store_true", help="replace this process by the engine")
     w = sub.add_parser("wait")
     w.add_argument("--timeout", type=float, default=600)
