@@ -17,7 +17,8 @@
 #                                                    # GPUs, one shared GPU split PD_SPLIT [0.5,0.27]) and the
 #                                                    # head-of-line scenario through its proxy (`nelssa bench
 #                                                    # hol-http`); carry .pdwheels (nixl==1.5.1, nixl-cu13==1.5.1
-#                                                    # cp312 wheels) once; PD_ENGINE [local] D's host tier
+#                                                    # cp312 wheels) once; PD_ENGINE [local] D's host tier;
+#                                                    # PD_VLLM_ARGS: more vLLM arguments for both instances
 # Carried folders: .bundle/N (../shared/gpu/make-vllm-bundle.sh .bundle), .gpumodel/dummy-llama-3.1-8b
 # (`nelssa make-dummy-model --out .gpumodel/dummy-llama-3.1-8b`: config + tokenizer). Results: $OUT.
 set -euo pipefail
@@ -93,7 +94,9 @@ PY
     # (stock: after the other long request; NELSSA: after its hand-off), both modes alike
     export NIXL_KV_LEASE_S=${PD_LEASE_S:-120} UCX_PROTO_INFO=y  # UCX prints the protocols (transports) it selects
     # the h200 preset's server arguments (nelssa bench hol-http --preset h200), less the memory share
-    export VLLM_EXTRA_ARGS="--load-format dummy --max-model-len 131072 --max-num-seqs 128 --max-num-batched-tokens 8192 --long-prefill-token-threshold 2048 --no-enable-prefix-caching --seed 0"
+    # (PD_VLLM_ARGS: more for both instances, e.g. "--block-size 64": a NIXL descriptor is one block of one
+    # layer, 32 KiB at vLLM's 16 tokens, and costs ~8.5 us over cuda_ipc: bench_nixl_local.py)
+    export VLLM_EXTRA_ARGS="--load-format dummy --max-model-len 131072 --max-num-seqs 128 --max-num-batched-tokens 8192 --long-prefill-token-threshold 2048 --no-enable-prefix-caching --seed 0 ${PD_VLLM_ARGS:-}"
     if [ "$mode" = off ]; then export NELSSA_OFF=1; else unset NELSSA_OFF; fi
     rm -rf "$LOG_DIR"
     bash run_pd_with_nelssa.sh > "$out/launcher.log" 2>&1 &

@@ -487,3 +487,22 @@ def test_connector_name_registered_for_multiconnector_stats():
     stats = MultiConnector.build_kv_connector_stats({"NelssaConnector": {"data": {"long_requests": 1}}})
     assert isinstance(stats["NelssaConnector"], NelssaStats)
     assert stats["NelssaConnector"].data == {"long_requests": 1}
+
+
+def test_nixl_probe_moves_and_checks_every_byte(tmp_path):
+    """benchmarks/bench_nixl_local.py (the transport probe behind the P/D stack's UCX setting) on DRAM:
+    two real NIXL agents in two processes, a READ and a WRITE of 1 MiB in 32-KiB descriptors, every
+    byte checked on the receiving side."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    pytest.importorskip("nixl")
+    out = tmp_path / "probe.json"
+    r = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "bench_nixl_local.py"),
+                        "--device", "cpu", "--mib", "1", "--env", "UCX_WARN_UNUSED_ENV_VARS=n", "--out", str(out)],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["descriptors"] == 32 and res["bytes"] == 1 << 20
+    assert res["READ"]["data_ok"] is True and res["WRITE"]["data_ok"] is True
+    assert len(res["READ"]["seconds"]) == 3 and res["READ"]["GBps_best"] > 0
