@@ -574,3 +574,19 @@ def test_handoff_warm_stores_nothing(device):
         assert host.committed("r") == 640 - cfg.sink
     finally:
         hand.close()
+
+
+def test_nelssa_stats_aggregate_counts_each_part_once():
+    """Steps report per-part sums with different parts (e.g. lane drafts run in one step, verified in
+    the next): aggregating adds each part once, lists concatenate, byte gauges keep the latest."""
+    from nelssa.vllm_plugin.connector import NelssaStats
+    a = NelssaStats({"lane_drafts": {"run": 2.0}, "attn_s": [0.1], "moved_tokens": 5, "host_bytes": 10})
+    b = NelssaStats({"lane_drafts": {"verified": 1.0, "run": 1.0}, "attn_s": [0.2], "moved_tokens": 3,
+                     "host_bytes": 7})
+    c = NelssaStats({"lane_drafts": {"stale": 4.0}})
+    m = a.aggregate(b).aggregate(c)
+    assert m.data["lane_drafts"] == {"run": 3.0, "verified": 1.0, "stale": 4.0}
+    assert m.data["attn_s"] == [0.1, 0.2] and m.data["moved_tokens"] == 8 and m.data["host_bytes"] == 7
+    r = m.reduce()
+    assert r["lane_drafts_run"] == 3.0 and r["attn_s_count"] == 2 and abs(r["attn_s_mean_ms"] - 150.0) < 1e-9
+    assert a.data["lane_drafts"] == {"run": 2.0}  # aggregate leaves its inputs alone

@@ -97,8 +97,9 @@ class NelssaStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> "NelssaStats":
         d = dict(self.data)
         for k, v in other.data.items():
-            if isinstance(v, dict):
-                d[k] = {p: d.get(k, {}).get(p, 0.0) + x for p, x in {**d.get(k, {}), **v}.items()}
+            if isinstance(v, dict):  # per-part sums: parts of either side, each counted once
+                mine = d.get(k, {})
+                d[k] = {p: mine.get(p, 0.0) + v.get(p, 0.0) for p in {**mine, **v}}
             elif isinstance(v, list):
                 d[k] = d.get(k, []) + v
             elif k.endswith("_bytes"):
