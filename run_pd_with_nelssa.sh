@@ -239,9 +239,9 @@ trap 'log "interrupted: stopping"; exit 130' INT TERM
 extra=(${VLLM_EXTRA_ARGS:-})
 off_flag=()
 [ "$off" = 0 ] || off_flag=(--off)
-lease=()
-[ -z "${NIXL_KV_LEASE_S:-}" ] || lease=(--kv-lease "$NIXL_KV_LEASE_S")
-[ -z "${NIXL_CONNECTOR:-}" ] || lease+=(--nixl-connector "$NIXL_CONNECTOR")
+nixl_args=()  # both instances
+[ -z "${NIXL_KV_LEASE_S:-}" ] || nixl_args=(--kv-lease "$NIXL_KV_LEASE_S")
+[ -z "${NIXL_CONNECTOR:-}" ] || nixl_args+=(--nixl-connector "$NIXL_CONNECTOR")
 if [ "$engine" = node ]; then
   # shellcheck disable=SC2046,SC2206
   launch node "$NODE_PORT" "$LOG_DIR/node.log" $(pin "${NODE_CORES:-}") env "$PY" -m nelssa.node \
@@ -250,7 +250,7 @@ fi
 # shellcheck disable=SC2046
 launch prefill "$PREFILL_PORT $PREFILL_NIXL_PORT" "$LOG_DIR/prefill.log" $(pin "$PREFILL_CORES") \
   env "${p_env[@]}" "$PY" -m nelssa.proxy.pd engine-cmd --exec --role prefill --port "$PREFILL_PORT" \
-  --nixl-port "$PREFILL_NIXL_PORT" --model "$MODEL" "$dev_flag" "${off_flag[@]}" "${lease[@]}" -- "${extra[@]}" "${p_extra[@]}"
+  --nixl-port "$PREFILL_NIXL_PORT" --model "$MODEL" "$dev_flag" "${off_flag[@]}" "${nixl_args[@]}" -- "${extra[@]}" "${p_extra[@]}"
 if [ "$shared_gpu" = 1 ]; then
   read -r _ ppid _ < <(grep '^prefill ' "$STATE")
   log "waiting for P's health before D starts (one GPU)"
@@ -261,7 +261,7 @@ fi
 # shellcheck disable=SC2046
 launch decode "$DECODE_PORT $DECODE_NIXL_PORT" "$LOG_DIR/decode.log" $(pin "$DECODE_CORES") \
   env "${d_env[@]}" "$PY" -m nelssa.proxy.pd engine-cmd --exec --role decode --port "$DECODE_PORT" \
-  --nixl-port "$DECODE_NIXL_PORT" --model "$MODEL" "$dev_flag" "${off_flag[@]}" "${lease[@]}" --nelssa "$nelssa_json" \
+  --nixl-port "$DECODE_NIXL_PORT" --model "$MODEL" "$dev_flag" "${off_flag[@]}" "${nixl_args[@]}" --nelssa "$nelssa_json" \
   -- "${extra[@]}" "${d_extra[@]}"
 # shellcheck disable=SC2206
 launch proxy "$PROXY_PORT" "$LOG_DIR/proxy.log" "$PY" -m nelssa.proxy.server --host 127.0.0.1 \

@@ -32,6 +32,12 @@ grpc_wheels() {  # once per machine: .wheels carried by a call before (or this o
   export PYTHONPATH=/tmp/wheels:$PYTHONPATH
 }
 build_ext() { [ -f nelssa/_C*.so ] || python3 setup.py -q build_ext --inplace >/dev/null; }
+staged_vllm() {  # the staged vLLM bundle, and the plugin's entry point as an installed distribution declares it
+  [ -d /tmp/site/vllm ] || { echo "vLLM is not installed: stage all bundle parts first" >&2; exit 2; }
+  mkdir -p /tmp/site/nelssa-0.1.0.dist-info
+  printf 'Metadata-Version: 2.1\nName: nelssa\nVersion: 0.1.0\n' > /tmp/site/nelssa-0.1.0.dist-info/METADATA
+  printf '[vllm.general_plugins]\nnelssa = nelssa.vllm_plugin:register\n' > /tmp/site/nelssa-0.1.0.dist-info/entry_points.txt
+}
 # a call brings back at most 8 files from $OUT: a run's folder (and log) go back as one archive
 pack() { local d=$1; shift; tar czf "$d.tgz" -C "$(dirname "$d")" "$(basename "$d")" "$@" && rm -rf "$d"; }
 case "$what" in
@@ -69,10 +75,7 @@ PY
     fi
     exit $rc ;;
   pd)
-    [ -d /tmp/site/vllm ] || { echo "vLLM is not installed: stage all bundle parts first" >&2; exit 2; }
-    mkdir -p /tmp/site/nelssa-0.1.0.dist-info
-    printf 'Metadata-Version: 2.1\nName: nelssa\nVersion: 0.1.0\n' > /tmp/site/nelssa-0.1.0.dist-info/METADATA
-    printf '[vllm.general_plugins]\nnelssa = nelssa.vllm_plugin:register\n' > /tmp/site/nelssa-0.1.0.dist-info/entry_points.txt
+    staged_vllm
     if [ ! -d /tmp/nixl/nixl ]; then
       ls .pdwheels/nixl*.whl >/dev/null 2>&1 || { echo "NIXL is not installed: carry .pdwheels once" >&2; exit 2; }
       pip install -q --no-deps --target /tmp/nixl .pdwheels/*.whl
@@ -132,11 +135,7 @@ PY
     pack "$out"
     exit $rc ;;
   bench|check|select)
-    [ -d /tmp/site/vllm ] || { echo "vLLM is not installed: stage all bundle parts first" >&2; exit 2; }
-    # the plugin's entry point, as an installed distribution would declare it
-    mkdir -p /tmp/site/nelssa-0.1.0.dist-info
-    printf 'Metadata-Version: 2.1\nName: nelssa\nVersion: 0.1.0\n' > /tmp/site/nelssa-0.1.0.dist-info/METADATA
-    printf '[vllm.general_plugins]\nnelssa = nelssa.vllm_plugin:register\n' > /tmp/site/nelssa-0.1.0.dist-info/entry_points.txt
+    staged_vllm
     build_ext
     { lscpu | grep -E "Model name|^CPU\(s\)"; nvidia-smi --query-gpu=name,memory.total --format=csv; } | tee "$OUT/machine.txt"
     python3 -c "import vllm, nelssa._C; print('vllm', vllm.__version__)"
