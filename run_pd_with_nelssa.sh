@@ -19,6 +19,11 @@
 #       --gpu-memory-utilization when P and D share a GPU; "P,D" for two values, e.g. 0.5,0.27]. On a
 #       shared GPU D starts once P is healthy: vLLM sizes its KV cache from the device's free memory,
 #       which the other instance's start would be changing
+#   KV_CACHE_MEMORY [unset]: "P,D", each instance's KV cache in bytes (vLLM's --kv-cache-memory-bytes
+#       syntax: 40G, 24.3g, 2000000000; the KV cache is that size, not what profiling leaves of the
+#       memory share). On a shared GPU P and D then start at the same time; each one's share
+#       (GPU_MEMORY_SPLIT) must still hold its weights, activations and that KV, and is still checked
+#       against the free memory when it starts
 #   NELSSA_ENGINE_CORES: cores of both vLLM instances (taskset/numactl), or PREFILL_CORES / DECODE_CORES
 #   NELSSA_AFFINITY_CORES: D's host-attention pool (NELSSA config)   NODE_CORES: the node's cores
 #   LOG_DIR [${TMPDIR:-/tmp}/nelssa-pd-$PROXY_PORT]: logs and the PID record (stop reads it)
@@ -187,12 +192,27 @@ if [ "$ngpu" -gt 0 ]; then
     "$PY" -c "import sys; sys.exit(0 if float(sys.argv[1]) + float(sys.argv[2]) < 1 else 1)" "$p_util" "$d_util" \
       || { log "GPU_MEMORY_SPLIT=$split: P's and D's shares of the one GPU must add up to less than 1"; exit 2; }
     p_extra=(--gpu-memory-utilization "$p_util") d_extra=(--gpu-memory-utilization "$d_util")
-    log "P and D share GPU $PREFILL_GPU (--gpu-memory-utilization P $p_util, D $d_util; D starts once P is healthy)"
+    log "P and D share GPU $PREFILL_GPU (--gpu-memory-utilization P $p_util, D $d_util)"
+  fi
+  if [ "$shared_gpu" = 1 ] && [ -z "${KV_CACHE_MEMORY:-}" ]; then
+    log "D starts once P is healthy (one GPU, KV caches sized by profiling; KV_CACHE_MEMORY=P,D starts both at once)"
   fi
   export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=${UCX_CUDA_IPC_ENABLE_GET_ZCOPY:-y}
   log "GPUs: P on $PREFILL_GPU, D on $DECODE_GPU (kv_buffer_device cuda; UCX_CUDA_IPC_ENABLE_GET_ZCOPY=$UCX_CUDA_IPC_ENABLE_GET_ZCOPY)"
 else
   log "no GPU: vLLM's CPU platform, NIXL over DRAM (kv_buffer_device cpu)"
+fi
+if [ -n "${KV_CACHE_MEMORY:-}" ]; then
+  case "$KV_CACHE_MEMORY" in
+    *,*) p_kv=${KV_CACHE_MEMORY%%,*} d_kv=${KV_CACHE_MEMORY#*,} ;;
+    *) log "KV_CACHE_MEMORY=$KV_CACHE_MEMORY: give P's and D's KV cache sizes as P,D"; exit 2 ;;
+  esac
+  # vLLM's own parser of --kv-cache-memory-bytes
+  "$PY" -c "import sys; from vllm.utils.argparse_utils import human_readable_int as h
+sys.exit(0 if all(h(v) > 0 for v in sys.argv[1:]) else 1)" "$p_kv" "$d_kv" 2>/dev/null \
+    || { log "KV_CACHE_MEMORY=$KV_CACHE_MEMORY: P,D must be sizes vLLM's --kv-cache-memory-bytes takes (e.g. 40G,24.3g)"; exit 2; }
+  p_extra+=(--kv-cache-memory-bytes "$p_kv") d_extra+=(--kv-cache-memory-bytes "$d_kv")
+  log "KV caches of fixed size: P $p_kv, D $d_kv bytes (--kv-cache-memory-bytes)"
 fi
 PREFILL_CORES=${PREFILL_CORES:-${NELSSA_ENGINE_CORES:-}}
 DECODE_CORES=${DECODE_CORES:-${NELSSA_ENGINE_CORES:-}}
@@ -251,7 +271,7 @@ fi
 launch prefill "$PREFILL_PORT $PREFILL_NIXL_PORT" "$LOG_DIR/prefill.log" $(pin "$PREFILL_CORES") \
   env "${p_env[@]}" "$PY" -m nelssa.proxy.pd engine-cmd --exec --role prefill --port "$PREFILL_PORT" \
   --nixl-port "$PREFILL_NIXL_PORT" --model "$MODEL" "$dev_flag" "${off_flag[@]}" "${nixl_args[@]}" -- "${extra[@]}" "${p_extra[@]}"
-if [ "$shared_gpu" = 1 ]; then
+if [ "$shared_gpu" = 1 ] && [ -z "${KV_CACHE_MEMORY:-}" ]; then
   read -r _ ppid _ < <(grep '^prefill ' "$STATE")
   log "waiting for P's health before D starts (one GPU)"
   "$PY" -m nelssa.proxy.pd wait --timeout "$HEALTH_TIMEOUT" --pid "$ppid=prefill" \

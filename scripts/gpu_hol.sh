@@ -18,7 +18,9 @@
 #                                                    # head-of-line scenario through its proxy (`nelssa bench
 #                                                    # hol-http`); carry .pdwheels (nixl==1.5.1, nixl-cu13==1.5.1
 #                                                    # cp312 wheels) once; PD_ENGINE [local] D's host tier;
-#                                                    # PD_VLLM_ARGS: more vLLM arguments for both instances
+#                                                    # PD_VLLM_ARGS: more vLLM arguments for both instances;
+#                                                    # PD_KV [40G,24.3g] P's,D's KV (both start at once; empty:
+#                                                    # profiled, D after P); PD_START_S [360] bound on the start
 # Carried folders: .bundle/N (../shared/gpu/make-vllm-bundle.sh .bundle), .gpumodel/dummy-llama-3.1-8b
 # (`nelssa make-dummy-model --out .gpumodel/dummy-llama-3.1-8b`: config + tokenizer). Results: $OUT.
 set -euo pipefail
@@ -93,6 +95,10 @@ PY
     export VLLM_USE_V2_MODEL_RUNNER=0 NELSSA_PYTHON=python3 MODEL=$model LOG_DIR=/tmp/pd_$mode
     export NELSSA_T_INPUT=8192 NELSSA_BUDGET=0.04 NELSSA_ENGINE=${PD_ENGINE:-local} NELSSA_LANE=1
     export NELSSA_HOST_CAPACITY=64GiB GPU_MEMORY_SPLIT=${PD_SPLIT:-0.5,0.27} HEALTH_TIMEOUT=400
+    # KV caches of fixed size, so P and D start at once (profiling would make D wait for P): D's 24.3e9 B
+    # are the single-GPU scenario's ~185K tokens of the 8B shape (128 KiB per token); PD_KV= (empty):
+    # sized by profiling from the split, D after P
+    export KV_CACHE_MEMORY=${PD_KV-40G,24.3g}
     # P keeps a prompt's KV for D this long (vLLM's 30 s): D admits a 100K prompt only when its KV fits
     # (stock: after the other long request; NELSSA: after its hand-off), both modes alike
     export NIXL_KV_LEASE_S=${PD_LEASE_S:-120} UCX_PROTO_INFO=y  # UCX prints the protocols (transports) it selects
@@ -104,14 +110,16 @@ PY
     rm -rf "$LOG_DIR"
     bash run_pd_with_nelssa.sh > "$out/launcher.log" 2>&1 &
     stack=$!
-    t=$SECONDS
-    until grep -q "ready:" "$out/launcher.log"; do
-      kill -0 $stack 2>/dev/null || { echo "the stack did not start:"; tail -n 60 "$out/launcher.log"; break; }
+    t=$SECONDS up=0
+    while [ $((SECONDS - t)) -lt "${PD_START_S:-360}" ]; do  # bounded: the logs still come back
+      if grep -q "ready:" "$out/launcher.log"; then up=1; break; fi
+      kill -0 $stack 2>/dev/null || break
       sleep 2
     done
-    echo "stack up after $((SECONDS - t)) s"
+    if [ "$up" = 1 ]; then echo "stack up after $((SECONDS - t)) s"
+    else echo "the stack did not start within ${PD_START_S:-360} s:"; tail -n 60 "$out/launcher.log"; fi
     rc=0
-    if kill -0 $stack 2>/dev/null; then
+    if [ "$up" = 1 ] && kill -0 $stack 2>/dev/null; then
       python3 -m nelssa.cli bench hol-http --preset h200 --model "$model" --out "$out" \
         --endpoints "$mode=http://127.0.0.1:8300" \
         --metrics "$mode=http://127.0.0.1:8200/metrics+http://127.0.0.1:8100/metrics" "$@" 2>&1 \
@@ -125,6 +133,7 @@ PY
       bash run_pd_with_nelssa.sh stop >> "$out/launcher.log" 2>&1 || rc=$?
     else
       rc=1
+      bash run_pd_with_nelssa.sh stop >> "$out/launcher.log" 2>&1 || true
     fi
     wait $stack 2>/dev/null || true
     for lg in "$LOG_DIR"/*.log; do

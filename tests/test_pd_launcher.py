@@ -5,6 +5,7 @@ a second start on busy ports is refused."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -34,7 +35,13 @@ if a.nixl_port:
     side = socket.socket(); side.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     side.bind(("127.0.0.1", a.nixl_port)); side.listen()
 die = os.environ.get("FAKE_DIE_FILE") if os.environ.get("FAKE_DIE_ROLE") == a.role else None
-async def health(r): return web.Response()
+t0 = time.time()
+late = float(os.environ.get("FAKE_HEALTH_DELAY_S", "0")) if os.environ.get("FAKE_HEALTH_DELAY_ROLE") == a.role else 0
+if os.environ.get("FAKE_ARGS_DIR"):  # what the launcher started this engine with, and when
+    with open(os.path.join(os.environ["FAKE_ARGS_DIR"], a.role + ".json"), "w") as f:
+        json.dump({"argv": sys.argv[1:], "started": t0, "healthy_from": t0 + late,
+                   "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}, f)
+async def health(r): return web.Response(status=200 if time.time() >= t0 + late else 503)
 async def models(r):
     return web.json_response({"data": [{"id": a.model, "root": a.model, "max_model_len": 4096}]})
 async def gen(r):
@@ -112,7 +119,8 @@ exec {sys.executable} "$@"
                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.lines: list[str] = []
         self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self):
         for line in self.p.stdout:
@@ -215,3 +223,64 @@ def test_a_dying_engine_stops_the_stack(tmp_path, model):
         assert _gone(groups) and _listening(a.ports) == []
     finally:
         a.cleanup()
+
+
+def _fake_gpu(tmp: Path) -> str:
+    """A PATH whose nvidia-smi lists one GPU: the launcher's shared-GPU branch, with fake engines."""
+    b = tmp / "bin"
+    b.mkdir(parents=True)
+    (b / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-fake)'\n")
+    (b / "nvidia-smi").chmod(0o755)
+    return f"{b}:{os.environ['PATH']}"
+
+
+def _engines(d: Path) -> dict:
+    return {r: json.loads((d / f"{r}.json").read_text()) for r in ("prefill", "decode")}
+
+
+def _after(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_shared_gpu_memory_split_and_fixed_kv_caches(tmp_path, model):
+    """One GPU for P and D: by default D starts only once P is healthy (vLLM sizes its KV from free
+    memory); with KV_CACHE_MEMORY both get their KV size and start at once; bad values are refused."""
+    path = _fake_gpu(tmp_path)
+    slow_p = {"FAKE_HEALTH_DELAY_ROLE": "prefill", "FAKE_HEALTH_DELAY_S": "6", "PATH": path}
+    for name, kv in (("profiled", None), ("fixed", "40G,24.3g")):
+        d = tmp_path / name / "args"
+        d.mkdir(parents=True)
+        env = {**slow_p, "FAKE_ARGS_DIR": str(d), "GPU_MEMORY_SPLIT": "0.5,0.3"}
+        if kv:
+            env["KV_CACHE_MEMORY"] = kv
+        a = Launch(tmp_path / name, model, **env)
+        try:
+            a.wait_ready()
+            e = _engines(d)
+            out = "".join(a.lines)
+            assert e["prefill"]["cuda_visible_devices"] == e["decode"]["cuda_visible_devices"] == "0"
+            assert _after(e["prefill"]["argv"], "--gpu-memory-utilization") == "0.5"
+            assert _after(e["decode"]["argv"], "--gpu-memory-utilization") == "0.3"
+            assert "--cuda" in e["decode"]["argv"] and "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y" in out
+            if kv is None:
+                assert "--kv-cache-memory-bytes" not in e["prefill"]["argv"] + e["decode"]["argv"]
+                assert e["decode"]["started"] >= e["prefill"]["healthy_from"], "D started before P was healthy"
+                assert "D starts once P is healthy" in out
+            else:
+                assert _after(e["prefill"]["argv"], "--kv-cache-memory-bytes") == "40G"
+                assert _after(e["decode"]["argv"], "--kv-cache-memory-bytes") == "24.3g"
+                assert e["decode"]["started"] < e["prefill"]["healthy_from"], "D waited for P"
+                assert "KV caches of fixed size: P 40G, D 24.3g" in out
+        finally:
+            a.cleanup()
+    for env, msg in (({"GPU_MEMORY_SPLIT": "0.7,0.4"}, "must add up to less than 1"),
+                     ({"GPU_MEMORY_SPLIT": "0.5,x"}, "each value must be a fraction"),
+                     ({"KV_CACHE_MEMORY": "40G"}, "as P,D"),
+                     ({"KV_CACHE_MEMORY": "40G,2.5G"}, "must be sizes vLLM's --kv-cache-memory-bytes takes")):
+        a = Launch(tmp_path / "bad", model, PATH=path, **env)
+        try:
+            assert a.p.wait(60) == 2
+            a.reader.join(10)
+            assert msg in "".join(a.lines)
+        finally:
+            a.cleanup()
