@@ -352,6 +352,74 @@ def test_a_released_request_is_adopted_by_another_client_or_freed_in_time(nodes)
             t.close()
 
 
+@pytest.mark.parametrize("name,transport", [("head3", "native"), ("cluster2", "grpc")])
+def test_a_handed_over_request_carries_its_centroid_state_through_the_node(nodes, name, transport):
+    """The P/D hand-over without P's tier at hand: P's tier stores with keep_centroids and releases under
+    a handle it chose (so it can name it before the release); D adopts with only the handle and gets
+    P's exact centroid state from the node, then attends exactly as the in-process tier does. The
+    kept state is counted in the node's bytes; a bad or taken handle is refused; a request stored
+    without it cannot be adopted that way (refused, freed on the node)."""
+    import secrets
+    node = nodes(name)
+    cfg = _cfg(node, transport)
+    p, plain = NodeHostTier(cfg, L, keep_centroids=True), NodeHostTier(cfg, L)
+    d, local = NodeHostTier(cfg, L), LocalHostTier(cfg, L)
+
+    def used():
+        return sum(dv.used_bytes for dv in node.stats().devices)
+    try:
+        a1, a2 = _kv(300, 21), _kv(70, 22)
+        base = used()
+        for t in (plain, p, local):
+            t.put_layers("a", *a1)
+            t.put_layers("a", *a2, commit=False)
+            if t is plain:
+                without = used() - base
+        kept = used() - base - 2 * without  # p's bytes beyond plain's
+        clusters = [c.num_clusters + sum(x[1].shape[1] for x in c.pending) for c in (p.layer_kv("a", i) for i in range(L))]
+        assert kept == sum(2 * H * C * D * 4 for C in clusters) > 0  # centroids + value means, fp32
+        assert plain.free("a") and used() == base + without + kept
+        held = used()
+        handle = secrets.token_hex(20)
+        with pytest.raises(HostError, match="INVALID_ARGUMENT"):
+            p.release("a", handle="short")
+        assert p.has("a")
+        h, layers = p.release("a", handle=handle)
+        assert h == handle and not p.has("a")
+        p.put_layers("x", *_kv(50, 23))
+        with pytest.raises(HostError, match="ALREADY_EXISTS"):
+            p.release("x", handle=handle)  # taken by a released request: x stays with p
+        assert p.has("x") and p.free("x")
+        d.adopt(handle, "b")  # no layers: the centroid state comes from the node
+        assert d.nbytes == held - base > 0
+        for i in range(L):  # as far as the node had made parts visible (none: no job ran), the rest prepared
+            mine = d.layer_kv("b", i)
+            assert mine.length == 0 and [x[0] for x in mine.pending] == [300, 70]
+        g = torch.Generator().manual_seed(7)
+        for length in (300, 370):
+            d.commit("b", length)
+            local.commit("a", length)
+            for layer in range(L):
+                q = torch.randn(1, HQ, D, generator=g)
+                for budget in (0.25, 1.0):
+                    for x, y in zip(_attend(d, ["b"], layer, q, budget), _attend(local, ["a"], layer, q, budget)):
+                        torch.testing.assert_close(x, y, atol=2e-6, rtol=1e-5)
+        for i in range(L):  # P's exact centroid state
+            mine, theirs = d.layer_kv("b", i), layers[i]
+            theirs.commit_until(370)
+            for x, y in ((mine.centroids, theirs.centroids), (mine.sizes, theirs.sizes), (mine.vmeans, theirs.vmeans)):
+                assert torch.equal(x, y)
+        plain.put_layers("y", *_kv(60, 24))
+        h2, _ = plain.release("y")
+        with pytest.raises(HostError, match="adopt c.*keep_centroids"):
+            d.adopt(h2, "c")  # stored without the centroid state: refused, and freed on the node
+        assert not d.has("c") and used() == held
+        assert d.free("b") and used() == base
+    finally:
+        for t in (p, plain, d, local):
+            t.close()
+
+
 def test_every_call_needs_a_deadline(nodes):
     ch, stub = nodes("head1").stub()
     with pytest.raises(grpc.RpcError) as e:

@@ -327,22 +327,26 @@ class _NativePlane:
         self.chan = None
 
 
-def _wire_pieces(keys: list[torch.Tensor], values: list[torch.Tensor], stats: list):
+def _wire_pieces(keys: list[torch.Tensor], values: list[torch.Tensor], stats: list, keep: bool):
     """A store's data in its wire order, the one description both paths write from: per layer the
-    cluster sizes (int32 [H, C]), then the K/V packed by cluster ([H, n, 2, D]); as (bytes, fill) pairs,
-    ``fill(out)`` writing the piece into ``out`` (uint8 [bytes], host memory: the store slot or a
-    buffer for the stream's chunks)."""
-    for k, v, (sizes, perm, _, _) in zip(keys, values, stats):
+    cluster sizes (int32 [H, C]), then the K/V packed by cluster ([H, n, 2, D]), then with ``keep`` the
+    centroids and value means ([H, C, D] each); as (bytes, fill) pairs, ``fill(out)`` writing the
+    piece into ``out`` (uint8 [bytes], host memory: the store slot or a buffer for the stream's chunks)."""
+    for k, v, (sizes, perm, cent, vmean) in zip(keys, values, stats):
         H, n, D = k.shape
         yield sizes.numel() * 4, lambda out, s=sizes: out.view(torch.int32).copy_(s.reshape(-1))
         yield (H * n * 2 * D * k.element_size(),
                lambda out, k=k, v=v, p=perm, shape=(H, n, 2, D): pack(k, v, p, out=out.view(k.dtype).view(shape)))
+        if keep:
+            for t in (cent, vmean):
+                yield t.numel() * t.element_size(), lambda out, t=t: out.view(t.dtype).copy_(t.reshape(-1))
 
 
-def _fill_slot(buf: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], stats: list) -> None:
+def _fill_slot(buf: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], stats: list,
+               keep: bool) -> None:
     """A store's data written into the store slot ``buf`` (uint8) in its wire order (pack() in place)."""
     off = 0
-    for nb, fill in _wire_pieces(keys, values, stats):
+    for nb, fill in _wire_pieces(keys, values, stats, keep):
         fill(buf[off:off + nb])
         off += nb
 
@@ -350,7 +354,7 @@ def _fill_slot(buf: torch.Tensor, keys: list[torch.Tensor], values: list[torch.T
 def _stream_chunks(header, keys: list[torch.Tensor], values: list[torch.Tensor], stats: list, step: int):
     """A store as gRPC chunks: the header, then its data in wire order, at most ``step`` bytes a chunk."""
     yield pb.StoreChunk(header=header)
-    for nb, fill in _wire_pieces(keys, values, stats):
+    for nb, fill in _wire_pieces(keys, values, stats, header.keep_centroids):
         piece = torch.empty(nb, dtype=torch.uint8)
         fill(piece)
         flat = piece.numpy()
@@ -415,8 +419,10 @@ class NodeHostTier:
     """Host tier on a nelssa-node (config ``engine: node``, ``node_address``, ``node_token``,
     ``node_transport``); same interface as LocalHostTier."""
 
-    def __init__(self, cfg: NelssaConfig, num_layers: int):
-        self.cfg, self.num_layers = cfg, num_layers
+    def __init__(self, cfg: NelssaConfig, num_layers: int, keep_centroids: bool = False):
+        """``keep_centroids``: stores also leave each part's centroid state on the node, so a request
+        this client releases can be adopted without it (a prefill instance's tier: ``adopt``)."""
+        self.cfg, self.num_layers, self.keep_centroids = cfg, num_layers, keep_centroids
         self.reqs: dict[str, _Req] = {}
         self.stats = HostStats()
         self._lock = threading.Lock()
@@ -539,13 +545,13 @@ class NodeHostTier:
         stats = [part_stats(k, v, lab, C) for k, v, (lab, C) in zip(keys, values, labels)]
         header = pb.StoreHeader(client_id=self.client_id, req_id=req_id, part=part, num_layers=self.num_layers,
                                 kv_heads=H, head_dim=D, dtype=DTYPE_IDS[dtype], tokens=n,
-                                clusters=[C for _, C in labels])
-        nbytes = store_bytes(H, D, keys[0].element_size(), n, [C for _, C in labels])
+                                clusters=[C for _, C in labels], keep_centroids=self.keep_centroids)
+        nbytes = store_bytes(H, D, keys[0].element_size(), n, [C for _, C in labels], self.keep_centroids)
         timeout = cfg.host_timeout_s + nbytes / STORE_BYTES_PER_S
         with self._slot_lock:
             slot = self._store_slot(nbytes)
             if slot is not None:  # same host: the data straight into the shared slot, only the header on gRPC
-                _fill_slot(slot.data, keys, values, stats)
+                _fill_slot(slot.data, keys, values, stats, self.keep_centroids)
                 header.from_slot = True
                 rep = self._rpc("Store", iter([pb.StoreChunk(header=header)]), timeout=timeout)
         if slot is None:
@@ -620,31 +626,43 @@ class NodeHostTier:
         return True
 
     # -------- hand-over (issue 11: a prefill instance's request taken over by a decode instance)
-    def release(self, req_id: str, ttl_s: float = 60.0) -> tuple[str, list[RemoteKV]]:
+    def release(self, req_id: str, ttl_s: float = 60.0, handle: str = "") -> tuple[str, list[RemoteKV]]:
         """The request leaves this client without being freed on the node -> (handle, its layers'
-        centroid state). Whoever gets both adopts it (``adopt``); the node frees it if nobody does
-        within ``ttl_s``. The local entry is gone either way."""
+        centroid state). Whoever gets the handle adopts it (``adopt``: with the centroid state given, or
+        from the node when this tier keeps it there); the node frees it if nobody does within ``ttl_s``.
+        ``handle``: this client's choice (wire.valid_handle), e.g. one already named to the adopter;
+        else the node draws one. The local entry is gone either way."""
         with self._lock:
             r = self.reqs.get(req_id)
         if r is None:
             raise HostError(f"request {req_id} has no host KV")
         if r.lost or any(c is None for c in r.layers):
             raise HostError(f"request {req_id}: {r.lost or 'host KV incomplete (layers missing)'}")
-        rep = self._rpc("Release", pb.ReleaseRequest(client_id=self.client_id, req_id=req_id, ttl_s=ttl_s))
+        rep = self._rpc("Release", pb.ReleaseRequest(client_id=self.client_id, req_id=req_id, ttl_s=ttl_s,
+                                                     handle=handle))
         with self._lock:
             self.reqs.pop(req_id, None)
         if self._native is not None:
             self._native.forget(req_id)
         return rep.handle, list(r.layers)
 
-    def adopt(self, handle: str, req_id: str, layers: list[RemoteKV]) -> None:
-        """Take over a request another client released (``release``'s handle and layers, e.g. from a
-        prefill instance) under ``req_id``: its K/V stays where it is on the node, the centroid state is
-        copied here (to this tier's device of the given layers). The node's record of the request (parts,
-        clusters, committed tokens) must match the layers given: a mismatch is an error, never a guess."""
-        if len(layers) != self.num_layers:
+    def adopt(self, handle: str, req_id: str, layers: list[RemoteKV] | None = None,
+              device: torch.device | str = "cpu") -> None:
+        """Take over a request another client released (``release``'s handle, e.g. from a prefill
+        instance) under ``req_id``: its K/V stays where it is on the node; its centroid state is copied
+        here, from ``layers`` (the releasing tier's) to their device, or, without them, fetched from the
+        node (the request was stored with ``keep_centroids``) to ``device``. The node's record of the
+        request (parts, clusters, committed tokens) must match the layers given: a mismatch is an error,
+        never a guess."""
+        if layers is not None and len(layers) != self.num_layers:
             raise HostError(f"adopt: {len(layers)} layers given, the host tier has {self.num_layers}")
         rep = self._rpc("Adopt", pb.AdoptRequest(client_id=self.client_id, handle=handle, req_id=req_id))
+        if layers is None:
+            try:
+                layers = self._fetch_centroids(req_id, rep, torch.device(device))
+            except HostError as e:  # the request is this client's now: free it rather than leak it
+                self._free_remote(req_id)
+                raise HostError(f"adopt {req_id}: {e}") from None
         P, L = len(rep.part_tokens), rep.num_layers
         problem = ""
         if L != self.num_layers or len(rep.part_clusters) != P * L:
@@ -672,6 +690,50 @@ class NodeHostTier:
         with self._lock:
             self.reqs[req_id] = r
             self.stats.add(long_requests=1)
+
+    def _fetch_centroids(self, req_id: str, rep: pb.AdoptReply, device: torch.device) -> list[RemoteKV]:
+        """The centroid state of an adopted request from the node (Centroids), as the layers of a
+        releasing tier: the committed parts (``rep.committed`` tokens) merged, the rest prepared."""
+        L, H, D = rep.num_layers, rep.kv_heads, rep.head_dim
+        if L != self.num_layers:
+            raise HostError(f"the node holds {L} layers, this tier has {self.num_layers}")
+        dtype = next((t for t, i in DTYPE_IDS.items() if i == rep.dtype), None)
+        if dtype is None:
+            raise HostError(f"the node's request has dtype id {rep.dtype}")
+        es = torch.empty((), dtype=dtype).element_size()
+        P = len(rep.part_tokens)
+        if len(rep.part_clusters) != P * L:
+            raise HostError(f"the node's record has {len(rep.part_clusters)} cluster counts for {P} parts of {L} layers")
+        want = sum(H * C * (4 + 2 * D * es) for C in rep.part_clusters)
+        buf = torch.empty(want, dtype=torch.uint8)
+        off = 0
+        try:
+            for m in self._stub.Centroids(pb.CentroidsRequest(client_id=self.client_id, req_id=req_id),
+                                          timeout=self.cfg.host_timeout_s + want / STORE_BYTES_PER_S,
+                                          metadata=self._md):
+                k = len(m.data)
+                if off + k > want:
+                    raise HostError(f"the node sent more than the {want} bytes of centroid state its record implies")
+                buf[off:off + k] = torch.frombuffer(m.data, dtype=torch.uint8)
+                off += k
+        except grpc.RpcError as e:
+            raise HostError(f"nelssa-node Centroids at {self.cfg.node_address}: {_status(e)}") from None
+        if off != want:
+            raise HostError(f"the node sent {off} of the {want} bytes of centroid state its record implies")
+        layers = [RemoteKV(req_id, i, H, D, dtype, device) for i in range(L)]
+        off = 0
+        for p in range(P):
+            for i in range(L):
+                C = rep.part_clusters[p * L + i]
+                sizes = buf[off:off + H * C * 4].view(torch.int32).view(H, C)
+                off += H * C * 4
+                cv = buf[off:off + 2 * H * C * D * es].view(dtype).view(2, H, C, D)
+                off += 2 * H * C * D * es
+                layers[i].pending.append((int(rep.part_tokens[p]), cv[0].to(device), sizes.to(device),
+                                          cv[1].to(device)))
+        for c in layers:
+            c.commit_until(int(rep.committed))
+        return layers
 
     @property
     def nbytes(self) -> int:

@@ -44,7 +44,8 @@ from nelssa.config import get_config, set_config
 from nelssa.node.proto import nelssa_node_pb2 as pb
 from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
 from nelssa.node.wire import (DTYPE_IDS, DTYPES, ITEMSIZE, TOKEN_HEADER, W_REQ_SEQ, Limits, NativeChannel, ShmChannel,
-                              StoreSlot, WireError, decode_job, dtype_of, plan_layout, store_bytes, tensor_bytes)
+                              StoreSlot, WireError, centroid_bytes, decode_job, dtype_of, plan_layout, store_bytes,
+                              tensor_bytes, valid_handle)
 from nelssa.sparse import KVPart, Selection, attend, host_empty, merge_states, prepare_attend
 
 log = logging.getLogger("nelssa.node")
@@ -152,6 +153,7 @@ class NodeRequest:
         self.shards = [[Shard(h1 - h0, D) for h0, h1 in head_ranges] for _ in range(num_layers)]
         self.part_tokens: list[int] = []
         self.part_clusters: list[list[int]] = []     # [part][layer]
+        self.kept: list[list[tuple] | None] = []     # [part]: per layer (sizes, centroids, vmeans), or None
         self.bytes = [0] * len(head_ranges)          # held per device
         self.lock = threading.Lock()
 
@@ -395,16 +397,22 @@ class NodeState:
         with r.lock:
             held, r.bytes = r.bytes, [0] * len(r.bytes)
             r.shards = []  # a job in flight keeps its own references until it returns
+            r.kept = []
         self.release(held)
         return sum(held)
 
     # -------- hand-over (ReleaseRequest / AdoptRequest in the .proto)
-    def release_request(self, c: Client, req_id: str, ttl_s: float) -> tuple[str, float]:
-        """The client's request leaves it without being freed, under a new unguessable handle, until a
-        client adopts it or ``ttl_s`` (within the lease limits) passes: then it is freed."""
+    def release_request(self, c: Client, req_id: str, ttl_s: float, handle: str = "") -> tuple[str, float]:
+        """The client's request leaves it without being freed, under an unguessable handle (the node's,
+        or the client's own: ``valid_handle``), until a client adopts it or ``ttl_s`` (within the lease
+        limits) passes: then it is freed."""
         ttl = min(max(ttl_s or self.s.lease_max_s, self.s.lease_min_s), self.s.lease_max_s)
-        handle = secrets.token_hex(16)
+        if handle and not valid_handle(handle):
+            raise WireError("a release handle is 32-128 characters of [0-9A-Za-z_-]")
+        handle = handle or secrets.token_hex(16)
         with self.lock:
+            if handle in self.released:
+                raise NodeError(grpc.StatusCode.ALREADY_EXISTS, "a released request already has this handle")
             r = c.reqs.pop(req_id, None)
             if r is None:
                 raise NodeError(grpc.StatusCode.NOT_FOUND, f"request {req_id} is not stored for this client")
@@ -432,6 +440,24 @@ class NodeState:
                                  part_tokens=r.part_tokens,
                                  part_clusters=[k for pc in r.part_clusters for k in pc], committed=committed,
                                  bytes=sum(r.bytes))
+
+    def centroids(self, c: Client, req_id: str, step: int):
+        """The centroid state of the client's request (every part stored with keep_centroids) as data
+        chunks of at most ``step`` bytes, in the order of the .proto (Centroids)."""
+        with self.lock:
+            r = c.reqs.get(req_id)
+        if r is None:
+            raise NodeError(grpc.StatusCode.NOT_FOUND, f"request {req_id} is not stored for this client")
+        with r.lock:
+            kept = list(r.kept)
+        if not kept or any(k is None for k in kept):
+            raise NodeError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"request {req_id}: not every part was stored with keep_centroids")
+        for part in kept:
+            for t in (t for layer in part for t in layer):
+                flat = t.reshape(-1).view(torch.uint8).numpy()
+                for o in range(0, flat.size, step):
+                    yield pb.DataChunk(data=flat[o:o + step].tobytes())
 
     # -------- ingestion
     def store(self, chunks, context) -> pb.StoreReply:
@@ -464,14 +490,17 @@ class NodeState:
             raise NodeError(grpc.StatusCode.FAILED_PRECONDITION,
                             f"request {h.req_id}: append of part {h.part} does not follow the stored parts or shape")
         row = n * 2 * D * es  # bytes of one head's K/V rows in a layer
-        if head:
-            need = [sum((h1 - h0) * row + table_bytes(h1 - h0, k) for k in h.clusters) for h0, h1 in ranges]
+        keep = h.keep_centroids
+        if head:  # a device holds its heads' K/V, tables (and kept centroid state)
+            need = [sum((h1 - h0) * row + table_bytes(h1 - h0, k) + keep * centroid_bytes(h1 - h0, D, es, k)
+                        for k in h.clusters) for h0, h1 in ranges]
         else:  # the exact split is known once a layer's sizes arrive: each layer reserves evenly first
-            need = [sum(even_share(H, row, k, N) for k in h.clusters)] * N
+            need = [sum(even_share(H, row, k, N) + keep * -(-centroid_bytes(H, D, es, k) // N)
+                        for k in h.clusters)] * N
         if h.from_slot:  # the data is in the client's store slot: the stream ends with the header
             with self.lock:
                 slot = c.store_slot
-            want = store_bytes(H, D, es, n, list(h.clusters))
+            want = store_bytes(H, D, es, n, list(h.clusters), keep)
             if slot is None or slot.slot < want:
                 raise NodeError(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"store of {want} bytes from the store slot, but the client has "
@@ -485,7 +514,7 @@ class NodeState:
         reserved = list(need)
         base = [sum(pc[li] for pc in r.part_clusters) for li in range(L)]  # global id of this part's cluster 0
         try:
-            built = self._receive(reader, h, dtype, es, ranges, reserved, base)
+            built, kept = self._receive(reader, h, dtype, es, ranges, reserved, base)
             with r.lock, self.lock:
                 if (h.part == 0 and h.req_id in c.reqs) or c.id not in self.clients or \
                         (h.part > 0 and (c.reqs.get(h.req_id) is not r or len(r.part_tokens) != h.part)):
@@ -495,6 +524,7 @@ class NodeState:
                         r.shards[li][d].pending.append(item)
                 r.part_tokens.append(n)
                 r.part_clusters.append(list(h.clusters))
+                r.kept.append(kept)
                 for d in range(N):
                     r.bytes[d] += reserved[d]
                 c.reqs[h.req_id] = r
@@ -508,15 +538,15 @@ class NodeState:
         self.metrics.ingested.inc(stored)
         return pb.StoreReply(bytes=sum(r.bytes), parts=len(r.part_tokens))
 
-    def _receive(self, it, h, dtype, es, ranges, reserved, base) -> list[list[tuple]]:
+    def _receive(self, it, h, dtype, es, ranges, reserved, base) -> tuple[list[list[tuple]], list[tuple] | None]:
         """Read each layer's sizes and K/V from ``it`` (the stream's chunks or the store slot) into
-        per-device tensors -> [layer][device] (tokens, kv, starts, sizes) ready to be appended as
-        prepared parts."""
+        per-device tensors -> ([layer][device] (tokens, kv, starts, sizes) ready to be appended as
+        prepared parts, the kept centroid state: [layer] (sizes, centroids, vmeans) or None)."""
         L, H, D, n = h.num_layers, h.kv_heads, h.head_dim, h.tokens
         N = len(self.devices)
         head = self.s.partition == "head"
         row = n * 2 * D * es
-        built = []
+        built, kept = [], []
         for li in range(L):
             C = h.clusters[li]
             sizes = torch.frombuffer(bytearray(it.take(H * C * 4)), dtype=torch.int32).view(H, C)
@@ -535,8 +565,12 @@ class NodeState:
                 it.into(full.view(-1).view(torch.uint8))
                 row_parts = self._split_clusters(full, sizes, starts, base[li], reserved)
             built.append(row_parts)
+            if h.keep_centroids:
+                cv = torch.empty(2, H, C, D, dtype=dtype)
+                it.into(cv.view(-1).view(torch.uint8))
+                kept.append((sizes, cv[0], cv[1]))
         it.end()
-        return built
+        return built, (kept if h.keep_centroids else None)
 
     def _split_clusters(self, full: torch.Tensor, sizes: torch.Tensor, starts: torch.Tensor, base: int,
                         reserved: list[int]) -> list[tuple]:
@@ -1040,13 +1074,21 @@ class Servicer(pb_grpc.NelssaNodeServicer):
     def Release(self, request, context):
         def f():
             handle, ttl = self.node.release_request(self.node.client(request.client_id), request.req_id,
-                                                    request.ttl_s)
+                                                    request.ttl_s, request.handle)
             return pb.ReleaseReply(handle=handle, ttl_s=ttl)
         return self._call(context, f)
 
     def Adopt(self, request, context):
         return self._call(context, lambda: self.node.adopt(self.node.client(request.client_id), request.handle,
                                                            request.req_id))
+
+    def Centroids(self, request, context):
+        _need_deadline(context)
+        try:
+            step = max(1 << 16, int(self.node.s.limits.max_message_bytes) - (1 << 12))
+            yield from self.node.centroids(self.node.client(request.client_id), request.req_id, step)
+        except (NodeError, WireError) as e:
+            _abort(context, e)
 
     def DropPlan(self, request, context):
         return self._call(context, lambda: pb.FreeReply(

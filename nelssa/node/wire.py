@@ -369,6 +369,21 @@ class StoreSlot(_ChannelFile):
         self.data = mem[_HDR:]
 
 
-def store_bytes(H: int, D: int, itemsize: int, tokens: int, clusters: list[int]) -> int:
-    """A store's data bytes (chunks or slot): per layer its cluster sizes and its K/V rows."""
-    return sum(H * C * 4 + H * tokens * 2 * D * itemsize for C in clusters)
+def store_bytes(H: int, D: int, itemsize: int, tokens: int, clusters: list[int], keep_centroids: bool = False) -> int:
+    """A store's data bytes (chunks or slot): per layer its cluster sizes and its K/V rows (and with
+    ``keep_centroids`` its centroids and value means)."""
+    return sum(H * C * 4 + H * tokens * 2 * D * itemsize + keep_centroids * centroid_bytes(H, D, itemsize, C)
+               for C in clusters)
+
+
+def centroid_bytes(H: int, D: int, itemsize: int, C: int) -> int:
+    """A layer's centroids and value means of C clusters ([H, C, D] each)."""
+    return 2 * H * C * D * itemsize
+
+
+HANDLE_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_-")
+
+
+def valid_handle(h: str) -> bool:
+    """A client-chosen hand-over handle (ReleaseRequest.handle): 32-128 of [0-9A-Za-z_-]."""
+    return 32 <= len(h) <= 128 and set(h) <= HANDLE_CHARS

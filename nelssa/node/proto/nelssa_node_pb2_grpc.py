@@ -104,6 +104,11 @@ class NelssaNodeStub:
                 request_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AdoptRequest.SerializeToString,
                 response_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AdoptReply.FromString,
                 _registered_method=True)
+        self.Centroids = channel.unary_stream(
+                '/nelssa.node.v1.NelssaNode/Centroids',
+                request_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.CentroidsRequest.SerializeToString,
+                response_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.DataChunk.FromString,
+                _registered_method=True)
 
 
 class NelssaNodeServicer:
@@ -194,6 +199,12 @@ class NelssaNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Centroids(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NelssaNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -266,6 +277,11 @@ def add_NelssaNodeServicer_to_server(servicer, server):
                     servicer.Adopt,
                     request_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AdoptRequest.FromString,
                     response_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AdoptReply.SerializeToString,
+            ),
+            'Centroids': grpc.unary_stream_rpc_method_handler(
+                    servicer.Centroids,
+                    request_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.CentroidsRequest.FromString,
+                    response_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.DataChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -646,6 +662,33 @@ class NelssaNode:
             '/nelssa.node.v1.NelssaNode/Adopt',
             nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AdoptRequest.SerializeToString,
             nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.AdoptReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Centroids(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/nelssa.node.v1.NelssaNode/Centroids',
+            nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.CentroidsRequest.SerializeToString,
+            nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.DataChunk.FromString,
             options,
             channel_credentials,
             insecure,
