@@ -14,6 +14,9 @@
 #   NELSSA_ENGINE [auto]: D's host tier: node (nelssa-node, started here), local (in-process on D),
 #       auto (node when this checkout has the node service, else local)
 #   NODE_DEVICES [1]  NODE_ARGS [extra nelssa-node arguments]
+#   NELSSA_HANDOVER [1 with the node]: P runs NELSSA too, clusters long prompts into nelssa-node as it
+#       prefills them and hands them over to D, which adopts them instead of clustering them (0: P is
+#       stock vLLM and D clusters)
 #   VLLM_EXTRA_ARGS [empty]: appended to both vLLM instances' arguments, e.g. "--dtype float32 --enforce-eager"
 #   PREFILL_GPU [0]  DECODE_GPU [1 with two GPUs, else 0]  GPU_MEMORY_SPLIT [0.45: each instance's
 #       --gpu-memory-utilization when P and D share a GPU; "P,D" for two values, e.g. 0.5,0.27]. On a
@@ -37,9 +40,9 @@
 #
 # Short requests (< T_input prompt tokens): standard vLLM P/D, prefill on P, KV to D through vLLM's
 # NixlConnector (UCX; DRAM on the CPU platform, device memory on GPUs), decode on D.
-# Long requests: the proxy decides once and tells P and D in kv_transfer_params["nelssa"]; today they
-# take the same P/D path and D moves their KV to its host tier (see docs/pd.md: the interim path and
-# the design of the clustered path).
+# Long requests: the proxy decides once and tells P and D in kv_transfer_params["nelssa"]; their KV
+# takes the same P/D path; with the node P clusters them into it and D adopts them there, else D moves
+# their KV to its host tier (see docs/pd.md: the paths and the design of the rest).
 set -euo pipefail
 {  # the whole script is read before it runs: editing the file under a running stack cannot break it
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -248,6 +251,12 @@ if [ "$engine" = node ]; then
   fi
 fi
 nelssa_json+="}"
+p_nelssa=()  # P: stock vLLM, or with the node the plugin handing long prompts over to D (vllm_plugin/handover.py)
+if [ "$engine" = node ] && [ "${NELSSA_HANDOVER:-1}" != 0 ]; then
+  p_nelssa=(--nelssa "${nelssa_json%\}}, \"handover\": true}")
+  p_env+=(NELSSA_HANDOVER=1 NELSSA_LANE=0)  # (the environment's NELSSA_* win over the JSON; P decodes nothing)
+  log "P clusters long prompts into nelssa-node and hands them over to D (NELSSA_HANDOVER=0: D clusters them)"
+fi
 
 on_exit() {  # whatever ends this script (error, Ctrl-C, a process dying) stops what it started
   if [ -f "$STATE" ] && [ ! -f "$LOG_DIR/stopping" ]; then stop_all || true; fi
@@ -270,7 +279,8 @@ fi
 # shellcheck disable=SC2046
 launch prefill "$PREFILL_PORT $PREFILL_NIXL_PORT" "$LOG_DIR/prefill.log" $(pin "$PREFILL_CORES") \
   env "${p_env[@]}" "$PY" -m nelssa.proxy.pd engine-cmd --exec --role prefill --port "$PREFILL_PORT" \
-  --nixl-port "$PREFILL_NIXL_PORT" --model "$MODEL" "$dev_flag" "${off_flag[@]}" "${nixl_args[@]}" -- "${extra[@]}" "${p_extra[@]}"
+  --nixl-port "$PREFILL_NIXL_PORT" --model "$MODEL" "$dev_flag" "${off_flag[@]}" "${nixl_args[@]}" "${p_nelssa[@]}" \
+  -- "${extra[@]}" "${p_extra[@]}"
 if [ "$shared_gpu" = 1 ] && [ -z "${KV_CACHE_MEMORY:-}" ]; then
   read -r _ ppid _ < <(grep '^prefill ' "$STATE")
   log "waiting for P's health before D starts (one GPU)"

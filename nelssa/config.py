@@ -133,6 +133,13 @@ class NelssaConfig:
     node_token: str = field(default="", repr=False)  # engine "node": shared secret (required off loopback)
     node_transport: str = "auto"  # engine "node" data plane: native | shm | grpc | auto (native on loopback)
     node_lease_s: float = 30.0    # engine "node": lease; the node drops a client's KV this long after its last call
+    handover: bool = False        # engine "node", the prefill instance of a P/D stack: its long prompts are
+                                  # clustered into the node as they prefill and released there for the decode
+                                  # instance, which adopts them instead of clustering them again
+                                  # (vllm_plugin/handover.py)
+    handover_wait_s: float = 60.0  # decode instance: how long a hand-over's adoption waits for the prefill
+                                   # instance's release before it clusters the request itself (its KV came
+                                   # whole over NIXL)
     node_spin_us: int = -1        # engine "node", native plane: a job polls its answer this long (yielding its
                                   # core past 20 us) before it naps ~10 us per poll; -1: 1000 on hosts with 8 or
                                   # more usable cores, else 20 (on shared cores a spinning waiter delays the
@@ -177,6 +184,9 @@ class NelssaConfig:
         req(isinstance(self.node_address, str) and ":" in self.node_address,
             f"node_address must be host:port, got {self.node_address!r}")
         req(self.node_lease_s > 0, f"node_lease_s must be > 0, got {self.node_lease_s!r}")
+        req(not self.handover or self.engine == "node",
+            "handover (a prefill instance releasing long prompts to its decode instance) needs engine 'node'")
+        req(self.handover_wait_s > 0, f"handover_wait_s must be > 0, got {self.handover_wait_s!r}")
         req(isinstance(self.node_spin_us, int) and self.node_spin_us >= -1,
             f"node_spin_us must be an int >= -1, got {self.node_spin_us!r}")
         req(self.cluster_size >= 1 and self.segment >= self.cluster_size and self.iters >= 1,
@@ -239,6 +249,8 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_NODE_TOKEN": ("node_token", str),
     "NELSSA_NODE_TRANSPORT": ("node_transport", str),
     "NELSSA_NODE_LEASE_S": ("node_lease_s", float),
+    "NELSSA_HANDOVER": ("handover", _bool),
+    "NELSSA_HANDOVER_WAIT_S": ("handover_wait_s", float),
     "NELSSA_NODE_SPIN_US": ("node_spin_us", int),
     "NELSSA_SEED": ("seed", int),
     "NELSSA_USE_CPP": ("use_cpp", _bool),

@@ -1,8 +1,10 @@
-"""End to end on CPU: run_pd_with_nelssa.sh starts P, D and the proxy (real processes, SmolLM2, fp32,
-NIXL over DRAM); short and long requests through the proxy with the official openai client (one
-streamed); answers equal stock vLLM's (P asked directly, budget 1.0); usage right; D moved the long
-request's KV to its host tier; KV came over NIXL; a malformed body is a 400 and the stack keeps
-serving; `stop` leaves no process and no listening port."""
+"""End to end on CPU: run_pd_with_nelssa.sh starts P, D, the proxy and (engine node) nelssa-node (real
+processes, SmolLM2, fp32, NIXL over DRAM); short and long requests through the proxy with the
+official openai client (one streamed); answers equal stock vLLM's (P asked directly, budget 1.0);
+usage right; the long request's KV reached D's host tier — with the node (the default,
+NELSSA_PD_ENGINE=node) clustered by P and adopted by D (the hand-over: D clustered nothing), with
+NELSSA_PD_ENGINE=local moved there by D; KV came over NIXL; a malformed body is a 400 and the stack
+keeps serving; `stop` leaves no process and no listening port."""
 
 from __future__ import annotations
 
@@ -56,14 +58,19 @@ def _listening(ports: list[int]) -> list[int]:
 def test_pd_stack_end_to_end(tmp_path):
     from nelssa.models import prepare_smollm2
     model = str(prepare_smollm2())
-    pp, dp, xp, pn, dn = _free_ports(5)
-    ports = [pp, dp, xp, pn, dn]
+    engine = os.environ.get("NELSSA_PD_ENGINE", "node")
+    assert engine in ("node", "local"), engine
+    pp, dp, xp, pn, dn, node = _free_ports(6)
+    ports = [pp, dp, xp, pn, dn] + ([node] if engine == "node" else [])
     log_dir = tmp_path / "logs"
     env = {**os.environ, "NELSSA_PYTHON": sys.executable, "MODEL": model, "LOG_DIR": str(log_dir),
            "PREFILL_PORT": str(pp), "DECODE_PORT": str(dp), "PROXY_PORT": str(xp),
            "PREFILL_NIXL_PORT": str(pn), "DECODE_NIXL_PORT": str(dn),
-           "NELSSA_T_INPUT": "512", "NELSSA_BUDGET": "1.0", "NELSSA_HANDOFF_LAG": "0", "NELSSA_ENGINE": "local",
+           "NELSSA_T_INPUT": "512", "NELSSA_BUDGET": "1.0", "NELSSA_ENGINE": engine, "NODE_PORT": str(node),
            "NELSSA_DEFER_BELOW": "0",  # D moves the long request to the host tier however much room it has
+           # node leases past the stalls of four busy processes on 2 vCPUs (30 s expired there: the node
+           # dropped P's stored request, and D clustered the prompt itself)
+           "NELSSA_NODE_LEASE_S": "300",
            "VLLM_EXTRA_ARGS": "--dtype float32 --enforce-eager --max-model-len 1024 --max-num-seqs 8",
            "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("NELSSA_OFF", None)
@@ -89,7 +96,7 @@ def test_pd_stack_end_to_end(tmp_path):
         started = time.monotonic() - t0
         groups = [int(line.split()[1]) for line in (log_dir / "pids").read_text().splitlines()]
         assert [line.split()[0] for line in (log_dir / "pids").read_text().splitlines()] == \
-            ["prefill", "decode", "proxy"]
+            ["node"] * (engine == "node") + ["prefill", "decode", "proxy"]
         proxy = f"http://127.0.0.1:{xp}"
         client = openai.OpenAI(base_url=proxy + "/v1", api_key="none", max_retries=0, timeout=180)
         stock = openai.OpenAI(base_url=f"http://127.0.0.1:{pp}/v1", api_key="none", max_retries=0, timeout=180)
@@ -153,9 +160,18 @@ def test_pd_stack_end_to_end(tmp_path):
         assert _metric_sum(pm, "nelssa_proxy_requests_total", route="none", status="400") == 1
         assert _metric_sum(pm, "nelssa_proxy_prompt_token_mismatch_total") == 0
         dm = httpx.get(f"http://127.0.0.1:{dp}/metrics").text
-        assert _metric_sum(dm, "nelssa:long_requests_total") >= 1, "D did not move the long request to the host tier"
-        assert _metric_sum(dm, "nelssa:moved_tokens_total") >= 512 - 64 - 16 - 128
+        assert _metric_sum(dm, "nelssa:long_requests_total") >= 1, "the long request is not on D's host tier"
         assert _metric_sum(dm, "vllm:nixl_bytes_transferred_sum") > 0, "no KV came over NIXL"
+        if engine == "node":  # P clustered both long requests into the node, D adopted them
+            pm = httpx.get(f"http://127.0.0.1:{pp}/metrics").text
+            assert _metric_sum(pm, "nelssa:moved_tokens_total") >= 2 * (512 - 64 - 16 - 128)
+            assert _metric_sum(pm, "nelssa:handovers_released_total") == 2
+            assert _metric_sum(dm, "nelssa:handovers_adopted_total") >= 1  # the second: adopted unless aborted first
+            assert _metric_sum(dm, "nelssa:handover_fallbacks_total") == 0
+            assert _metric_sum(dm, "nelssa:moved_tokens_total") == 0, "D clustered a prompt P had handed over"
+            assert _metric_sum(pm, "nelssa:host_bytes") == 0  # P's node entries went to D (or the node's ttl)
+        else:
+            assert _metric_sum(dm, "nelssa:moved_tokens_total") >= 512 - 64 - 16 - 128
         served = time.monotonic() - t0 - started
     finally:
         stop = subprocess.run(["bash", str(REPO / "run_pd_with_nelssa.sh"), "stop"], cwd=REPO, env=env,

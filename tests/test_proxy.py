@@ -464,6 +464,15 @@ def test_engine_commands():
     assert genv == {"VLLM_USE_V2_MODEL_RUNNER": "0"} and "--dtype" not in g
     with pytest.raises(ValueError, match="budget"):
         engine_command("decode", 1, model="m", nelssa={"budget": 2}, cuda=False, extra=[])
+    # P with the hand-over (through nelssa-node): the plugin beside NixlConnector, as D
+    ho = {"T_input": 512, "engine": "node", "handover": True}
+    h, _ = engine_command("prefill", 1, model="m", nelssa=ho, cuda=False, extra=["--dtype", "float32"])
+    assert h[1:3] == ["-m", "nelssa.proxy.engine"] and "--disable-hybrid-kv-cache-manager" not in h
+    assert kv(h)["kv_role"] == "kv_producer" and [c["kv_connector"] for c in kv(h)["kv_connector_extra_config"][
+        "connectors"]] == ["NixlConnector", "NelssaConnector"]
+    assert _json.loads(h[h.index("--additional-config") + 1]) == {"nelssa": ho}
+    with pytest.raises(ValueError, match="handover .* needs engine 'node'"):
+        engine_command("prefill", 1, model="m", nelssa={"handover": True}, cuda=False, extra=[])
 
 
 def test_listening_ports():

@@ -157,7 +157,7 @@ def run(spec: dict) -> dict:
                 results[o.request_id] = {
                     "prompt_len": len(o.prompt_token_ids or []), "token_ids": list(c.token_ids),
                     "text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                    "cached_tokens": o.num_cached_tokens,
+                    "cached_tokens": o.num_cached_tokens, "kv_transfer_params": o.kv_transfer_params,
                     "top2": [sorted(((float(v.logprob), int(t)) for t, v in d.items()), reverse=True)[:2]
                              for d in (c.logprobs or [])] if spec.get("logprobs") else None,
                 }

@@ -18,6 +18,6 @@ def host_tier(cfg, num_layers: int):
     """The host tier the config's ``engine`` names (both have LocalHostTier's interface)."""
     if cfg.engine == "node":
         from nelssa.node.client import NodeHostTier  # grpc is imported only when the node is used
-        return NodeHostTier(cfg, num_layers)
+        return NodeHostTier(cfg, num_layers, keep_centroids=cfg.handover)  # a prefill instance's: for adoption
     from nelssa.node.local import LocalHostTier
     return LocalHostTier(cfg, num_layers)

@@ -60,6 +60,11 @@ class HostStats:
         self.lane_timeline_batches = 0
         self.lane_finish_cancels = 0           # long lane: requests finished while a job of theirs ran (lane.py, 6)
         self.handoff_failures = 0              # background moves to the host tier that failed (handoff.py)
+        self.handovers_released = 0            # P/D hand-over (vllm_plugin/handover.py), P: requests released
+        self.handover_failures = 0             # P: hand-overs given up (a failed move or release)
+        self.handovers_adopted = 0             # D: requests adopted from P instead of clustered
+        self.handover_fallbacks = 0            # D: hand-overs not adopted (clustered here instead)
+        self.handover_wait_s: list[float] = []  # D: per adoption, seconds from its start to the node's answer
 
     def take(self) -> dict:
         with self._lock:
@@ -74,7 +79,9 @@ class HostStats:
                  "lane_drafts": self.lane_drafts,
                  "node_comm_s": self.node_comm_s, "lane_timeline_s": self.lane_timeline_s,
                  "lane_timeline_batches": self.lane_timeline_batches, "handoff_failures": self.handoff_failures,
-                 "lane_finish_cancels": self.lane_finish_cancels}
+                 "lane_finish_cancels": self.lane_finish_cancels, "handovers_released": self.handovers_released,
+                 "handover_failures": self.handover_failures, "handovers_adopted": self.handovers_adopted,
+                 "handover_fallbacks": self.handover_fallbacks, "handover_wait_s": self.handover_wait_s}
             self.reset()
         return d
 

@@ -66,29 +66,35 @@ def nixl_config(role: str, cuda: bool, lease_s: int | None = None, connector: st
 def engine_command(role: str, port: int, *, model: str, nelssa: dict | None, cuda: bool, extra: list[str],
                    host: str = "127.0.0.1", python: str = sys.executable,
                    lease_s: int | None = None, nixl_connector: str | None = None) -> tuple[list[str], dict[str, str]]:
-    """(argv, extra environment) of one P or D instance. ``nelssa`` None: no NELSSA on this instance."""
+    """(argv, extra environment) of one P or D instance. ``nelssa`` None: stock P/D (no NELSSA anywhere);
+    else the stack's NELSSA config: D runs the plugin with it, P only with ``handover`` on (its config and
+    the environment's, vllm_plugin/handover.py: P clusters long prompts into nelssa-node for D), else P
+    is stock vLLM."""
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be prefill or decode, got {role!r}")
+    plugin = False
+    if nelssa is not None:
+        from nelssa.config import load_config
+        cfg = load_config({"nelssa": nelssa})  # validate here, with a clear message
+        plugin = role == "decode" or cfg.handover
     # vLLM's api_server through nelssa.proxy.engine (registers the NELSSA connector's name, see there)
-    server = "nelssa.proxy.engine" if nelssa is not None and role == "decode" else "vllm.entrypoints.openai.api_server"
+    server = "nelssa.proxy.engine" if plugin else "vllm.entrypoints.openai.api_server"
     cmd = [python, "-m", server, "--model", model, "--host", host, "--port", str(port)]
     env: dict[str, str] = {}
     if not cuda and not any(a == "--dtype" or a.startswith("--dtype=") for a in extra):
         from nelssa.cpu import cpu_dtype
         cmd += ["--dtype", cpu_dtype()]  # P and D must agree: the same function decides both
     kv = nixl_config(role, cuda, lease_s, nixl_connector)
-    if nelssa is not None and role == "decode":
-        from nelssa.config import load_config
+    if plugin:
         from nelssa.vllm_plugin import SCHEDULER, WORKER_CPU, WORKER_GPU
         from nelssa.vllm_plugin.connector import CONNECTOR
-        load_config({"nelssa": nelssa})  # validate here, with a clear message
         kv = {"kv_connector": "MultiConnector", "kv_role": kv["kv_role"],
               "kv_connector_extra_config": {"connectors": [kv, dict(CONNECTOR)]}}
         cmd += ["--additional-config", json.dumps({"nelssa": nelssa}),
                 "--worker-cls", WORKER_GPU if cuda else WORKER_CPU, "--scheduler-cls", SCHEDULER]
         if cuda:
             env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the plugin's runner hooks are on the V1 runner
-    elif nelssa is not None:
+    elif nelssa is not None:  # stock P beside a NELSSA D
         # D's NELSSA connector does not support the hybrid KV-cache manager, so vLLM turns it off there;
         # NixlConnector's handshake hashes that setting (nixl/metadata.py compute_nixl_compatibility_hash,
         # "is_hma_enabled") and refuses a P that differs. One attention group: no behaviour change on P.
@@ -202,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--port", type=int, required=True)
     e.add_argument("--nixl-port", type=int, required=True, help="NIXL side channel port of this instance")
     e.add_argument("--model", default=None)
-    e.add_argument("--nelssa", default="{}", help="NELSSA config of the decode instance (JSON)")
+    e.add_argument("--nelssa", default="{}", help="the stack's NELSSA config (JSON): D's; P's with handover")
     e.add_argument("--off", action="store_true", help="stock vLLM (no NELSSA)")
     g = e.add_mutually_exclusive_group()
     g.add_argument("--cuda", dest="cuda", action="store_true", default=None)

@@ -454,11 +454,11 @@ class Proxy:
             except ConnectionResetError:  # the client went away (aiohttp's reset error is also a ClientError)
                 raise _ClientGone() from None
 
-        buf, first = b"", True
+        buf, first, done = b"", True, False
         try:
             async for chunk in r.content.iter_any():
                 buf += chunk
-                while b"\n\n" in buf:
+                while b"\n\n" in buf and not done:
                     ev, buf = buf.split(b"\n\n", 1)
                     keep = self._event(ev, dec, want_usage)
                     if keep and first and ev.startswith(b"data: {"):
@@ -466,14 +466,23 @@ class Proxy:
                         self.m.ttft.labels(dec.route).observe(time.perf_counter() - t0)
                     if keep:
                         await send(ev + b"\n\n")
-            if buf.strip():
+                    # the answer is complete: the client may close now, before the upstream's end of stream
+                    # reaches us (a loaded host showed such answers as disconnects)
+                    done = ev.strip() == b"data: [DONE]"
+                if done:
+                    break
+            if buf.strip() and not done:
                 await send(buf)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             err = self._upstream_failure("decode", u, e)
             log.error("request %s: stream broken: %s", rid, err.message)
             msg = {"error": {"message": err.message, "type": err.type, "param": None, "code": err.status}}
             await send(b"data: " + json.dumps(msg).encode() + b"\n\n")
-        await out.write_eof()
+        try:
+            await out.write_eof()
+        except ConnectionResetError:
+            if not done:
+                raise _ClientGone() from None  # (after [DONE] the client had everything)
         return out
 
     def _event(self, ev: bytes, dec: Decision, want_usage: bool) -> bool:

@@ -13,6 +13,11 @@ It moves no KV itself (in P/D it runs beside NixlConnector in a MultiConnector).
     ``failed``, requests whose host-tier work failed (finished with an error before any token of
     theirs from that step is emitted); ``lane``, the requests whose next position the long lane
     computed (lane.py: the scheduler may schedule them again).
+  * P/D hand-over (handover.py has the contract): on a prefill instance with ``handover``,
+    ``request_finished`` names a long prompt's handle in its kv_transfer_params and holds its blocks,
+    the metadata's ``release`` carries the handle to the worker, and ``get_finished`` reports the
+    request once the worker has released it on the node; on a decode instance ``on_new_request`` reads
+    the handle and the metadata's ``adopt`` carries it to the worker.
   * worker: the host tier's counters (KVConnectorStats) reach the API process, where
     build_prom_metrics exports them on /metrics.
 """
@@ -29,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole, KVConnectorWorkerMetadata)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from nelssa.vllm_plugin import runtime
+from nelssa.vllm_plugin import handover, runtime
 
 CONNECTOR = {"kv_connector": "NelssaConnector", "kv_connector_module_path": "nelssa.vllm_plugin.connector",
              "kv_role": "kv_both"}
@@ -40,6 +45,8 @@ class NelssaConnectorMetadata(KVConnectorMetadata):
     host_ends: dict[str, int] = field(default_factory=dict)
     anchors: dict[str, int] = field(default_factory=dict)
     switching: dict[str, int] = field(default_factory=dict)
+    release: dict[str, str] = field(default_factory=dict)  # P: finished request -> hand-over handle
+    adopt: dict[str, str] = field(default_factory=dict)    # D: request scheduled first -> hand-over handle
 
 
 @dataclass
@@ -77,6 +84,12 @@ def step_switching(meta) -> dict[str, int]:
     """This step's switching requests (lane): request -> the H its lane job uses."""
     m = _ours(meta, NelssaConnectorMetadata, "metadata")
     return m.switching if m is not None else {}
+
+
+def step_handovers(meta) -> tuple[dict[str, str], dict[str, str]]:
+    """This step's hand-overs (handover.py): (P: requests to release, D: requests to adopt) -> handle."""
+    m = _ours(meta, NelssaConnectorMetadata, "metadata")
+    return (m.release, m.adopt) if m is not None else ({}, {})
 
 
 def step_anchors(meta) -> dict[str, int]:
@@ -147,6 +160,22 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
             "handoff_failures": per_engine(c(name="nelssa:handoff_failures", labelnames=labelnames,
                                              documentation="Moves to the host tier that failed (the request "
                                                            "stays on its device blocks; logged)")),
+            "handovers_released": per_engine(c(name="nelssa:handovers_released", labelnames=labelnames,
+                                               documentation="P/D, prefill instance: long prompts released on "
+                                                             "nelssa-node for the decode instance")),
+            "handover_failures": per_engine(c(name="nelssa:handover_failures", labelnames=labelnames,
+                                              documentation="P/D, prefill instance: hand-overs given up (a move "
+                                                            "or the release failed; D clusters the prompt)")),
+            "handovers_adopted": per_engine(c(name="nelssa:handovers_adopted", labelnames=labelnames,
+                                              documentation="P/D, decode instance: long prompts adopted from the "
+                                                            "prefill instance instead of clustered")),
+            "handover_fallbacks": per_engine(c(name="nelssa:handover_fallbacks", labelnames=labelnames,
+                                               documentation="P/D, decode instance: hand-overs not adopted (not "
+                                                             "released in time, a mismatch): clustered here")),
+            "handover_wait_s": per_engine(h(name="nelssa:handover_wait_seconds", labelnames=labelnames,
+                                            buckets=buckets, documentation="P/D, decode instance: per adoption, "
+                                            "its start to the node's answer (waits for the prefill instance's "
+                                            "release)")),
             "moved_tokens": per_engine(c(name="nelssa:moved_tokens", labelnames=labelnames,
                                          documentation="Tokens moved to the host tier (prompts and chunks)")),
             "host_bytes": per_engine(g(name="nelssa:host_bytes", labelnames=labelnames, multiprocess_mode="mostrecent",
@@ -250,6 +279,9 @@ class NelssaConnector(KVConnectorBase_V1):
         self.host_ends: dict[str, int] = {}    # set by NelssaScheduler (scheduler role): request -> H in use
         self.anchors: dict[str, int] = {}      # set by NelssaScheduler: migrated request -> anchor
         self.switching: dict[str, int] = {}    # set by NelssaScheduler (lane): switching request -> H
+        self.handover_end = None               # set by NelssaScheduler on P (handover): request -> H0 or 0
+        self._release: dict[str, str] = {}     # P: finished hand-overs not yet sent to the worker
+        self._adopt: dict[str, str] = {}       # D: hand-overs not yet scheduled
         self._alloc_next = 0.0                 # worker: when the allocator's counters are read next
         self._alloc_last: dict[str, int] = {}  # worker: their values at the last read
 
@@ -260,14 +292,42 @@ class NelssaConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         pass
 
+    def on_new_request(self, request) -> None:
+        """D: a request handed over by its prefill instance (handover.py, 4). A malformed entry is logged
+        and the request clustered here (its KV comes whole over NIXL): vLLM's add_request must not raise."""
+        try:
+            h = handover.handle_of(request.kv_transfer_params)
+        except ValueError as e:
+            import logging
+            logging.getLogger("vllm.nelssa").error("request %s: %s; it is clustered here", request.request_id, e)
+            return
+        if h:
+            self._adopt[request.request_id] = h
+
     def build_connector_meta(self, scheduler_output):
         sched = scheduler_output.num_scheduled_tokens
+        release, self._release = self._release, {}
+        adopt = {r: self._adopt.pop(r) for r in [r for r in self._adopt if r in sched]}
         return NelssaConnectorMetadata({r: h for r, h in self.host_ends.items() if r in sched},
                                        {r: a for r, a in self.anchors.items() if r in sched},
-                                       {r: h for r, h in self.switching.items() if r in sched})
+                                       {r: h for r, h in self.switching.items() if r in sched}, release, adopt)
 
     def request_finished(self, request, block_ids):
-        return False, None
+        """P with ``handover`` (handover.py, 1): a long prompt prefilled for remote decode gets a handle in
+        its kv_transfer_params and keeps its blocks until the worker has released it on the node."""
+        from vllm.v1.request import RequestStatus
+        rid = request.request_id
+        self._adopt.pop(rid, None)
+        f = self.handover_end
+        if f is None or not (request.kv_transfer_params or {}).get("do_remote_decode") or request.status not in (
+                RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None
+        h0 = f(request)
+        if not h0:
+            return False, None
+        handle = handover.new_handle()
+        self._release[rid] = handle
+        return True, handover.params(handle, h0)
 
     # ---- worker side
     def start_load_kv(self, forward_context, **kwargs):
@@ -281,6 +341,10 @@ class NelssaConnector(KVConnectorBase_V1):
 
     def wait_for_save(self):
         pass
+
+    def get_finished(self, finished_req_ids):
+        """Worker: finished requests whose hand-over has ended (handover.py, 3): their blocks can go."""
+        return runtime.take_handed_over() or None, None
 
     def build_connector_worker_meta(self):
         new, done, rel = runtime.take_new_failures(), runtime.take_handoffs(), runtime.take_released()

@@ -21,6 +21,10 @@ Contract (worker side; the ranges come from policy.Policy, the switch from the s
   3. ``drop(rid, preempted)`` when the request finishes, is aborted or preempted: waits for its moves
      (they read blocks that are about to be reused) and forgets them; a preemption starts a new
      generation of the request. The caller frees its host KV.
+  4. P/D hand-over (handover.py): ``submit(moves, adopt)`` makes a request's first move [sink, H0) an
+     adoption of what its prefill instance stored (falling back to the move); ``handover(rid, handle,
+     on_end)`` (instead of ``drop``) releases a finished request on the node after its moves, off the
+     step path, then calls ``on_end(rid)``.
 A failed move (the host tier full, gone, or failing) is logged and counted (``handoff_failures``); the
 request's later moves are skipped and none is reported, so it never switches: it decodes from its
 device blocks (exactly: dense attention) to its end, holding them. A range whose move failed is thus
@@ -39,6 +43,7 @@ import torch
 
 from nelssa.sparse.clustered import cluster_layers, pack, part_stats
 from nelssa.sparse.kmeans import to_device
+from nelssa.vllm_plugin import handover
 
 log = logging.getLogger("vllm.nelssa")
 
@@ -57,13 +62,16 @@ class Handoff:
         self._end: dict[str, int] = {}                      # request -> end of its submitted ranges
         self._moves: dict[str, list[tuple[int, Future]]] = {}
         self._failed: set[str] = set()                      # requests with a failed move: no more moves
+        self._dropping: set[str] = set()                    # requests whose drop waits for their moves
 
     # ------------------------------------------------------------------ 1. submit
     def end(self, rid: str) -> int:
         return self._end.get(rid, self.sink)
 
-    def submit(self, moves: list[tuple[str, list[int], int, int]]) -> None:
-        """Start moves (rid, block ids, lo, hi) after this step's forward was launched."""
+    def submit(self, moves: list[tuple[str, list[int], int, int]], adopt: dict[str, str] | None = None) -> None:
+        """Start moves (rid, block ids, lo, hi) after this step's forward was launched. ``adopt``: request
+        -> hand-over handle (handover.py, 5); a request's move from the sink adopts, and its entry is
+        taken out of the dict."""
         if not moves:
             return
         ev = None
@@ -75,7 +83,8 @@ class Handoff:
             if lo != self.end(rid):
                 raise RuntimeError(f"hand-off of {rid}: range [{lo}, {hi}) does not follow {self.end(rid)}")
             self._end[rid] = hi
-            fut = self._pool.submit(self._run, ev, rid, list(blocks), lo, hi, self._gen.get(rid, 0))
+            handle = adopt.pop(rid, None) if adopt and lo == self.sink else None
+            fut = self._pool.submit(self._run, ev, rid, list(blocks), lo, hi, self._gen.get(rid, 0), handle)
             self._moves.setdefault(rid, []).append((hi, fut))
 
     def _side_stream(self) -> torch.cuda.Stream:
@@ -86,9 +95,17 @@ class Handoff:
             self._side = torch.cuda.Stream(priority=0)
         return self._side
 
-    def _run(self, ev, rid: str, blocks: list[int], lo: int, hi: int, gen: int) -> None:
+    def _run(self, ev, rid: str, blocks: list[int], lo: int, hi: int, gen: int, handle: str | None = None) -> None:
         if rid in self._failed:
             raise HandoffFailed(f"hand-off of {rid}: an earlier move failed")
+        if handle is not None and handover.adopt_handed_over(
+                self.host, rid, handle, hi - lo, self.host.cfg.handover_wait_s, self.layers[0].kv_cache.device,
+                cancelled=lambda: rid in self._dropping):
+            if self._on_done is not None:
+                self._on_done(rid, hi, gen)
+            return
+        if handle is not None and rid in self._dropping:
+            return  # not adopted, and the request is gone: nothing to cluster for
         try:
             if ev is None:
                 self._copy(rid, blocks, lo, hi)
@@ -173,14 +190,35 @@ class Handoff:
 
     # ------------------------------------------------------------------ 3. drop
     def drop(self, rid: str, preempted: bool = False) -> None:
+        self._dropping.add(rid)  # an adoption still waiting for its release gives up (handover.py, 5)
         for _, fut in self._moves.pop(rid, []):
             fut.exception()  # wait; the request is gone, its failure no longer matters
+        self._dropping.discard(rid)
         self._end.pop(rid, None)
         self._failed.discard(rid)
         if preempted:
             self._gen[rid] = self._gen.get(rid, 0) + 1
         else:
             self._gen.pop(rid, None)
+
+    # ------------------------------------------------------------------ 4. hand-over (P)
+    def handover(self, rid: str, handle: str, on_end) -> None:
+        """A finished request of a prefill instance: released on the node under ``handle`` once its moves
+        have run (this thread runs them in order), or freed if one failed; then ``on_end(rid)``. The
+        step thread does not wait (handover.py, 3)."""
+        self._moves.pop(rid, None)
+        self._end.pop(rid, None)
+        self._gen.pop(rid, None)
+        self._pool.submit(self._handover, rid, handle, on_end)
+
+    def _handover(self, rid: str, handle: str, on_end) -> None:
+        try:
+            handover.release(self.host, rid, handle, failed=rid in self._failed)
+        except Exception as e:  # noqa: BLE001 - D falls back; the blocks must still be reported
+            log.error("NELSSA hand-over of %s failed: %s: %s", rid, type(e).__name__, e)
+        finally:
+            self._failed.discard(rid)
+            on_end(rid)
 
     def wait_all(self) -> None:
         """Wait until every submitted move has finished (tests and shutdown; never on the step path)."""

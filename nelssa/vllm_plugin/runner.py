@@ -30,7 +30,7 @@ from nelssa.node import LocalHostTier, host_tier
 from nelssa.sparse.kmeans import to_device
 from nelssa.vllm_plugin import runtime
 from nelssa.vllm_plugin.attention import StepPlan, read_kv, set_plan
-from nelssa.vllm_plugin.connector import step_anchors, step_host_ends, step_switching
+from nelssa.vllm_plugin.connector import step_anchors, step_handovers, step_host_ends, step_switching
 from nelssa.vllm_plugin.handoff import Handoff
 from nelssa.vllm_plugin.policy import Policy, device_only
 
@@ -51,6 +51,7 @@ class NelssaRunnerMixin:
         self._nelssa_so = None
         self._nelssa_step = None  # (plan, moves) of the step, from _prepare_inputs to _model_forward
         self._nelssa_jobs: list[tuple[str, int, int, int]] = []  # this step's lane jobs: (request, row, pos, H)
+        self._nelssa_adopt: dict[str, str] = {}  # D: request -> hand-over handle, until its first move (handover.py)
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -136,6 +137,14 @@ class NelssaRunnerMixin:
             self.nelssa_watchdog.beat(bool(scheduler_output.total_num_scheduled_tokens))
         preempted = scheduler_output.preempted_req_ids or set()
         finished = scheduler_output.finished_req_ids - preempted
+        release, adopt = step_handovers(scheduler_output.kv_connector_metadata)
+        self._nelssa_adopt.update(adopt)
+        for rid in finished & release.keys():  # P: released on the node after its moves (handover.py, 3)
+            self.nelssa_handoff.handover(rid, release[rid], runtime.handed_over)
+            runtime.forget(rid)
+        finished = finished - release.keys()
+        for rid in finished | preempted:
+            self._nelssa_adopt.pop(rid, None)
         lane = self.nelssa_lane
         if lane is not None:  # before this step may reuse their blocks (lane.py, 6; lane_spec.py, 4)
             lane.drop(preempted)    # vLLM frees a preempted request's blocks at once: its job waited for
@@ -334,7 +343,7 @@ class NelssaRunnerMixin:
         todo = [(rid, list(self.requests[rid].block_ids[0]), lo, hi) for rid, lo, hi in moves
                 if rid not in plan.failed]
         try:
-            self.nelssa_handoff.submit(todo)
+            self.nelssa_handoff.submit(todo, self._nelssa_adopt)
         except Exception as e:  # noqa: BLE001
             for rid, _, _, hi in todo:
                 plan.fail(rid, f"handing off tokens up to {hi}: {type(e).__name__}: {e}")

@@ -11,6 +11,7 @@ failed: dict[str, str] = {}   # request id -> why it failed; kept until the requ
 _reported: set[str] = set()
 _handoffs: dict[str, tuple[int, int]] = {}  # request id -> (end of completed hand-offs, generation)
 _released: list[str] = []  # finished requests the lane is done with, not yet reported (lane.py, 6)
+_handed: set[str] = set()  # finished requests whose hand-over ended (handover.py): their blocks can go
 
 
 def set_host(host) -> None:
@@ -79,4 +80,17 @@ def take_released() -> list[str]:
     global _released
     with _lock:
         out, _released = _released, []
+    return out
+
+
+def handed_over(req_id: str) -> None:
+    """A finished request's hand-over ended (released to the node, or given up): its blocks can go."""
+    with _lock:
+        _handed.add(req_id)
+
+
+def take_handed_over() -> set[str]:
+    global _handed
+    with _lock:
+        out, _handed = _handed, set()
     return out

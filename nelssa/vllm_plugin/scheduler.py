@@ -54,6 +54,9 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   request keeps its blocks and is computed on the device; the lane computes its next position with
   H), and is in use — its blocks below H freed — from the next scheduling on. So no step of the
   engine waits for the host tier, not even the switch.
+* P/D hand-over (config ``handover``, a prefill instance with nelssa-node; handover.py): a long prompt
+  prefilled for remote decode is never switched here (its blocks stay whole for D's NIXL read); when it
+  finishes, the connector names its handle and H0 in its kv_transfer_params (``_handover_end``).
 * Opt-out: a request with ``extra_args={"nelssa_offload": False}`` (policy.device_only) is a short
   request at any length: device KV, exact attention, never migrated; a malformed value is rejected.
 Reservations are released when a request finishes (preemption keeps it: the request comes back).
@@ -127,6 +130,8 @@ class NelssaScheduler(Scheduler):
         managers[0].host_ends = conn.host_ends = self._host_end
         conn.anchors = self._anchor
         conn.switching = self._switching
+        if cfg.handover:  # P of a P/D stack (handover.py, 1)
+            conn.handover_end = self._handover_end
         self._conn = conn
         self._bytes_per = (len(groups[0].layer_names), spec.num_kv_heads, spec.head_size, spec.dtype.itemsize)
         self._l_eq = attention_balance(self.vllm_config.model_config.hf_text_config)
@@ -211,6 +216,17 @@ class NelssaScheduler(Scheduler):
         return self.nelssa_policy.anchor(r.num_prompt_tokens, self._anchor.get(r.request_id, 0),
                                          device_only(r.sampling_params))
 
+    def _handed_over(self, r: Request) -> bool:
+        """P with ``handover``: a request prefilled for remote decode (never switched here: handover.py, 2)."""
+        return self.nelssa.handover and bool((r.kv_transfer_params or {}).get("do_remote_decode"))
+
+    def _handover_end(self, r: Request) -> int:
+        """P: H0 of a finished request this instance host-backed by its prompt (0: no hand-over)."""
+        a = self._anchor_of(r)
+        if not a or a != r.num_prompt_tokens or r.num_computed_tokens < a:
+            return 0
+        return self.nelssa_policy.goal(a, a)
+
     def _switch(self) -> None:
         """Set H for host-backed requests whose completed hand-offs now cover their anchor's range
         (with the lane a first H is ``switching`` for one scheduled step, then in use)."""
@@ -224,7 +240,7 @@ class NelssaScheduler(Scheduler):
             if rid in self._busy or rid in self._switching:
                 continue  # the lane reads its blocks from H on: H moves when it is scheduled
             r = self.requests.get(rid)
-            a = self._anchor_of(r) if r is not None else 0
+            a = self._anchor_of(r) if r is not None and not self._handed_over(r) else 0
             if a and r.num_computed_tokens >= a:
                 h = pol.in_use(a, done)
                 if h > self._host_end.get(rid, 0):
@@ -263,7 +279,8 @@ class NelssaScheduler(Scheduler):
             return  # off, or one in progress
         cands = []  # (anchor, request): a long prompt's length while it prefills, else its tokens with KV
         for r in self.running:
-            if r.status != RequestStatus.RUNNING or r.request_id in self._anchor or device_only(r.sampling_params):
+            if r.status != RequestStatus.RUNNING or r.request_id in self._anchor or device_only(r.sampling_params) \
+                    or self._handed_over(r):
                 continue
             if pol.is_long(r.num_prompt_tokens):
                 if pol.deferred(r.num_prompt_tokens):

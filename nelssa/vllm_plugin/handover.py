@@ -1,0 +1,127 @@
+"""Hand-over of long prompts from a prefill instance (P) to a decode instance (D) through nelssa-node.
+
+In a P/D stack with the node, P clusters a long prompt while it prefills it (the hand-off of a single
+instance, handoff.py, storing into the node) and D adopts the node's request instead of clustering
+the prompt again: clustering leaves D, whose steps serve the short requests. Both instances run the
+NELSSA plugin with engine "node" and the same policy (T_input, sink, recent, block size); P has config
+``handover``. The KV of the prompt still reaches D whole over NIXL (NixlConnector beside the NELSSA
+connector), so D can always fall back to clustering it itself.
+
+Contract, by side:
+  P, scheduler (NelssaScheduler, NelssaConnector.request_finished):
+    1. A request P host-backs by its prompt (policy anchor = its prompt length), prefilled for remote
+       decode (kv_transfer_params ``do_remote_decode``) and finished normally, gets a handle (128
+       random bits) named in its returned kv_transfer_params: ``{"nelssa_handover": {"handle", "host_end"}}``
+       (host_end: H0, the end of the range on the node). Its blocks stay held (delayed free) until the
+       worker reports the hand-over ended; the handle reaches the worker in the next step's connector
+       metadata (``release``), with the request among that step's finished ones.
+    2. Such a request is never switched on P (no host range in use, no block freed): D reads every
+       block of it over NIXL, and P never decodes it.
+  P, worker (Handoff.handover):
+    3. The finished request is not dropped on the step path: after its moves (the hand-off thread runs
+       a request's work in order) its node entry is released under the handle with ``release_ttl_s``
+       (its centroid state is on the node: the tier keeps it, node/client.py ``keep_centroids``); one
+       whose move failed is freed instead (D falls back, 5). Either way the request is then reported
+       (NelssaConnector.get_finished: finished sending) and vLLM frees its blocks once NixlConnector
+       has reported it too.
+  D, scheduler (NelssaConnector.on_new_request, build_connector_meta):
+    4. A request whose params name a hand-over has its handle sent to the worker (``adopt``) in the
+       metadata of the first step that schedules it.
+  D, worker (Handoff.submit, ``adopt_handed_over``):
+    5. The request's first move, [sink, H0) (its KV arrived whole over NIXL), adopts the node's request
+       instead of clustering: retried while the node does not hold it yet (P releases after its last
+       move) up to ``handover_wait_s``; the adopted request must hold exactly H0 - sink tokens. It then
+       completes as the move would (reported; the scheduler switches the request and frees its blocks
+       below H0); the moves after it append to the adopted request. A failed adoption (not released in
+       time, a mismatch, a node error) is logged and counted (``handover_fallbacks``), anything adopted is
+       freed, and the move runs as usual from D's blocks: nothing is lost, D clusters once more.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+
+from nelssa.node.local import HostError
+
+log = logging.getLogger("vllm.nelssa")
+
+KEY = "nelssa_handover"   # in kv_transfer_params
+RELEASE_TTL_S = 120.0     # how long the node keeps a released request for D (bounded by its lease limits)
+RETRY_S = 0.05
+
+
+def new_handle() -> str:
+    return secrets.token_hex(16)
+
+
+def params(handle: str, host_end: int) -> dict:
+    """What P adds to a handed-over request's kv_transfer_params."""
+    return {KEY: {"handle": handle, "host_end": int(host_end)}}
+
+
+def handle_of(kv_transfer_params) -> str:
+    """D: the hand-over handle in a request's kv_transfer_params ('' when it has none). A malformed
+    entry is an error, not a silent fallback."""
+    h = (kv_transfer_params or {}).get(KEY)
+    if h is None:
+        return ""
+    if not isinstance(h, dict) or not isinstance(h.get("handle"), str) or not h["handle"]:
+        raise ValueError(f"kv_transfer_params[{KEY!r}] must be {{'handle': str, 'host_end': int}}, got {h!r}")
+    return h["handle"]
+
+
+def release(host, rid: str, handle: str, failed: bool) -> None:
+    """P (3), on the hand-off thread after the request's moves: its node entry released under
+    ``handle`` (or, after a failed move, freed)."""
+    if failed or not host.has(rid):
+        host.free(rid)
+        log.warning("NELSSA hand-over of %s: %s; the decode instance will cluster it itself", rid,
+                    "a move of it failed" if failed else "nothing of it on the node")
+        host.stats.add(handover_failures=1)
+        return
+    try:
+        host.release(rid, ttl_s=RELEASE_TTL_S, handle=handle)
+        host.stats.add(handovers_released=1)
+    except HostError as e:
+        host.free(rid)
+        host.stats.add(handover_failures=1)
+        log.warning("NELSSA hand-over of %s: release failed (%s); the decode instance will cluster it itself", rid, e)
+
+
+def adopt_handed_over(host, rid: str, handle: str, tokens: int, wait_s: float, device,
+                      cancelled=lambda: False) -> bool:
+    """D (5): adopt the request P released under ``handle`` as ``rid``, holding exactly ``tokens``
+    tokens -> True; False (logged, counted, nothing left adopted) when it cannot be had in ``wait_s``
+    or ``cancelled()`` (the request finished meanwhile: its drop waits for this)."""
+    t0 = time.monotonic()
+    why = ""
+    if not hasattr(host, "adopt"):
+        log.warning("NELSSA hand-over of %s: this instance's host tier is not nelssa-node; clustering it here", rid)
+        host.stats.add(handover_fallbacks=1)
+        return False
+    while True:
+        try:
+            host.adopt(handle, rid, device=device)
+            break
+        except HostError as e:
+            why = str(e)
+            # only "not released yet" is worth waiting for (an unknown client, a mismatch: not)
+            if "no released request" not in why or time.monotonic() - t0 > wait_s or cancelled():
+                break
+            time.sleep(RETRY_S)
+    if host.has(rid):
+        kv = host.layer_kv(rid, 0)
+        held = kv.length + sum(p[0] for p in kv.pending)
+        if held == tokens:
+            host.stats.add(handovers_adopted=1, handover_wait_s=time.monotonic() - t0)
+            return True
+        why = f"the node's request holds {held} tokens, {tokens} expected (P and D policies differ?)"
+        host.free(rid)
+    if cancelled():
+        log.info("NELSSA hand-over of %s not adopted: the request finished first", rid)
+        return False
+    log.warning("NELSSA hand-over of %s not adopted (%s); clustering it here", rid, why or "not released in time")
+    host.stats.add(handover_fallbacks=1)
+    return False
