@@ -383,7 +383,9 @@ class NodeRoom:
         threading.Thread(target=self._loop, name="nelssa-node-room", daemon=True).start()
 
     def _ask(self) -> tuple[int, int]:
-        rep = _call(self._stub, self.cfg, self._md, "Capacity", pb.CapacityRequest(), 5.0)
+        # the config's host-tier deadline: on a loaded 2-vCPU box a 5-s one expired again and again in the
+        # engine's process (the node answered other processes in ms) and held every long request back
+        rep = _call(self._stub, self.cfg, self._md, "Capacity", pb.CapacityRequest(), self.cfg.host_timeout_s)
         devs = list(rep.devices)
         if not devs:
             return 0, 0
