@@ -17,7 +17,8 @@
 #                                                    # GPUs, one shared GPU split PD_SPLIT [0.5,0.27]) and the
 #                                                    # head-of-line scenario through its proxy (`nelssa bench
 #                                                    # hol-http`); carry .pdwheels (nixl==1.5.1, nixl-cu13==1.5.1
-#                                                    # cp312 wheels) once; PD_ENGINE [local] D's host tier;
+#                                                    # cp312 wheels) once; PD_ENGINE [local] D's host tier
+#                                                    # (node: nelssa-node, and P hands long prompts over to D);
 #                                                    # PD_VLLM_ARGS: more vLLM arguments for both instances;
 #                                                    # PD_KV [40G,24.3g] P's,D's KV (both start at once; empty:
 #                                                    # profiled, D after P); PD_START_S [360] bound on the start

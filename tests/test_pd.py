@@ -25,7 +25,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.engine, pytest.mark.model, pytest.mark.skipif(
     os.environ.get("NELSSA_PD_E2E") != "1",
-    reason="opt-in (NELSSA_PD_E2E=1): 12 min on a 2-vCPU box, past the default suite's budget; see docs/pd.md, verification status")]
+    reason="opt-in (NELSSA_PD_E2E=1): 15 min on a 2-vCPU box (with the node), past the default suite's budget; see docs/pd.md, verification status")]
 
 
 def _free_ports(n: int) -> list[int]:
