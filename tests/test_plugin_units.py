@@ -90,6 +90,22 @@ def test_host_bytes_bounds_the_store():
     assert ckv.nbytes <= host_bytes(4024, 1, 3, 64, 2)
 
 
+def test_host_bytes_bounds_a_kept_store_on_the_node():
+    """A hand-over's parts (centroid state kept, node/wire.py centroid_bytes): what the node reserves for
+    them (K/V rows, tables, centroids and value means) stays within host_bytes(.., keep_cluster_size)."""
+    from nelssa.node.server import table_bytes
+    from nelssa.node.wire import centroid_bytes
+    from nelssa.sparse.clustered import cluster_layers
+    H, D, es, cs = 3, 64, 2, 8
+    held = 0
+    for n in (3000, 1024, 700):  # a prompt's part, a generated chunk, a short tail
+        k = torch.randn(H, n, D).bfloat16()
+        (_, C), = cluster_layers([k], seed=0, cluster_size=cs, segment=2048, iters=2)
+        held += H * n * 2 * D * es + table_bytes(H, C) + centroid_bytes(H, D, es, C)
+    assert held <= host_bytes(4724, 1, H, D, es, keep_cluster_size=cs)
+    assert held > host_bytes(4724, 1, H, D, es)  # without the kept state the bound does not hold
+
+
 def test_spec_merge_keeps_nelssa_fields():
     from nelssa.vllm_plugin.spec import NelssaSpec
     s = NelssaSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, T_input=2048, sink=16,

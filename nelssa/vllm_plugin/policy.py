@@ -118,8 +118,15 @@ def attention_balance(hf_config) -> float:
     return linear / (nl * 2 * hq * d)
 
 
-def host_bytes(tokens: int, num_layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+def host_bytes(tokens: int, num_layers: int, kv_heads: int, head_dim: int, dtype_bytes: int,
+               keep_cluster_size: int = 0) -> int:
     """Upper bound of host-tier bytes for `tokens` tokens: K/V rows, the token permutation (8 B) and
-    the cluster table (<= 1 B per token per head at >= 16 tokens per cluster, plus per-part slack)."""
+    the cluster table (<= 1 B per token per head at >= 16 tokens per cluster, plus per-part slack).
+    ``keep_cluster_size``: the parts' centroid state is kept too (a hand-over's, nelssa-node
+    ``keep_centroids``): centroids and value means of at most tokens / cluster_size clusters, plus one
+    per 1024 tokens for the rounding of each segment and part."""
     per_token_head = 2 * head_dim * dtype_bytes + 8 + 2
-    return num_layers * (kv_heads * tokens * per_token_head + 64 * 1024)
+    kept = 0
+    if keep_cluster_size:
+        kept = kv_heads * (tokens // keep_cluster_size + tokens // 1024 + 2) * 2 * head_dim * dtype_bytes
+    return num_layers * (kv_heads * tokens * per_token_head + 64 * 1024 + kept)

@@ -148,7 +148,8 @@ class NelssaScheduler(Scheduler):
 
     # ------------------------------------------------------------ admission
     def _need(self, request: Request) -> int:
-        return host_bytes(request.num_prompt_tokens + request.max_tokens, *self._bytes_per)
+        keep = self.nelssa.cluster_size if self.nelssa.handover else 0  # P keeps the centroid state there
+        return host_bytes(request.num_prompt_tokens + request.max_tokens, *self._bytes_per, keep_cluster_size=keep)
 
     def _host_room(self) -> int:
         """Host-tier bytes a new long request (or migration) may reserve: the capacity beside the admitted
