@@ -85,10 +85,13 @@ def test_engines_hand_a_long_prompt_over_through_the_node(cut_model_dir):
     """Two real engines (CPU, SmolLM2's first 8 layers, fp32, budget 1.0) and a node, no NIXL: P (config
     ``handover``) prefills a long prompt for remote decode, clusters it into the node and releases it,
     naming the handle in its kv_transfer_params and holding its blocks until then; D, given those
-    params, prefills the prompt itself (P/D's NIXL would have brought it) and adopts P's request at its
-    first move instead of clustering: its greedy tokens equal NELSSA_OFF's, it clustered nothing, and
-    the node is empty once D finished."""
-    node = Node("--devices", "2", "--device-memory", "64MiB")
+    params, admits the request although the node's free bytes are less than its estimate (the prompt's
+    are on the node already), prefills the prompt itself (P/D's NIXL would have brought it) and adopts
+    P's request at its first move instead of clustering: its greedy tokens equal NELSSA_OFF's, it
+    clustered nothing, and the node is empty once D finished."""
+    # a node with room for the prompt once: P's store (~32 MB with its centroid state) leaves less free
+    # than D's estimate for the request (~31 MB), which D must not ask for again (those bytes are there)
+    node = Node("--devices", "2", "--device-memory", "24MiB")
     try:
         # one segment and one prefill step, as D's first move in P/D is [sink, H0) (its KV came whole)
         nelssa = {"T_input": 2048, "budget": 1.0, "chunk": 128, "segment": 4096, "long_chunk": 0, "defer_below": 0,

@@ -56,7 +56,10 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   engine waits for the host tier, not even the switch.
 * P/D hand-over (config ``handover``, a prefill instance with nelssa-node; handover.py): a long prompt
   prefilled for remote decode is never switched here (its blocks stay whole for D's NIXL read); when it
-  finishes, the connector names its handle and H0 in its kv_transfer_params (``_handover_end``).
+  finishes, the connector names its handle and H0 in its kv_transfer_params (``_handover_end``); P's
+  admission counts the centroid state it keeps on the node. On the decode instance a handed-over
+  request's node room is asked for less what it holds there already (its K/V of [sink, H0): a lower
+  bound; should its adoption fail, D stores the prompt again beside P's copy until the node frees that).
 * Opt-out: a request with ``extra_args={"nelssa_offload": False}`` (policy.device_only) is a short
   request at any length: device KV, exact attention, never migrated; a malformed value is rejected.
 Reservations are released when a request finishes (preemption keeps it: the request comes back).
@@ -76,7 +79,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
 from nelssa.config import mem_available, vllm_nelssa_config
-from nelssa.vllm_plugin import runtime
+from nelssa.vllm_plugin import handover, runtime
 from nelssa.vllm_plugin.connector import find_connector, nelssa_worker_meta
 from nelssa.vllm_plugin.policy import attention_balance, device_only, host_bytes, prefill_chunk
 from nelssa.vllm_plugin.spec import NelssaSpec
@@ -109,6 +112,7 @@ class NelssaScheduler(Scheduler):
         self._lane_reqs: set[str] = set()    # finished lane requests whose blocks are not yet freed
         self._fenced: dict[str, list] = {}   # request -> its blocks, popped from the manager, not yet freed
         self._lane_released: set[str] = set()  # released by the worker while a connector still holds the blocks
+        self._on_node: dict[str, int] = {}   # D: handed-over request -> its bytes already on the node (handover.py)
         if cfg is None:
             return
         if cfg.lane:
@@ -151,17 +155,20 @@ class NelssaScheduler(Scheduler):
         keep = self.nelssa.cluster_size if self.nelssa.handover else 0  # P keeps the centroid state there
         return host_bytes(request.num_prompt_tokens + request.max_tokens, *self._bytes_per, keep_cluster_size=keep)
 
-    def _host_room(self) -> int:
+    def _host_room(self, on_node: int = 0) -> int:
         """Host-tier bytes a new long request (or migration) may reserve: the capacity beside the admitted
         ones'; on nelssa-node also what the node has free (other clients use it too) less what admitted
-        requests may still store there (counted whole: some may be stored already)."""
+        requests may still store there (counted whole: some may be stored already; a handed-over one
+        without what it holds there already), plus ``on_node``: what the request itself holds there
+        already (a hand-over from the prefill instance)."""
         room = self.host_capacity - sum(self._reserved.values())
         if self._node_room is not None:
             free, asked = self._node_room.free()
             # what that answer may not hold yet: requests not switched before it was asked (their prompt's
             # stores completed before their switch), counted whole
-            pending = sum(n for rid, n in self._reserved.items() if self._switched_at.get(rid, math.inf) >= asked)
-            room = min(room, free - pending)
+            pending = sum(n - self._on_node.get(rid, 0) for rid, n in self._reserved.items()
+                          if self._switched_at.get(rid, math.inf) >= asked)
+            room = min(room, free - pending + on_node)
         return room
 
     def add_request(self, request: Request) -> None:
@@ -184,6 +191,13 @@ class NelssaScheduler(Scheduler):
         if self._blocks(request.num_prompt_tokens) > self.kv_cache_manager.block_pool.num_gpu_blocks - 1:
             return self._reject(request, (f"nelssa: the {request.num_prompt_tokens}-token prompt needs more "
                                           "device KV blocks for its prefill than the instance has"))
+        try:  # D: a hand-over's prompt is on the node already (K/V rows of [sink, H0): a lower bound)
+            if handover.handle_of(request.kv_transfer_params) and self._node_room is not None:
+                h0 = min(int(request.kv_transfer_params[handover.KEY].get("host_end") or 0), request.num_prompt_tokens)
+                layers, heads, dim, es = self._bytes_per
+                self._on_node[request.request_id] = layers * heads * max(0, h0 - self.nelssa.sink) * 2 * dim * es
+        except (ValueError, TypeError):
+            pass  # malformed: the connector logs it; the request is clustered here and counted whole
         self._held.append(request)
         self._admit_held()
 
@@ -341,7 +355,7 @@ class NelssaScheduler(Scheduler):
         while i < len(self._held):
             req = self._held[i]
             need = self._need(req)
-            if need > self._host_room() or not self._device_room(req):
+            if need > self._host_room(self._on_node.get(req.request_id, 0)) or not self._device_room(req):
                 return
             if (not pol.deferred(req.num_prompt_tokens) and cfg.long_prefills
                     and self._prefilling_longs() >= cfg.long_prefills):
@@ -432,6 +446,7 @@ class NelssaScheduler(Scheduler):
         self._switching.pop(request.request_id, None)
         self._switched.discard(request.request_id)
         self._reserved.pop(request.request_id, None)
+        self._on_node.pop(request.request_id, None)
         self._done.pop(request.request_id, None)
         self._host_end.pop(request.request_id, None)
         self._switched_at.pop(request.request_id, None)
@@ -472,6 +487,7 @@ class NelssaScheduler(Scheduler):
             gone = [r for r in self._held if r.request_id in ids]
             for r in gone:
                 self._held.remove(r)
+                self._on_node.pop(r.request_id, None)
                 r.status = finished_status
         return super().finish_requests(request_ids, finished_status)
 
