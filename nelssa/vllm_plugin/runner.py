@@ -139,8 +139,8 @@ class NelssaRunnerMixin:
         finished = scheduler_output.finished_req_ids - preempted
         release, adopt = step_handovers(scheduler_output.kv_connector_metadata)
         self._nelssa_adopt.update(adopt)
-        for rid in finished & release.keys():  # P: released on the node after its moves (handover.py, 3)
-            self.nelssa_handoff.handover(rid, release[rid], runtime.handed_over)
+        for rid, handle in release.items():  # P: finished (this step's finished ids have them too); released
+            self.nelssa_handoff.handover(rid, handle, runtime.handed_over)  # after their moves (handover.py, 3)
             runtime.forget(rid)
         finished = finished - release.keys()
         for rid in finished | preempted:
