@@ -70,6 +70,15 @@ def test_device_only_opt_out():
             device_only(NS(extra_args={"nelssa_offload": v}))
 
 
+def test_spared_from_preemption():
+    """Preempted last: requests decoding with >= T_input tokens of context (a prompt still prefilling is
+    not spared, nor a short one however long it decodes below T_input)."""
+    p = Policy(T_input=2048, sink=16, recent=64, chunk=256, block_size=128)
+    assert p.spared(5001, 5000) and p.spared(2048, 1950) and p.spared(100_000, 100_000)
+    assert not p.spared(4096, 5000)  # prefilling
+    assert not p.spared(2047, 1000)  # short
+
+
 def test_long_prefill_chunk_keeps_step_cost_flat():
     from types import SimpleNamespace as NS
     llama8b = NS(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,

@@ -134,6 +134,27 @@ def test_no_preemption_under_memory_pressure():
     assert on["host_totals"]["long_requests"] == 3 - len(kept), on["host_totals"]
 
 
+def test_long_context_is_not_the_preemption_victim():
+    """A 3,000-token request kept on the device (opted out of the host tier) decodes beside four short
+    ones in a pool of 35 blocks of 128 that fills when the short ones grow into their third block. vLLM's
+    FCFS victim is the running list's last request, here the long one: the baseline preempts it and
+    recomputes its 3,000 tokens. NELSSA spares requests decoding with >= T_input tokens of context
+    (policy.Policy.spared): a short one is preempted instead, the long one never; the same tokens."""
+    shorts = [{"id": f"s{i}", "text_tokens": 250, "offset": 40000 + 5000 * i, "max_tokens": 40} for i in range(4)]
+    spec = {"model": CUT, "nelssa": NELSSA,
+            "engine": {"num_gpu_blocks_override": 35, "max_num_batched_tokens": 1024, "max_model_len": 4096},
+            "requests": shorts + [{"id": "long", "text_tokens": 3000, "max_tokens": 40,
+                                   "extra_args": {"nelssa_offload": False}}]}
+    on, off = both(spec)
+    print(f"preempted: baseline {off['preempted']}, NELSSA {on['preempted']}")
+    assert on["block_size"] == 128, on["block_size"]  # the pool's arithmetic above
+    assert off["preempted"]["long"] >= 1  # vLLM's own order: the long one goes (the test's premise)
+    assert on["preempted"]["long"] == 0
+    assert sum(on["preempted"][s["id"]] for s in shorts) >= 1  # the pool is as tight with NELSSA
+    assert tokens(on) == tokens(off)
+    assert on["host_totals"].get("long_requests", 0) == 0  # opted out: nothing went to the host tier
+
+
 def test_deferred_prompt_does_not_queue_behind_a_long_prefill():
     """One long prefill at a time (``long_prefills`` 1) is for host-backed prompts: a deferred prompt
     (``T_input`` <= length < ``defer_below``, served from the device like a short request) arriving while

@@ -73,6 +73,14 @@ class Policy:
         (G at n = A) is on the host; hand-offs end at the sink, a segment boundary or a G."""
         return done if anchor >= self.T_input and done >= self.goal(anchor, anchor) else 0
 
+    def spared(self, computed: int, prompt_len: int) -> bool:
+        """Whether a running request is preempted only after every other one (the scheduler's victim
+        order): it decodes with at least T_input tokens of context. Preempting it would recompute all of
+        them as one long prefill (on a P/D decode instance a local prefill of what P already computed)
+        and free far more blocks than a step's growth needs; a short request costs its few blocks.
+        Long prompts still prefilling are not spared: admission keeps room for them instead."""
+        return computed >= prompt_len and computed >= self.T_input
+
     def freed_blocks(self, h: int) -> tuple[int, int]:
         """Device block range [first, last) that is on the host when [sink, h) is (empty if first >= last)."""
         return -(-self.sink // self.block_size), h // self.block_size

@@ -40,6 +40,12 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   A deferred long prompt (shorter than ``defer_below``, 32K by default) is thus served from the
   device, exactly, as long as the device has room; a longer one is host-backed from admission on
   (the paper's rule): its dense attention would slow every step of the short requests.
+* Preemption order: a running request that decodes with >= T_input tokens of context (policy.Policy.spared:
+  a long request before its switch, a grown or deferred one on the device, one opted out of the host
+  tier; on a P/D decode instance, one whose hand-over is not adopted yet) is put first in the list
+  vLLM schedules, so vLLM's FCFS victim (the list's last) is a short request as long as one runs (the
+  H200 P/D run: D preempted a 100K request and recomputed it for 28 s). The list's own order is back
+  after the step; such requests get their one token of the step's budget first.
 * Errors: requests the worker reports failed (host-tier exception, timeout, missing KV) are finished
   with FINISHED_ERROR *before* this step's tokens are emitted, so no token computed from a failed
   attention reaches the client.
@@ -74,6 +80,7 @@ import time
 from collections import deque
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
@@ -388,21 +395,36 @@ class NelssaScheduler(Scheduler):
         kvm.watermark_blocks = base + self._prefill_reserve()
         sc.long_prefill_token_threshold = self._long_chunk(thr)
         self._lane_ready()
+        # the list vLLM schedules: lane requests left out (not scheduled, nor preempted, in this step);
+        # spared ones first, so vLLM's FCFS victim (the list's last) is any other one before them
         hidden = [r for r in self.running if r.request_id in self._busy]
-        if hidden:  # in the lane: not scheduled (nor preempted) in this step
+        visible = [r for r in self.running if r.request_id not in self._busy]
+        spared = self._spared(visible)
+        if hidden or spared:
             order = {id(r): i for i, r in enumerate(self.running)}
-            self.running = [r for r in self.running if r.request_id not in self._busy]
+            self.running = spared + [r for r in visible if not self._spared_one(r)] if spared else visible
         try:
             out = super().schedule(*args, **kwargs)
         finally:
             kvm.watermark_blocks, sc.long_prefill_token_threshold = base, thr
-            if hidden:
+            if hidden or spared:  # the running list's own order back; vLLM's new requests after it
                 n = len(order)
                 self.running = sorted(self.running + hidden, key=lambda r: order.get(id(r), n))
         if self.nelssa.lane:
             self._busy.update(r for r in out.num_scheduled_tokens if self._host_end.get(r) or r in self._switching)
             self._switched.update(r for r in out.num_scheduled_tokens if r in self._switching)
         return out
+
+    def _spared_one(self, r: Request) -> bool:
+        return self.nelssa_policy.spared(r.num_computed_tokens, r.num_prompt_tokens)
+
+    def _spared(self, running: list[Request]) -> list[Request]:
+        """Running requests vLLM preempts only after all others (policy.Policy.spared), in their order.
+        vLLM's FCFS policy preempts the running list's last request; its priority policy picks by
+        (priority, arrival) whatever the order, and is left to do so."""
+        if self.policy != SchedulingPolicy.FCFS:
+            return []
+        return [r for r in running if self._spared_one(r)]
 
     def _lane_ready(self) -> None:
         """Busy requests whose next position the lane has computed are schedulable now, when the lane
