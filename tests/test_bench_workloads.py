@@ -97,6 +97,14 @@ other_metric 9.0
     s = sample_of(m)
     assert s["running"] == 5.0 and s["preemptions"] == 7.0 and s["kv_usage"] == 0.5 and s["waiting"] == 0.0
     assert s["nelssa:moved_tokens_total"] == 1234.0
+    # several instances (P/D: P's and D's /metrics; or a server's engines): counts add up, the KV-use
+    # fraction is the fullest instance's (a P/D run had reported 152%)
+    from nelssa.bench.serving import combine_metrics
+    two = combine_metrics([m, parse_metrics(text.replace(" 0.5", " 0.75").replace(" 7.0", " 1.0"))])
+    assert two["vllm:kv_cache_usage_perc"] == 0.75 and two["vllm:num_preemptions_total"] == 8.0
+    assert two["vllm:num_requests_running"] == 10.0
+    assert parse_metrics(text + 'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25\n')[
+        "vllm:kv_cache_usage_perc"] == 0.5
 
 
 def _rec(i, kind, point, start, ttft, itl, ok=True):

@@ -21,7 +21,8 @@ import time
 import urllib.request
 from typing import Any
 
-# vLLM gauges/counters sampled over time (summed over label sets); every nelssa:* sample is kept too
+# vLLM gauges/counters sampled over time (summed over label sets and instances, the KV-use fraction the
+# fullest instance's: combine_metrics); every nelssa:* sample is kept too
 METRICS = {
     "running": "vllm:num_requests_running",
     "waiting": "vllm:num_requests_waiting",
@@ -32,15 +33,27 @@ METRICS = {
 }
 
 
+# gauges that are a fraction of one instance's capacity: over several instances (P/D: P's and D's
+# /metrics) the fullest one's, not the sum (a P/D run reported "KV max 152%")
+FRACTIONS = ("vllm:kv_cache_usage_perc",)
+
+
+def combine_metrics(per_url: list[dict[str, float]]) -> dict[str, float]:
+    """Several instances' parsed /metrics -> one sample: counts summed, FRACTIONS the largest."""
+    m: dict[str, float] = {}
+    for one in per_url:
+        for k, v in one.items():
+            m[k] = max(m[k], v) if k in FRACTIONS and k in m else m.get(k, 0.0) + v
+    return m
+
+
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {sample name: value summed over label sets} for vllm:* and nelssa:*."""
+    """Prometheus text -> {sample name: value summed over label sets (engines), FRACTIONS the largest}
+    for vllm:* and nelssa:*."""
     from prometheus_client.parser import text_string_to_metric_families
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name.startswith(("vllm:", "nelssa:")) and not s.name.endswith(("_bucket", "_created")):
-                out[s.name] = out.get(s.name, 0.0) + float(s.value)
-    return out
+    return combine_metrics([{s.name: float(s.value)} for fam in text_string_to_metric_families(text)
+                            for s in fam.samples
+                            if s.name.startswith(("vllm:", "nelssa:")) and not s.name.endswith(("_bucket", "_created"))])
 
 
 def sample_of(m: dict[str, float]) -> dict[str, float]:
@@ -147,14 +160,14 @@ async def _sampler(urls: list[str], t0: float, samples: list, stop: asyncio.Even
                    point: list[str]) -> None:
     loop = asyncio.get_running_loop()
     while True:
-        m: dict[str, float] = {}
+        per_url = []
         for u in urls:
             try:
                 txt = await loop.run_in_executor(None, http_get, u, 5.0)
             except OSError:
                 continue
-            for k, v in parse_metrics(txt).items():
-                m[k] = m.get(k, 0.0) + v
+            per_url.append(parse_metrics(txt))
+        m = combine_metrics(per_url)
         if m:
             samples.append({"t": time.perf_counter() - t0, "point": point[0], **sample_of(m)})
         if stop.is_set():
