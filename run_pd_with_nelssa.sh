@@ -27,6 +27,8 @@
 #       memory share). On a shared GPU P and D then start at the same time; each one's share
 #       (GPU_MEMORY_SPLIT) must still hold its weights, activations and that KV, and is still checked
 #       against the free memory when it starts
+#   PREFILL_ENV / DECODE_ENV [empty]: "NAME=value ..." added to that instance's environment only, e.g.
+#       PREFILL_ENV=NELSSA_STEP_PRIORITY=0 (P's steps no longer ranked above its hand-over's k-means)
 #   NELSSA_ENGINE_CORES: cores of both vLLM instances (taskset/numactl), or PREFILL_CORES / DECODE_CORES
 #   NELSSA_AFFINITY_CORES: D's host-attention pool (NELSSA config)   NODE_CORES: the node's cores
 #   LOG_DIR [${TMPDIR:-/tmp}/nelssa-pd-$PROXY_PORT]: logs and the PID record (stop reads it)
@@ -70,7 +72,9 @@ running() {  # pid start-time: ours and not a zombie
   ours "$1" "$2" && [ "$(awk '{sub(/.*\) /, ""); print $1}' "/proc/$1/stat" 2>/dev/null)" != Z ]
 }
 
-stop_all() {  # stop every recorded process group, newest first; TERM, then KILL after STOP_TIMEOUT
+stop_all() {  # stop every recorded process group, newest first: TERM to its leader (vLLM's API server then
+  # shuts its engine core down itself; a TERM to the whole group at once made the API server log an
+  # EngineDeadError traceback at every stop), TERM to the group after half of STOP_TIMEOUT, KILL after it
   [ -f "$STATE" ] || { log "nothing recorded in $STATE"; return 0; }
   touch "$LOG_DIR/stopping"
   local lines name pid st i waited sent=()
@@ -85,13 +89,18 @@ stop_all() {  # stop every recorded process group, newest first; TERM, then KILL
     else
       continue  # gone, or the id now belongs to another process: not ours
     fi
-    kill -TERM -- "-$pid" 2>/dev/null || true
+    if [ -e "/proc/$pid" ]; then kill -TERM "$pid" 2>/dev/null || true
+    else kill -TERM -- "-$pid" 2>/dev/null || true; fi
     sent+=("$name $pid")
   done
   waited=0
+  local limit=${STOP_TIMEOUT:-30}
   for i in "${sent[@]}"; do
     read -r name pid <<<"$i"
-    while group_alive "$pid" && [ "$waited" -lt "${STOP_TIMEOUT:-30}" ]; do sleep 1; waited=$((waited + 1)); done
+    while group_alive "$pid" && [ "$waited" -lt "$limit" ]; do
+      sleep 1; waited=$((waited + 1))
+      [ "$waited" -ne $((limit / 2)) ] || for j in "${sent[@]}"; do kill -TERM -- "-${j#* }" 2>/dev/null || true; done
+    done
     if group_alive "$pid"; then
       log "$name (process group $pid) still running after ${STOP_TIMEOUT:-30} s: SIGKILL"
       kill -KILL -- "-$pid" 2>/dev/null || true
@@ -257,6 +266,14 @@ if [ "$engine" = node ] && [ "${NELSSA_HANDOVER:-1}" != 0 ]; then
   p_env+=(NELSSA_HANDOVER=1 NELSSA_LANE=0)  # (the environment's NELSSA_* win over the JSON; P decodes nothing)
   log "P clusters long prompts into nelssa-node and hands them over to D (NELSSA_HANDOVER=0: D clusters them)"
 fi
+# PREFILL_ENV / DECODE_ENV: more environment for one instance, after the launcher's own
+for role in PREFILL DECODE; do
+  var=${role}_ENV
+  for kv in ${!var:-}; do
+    [[ "$kv" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || { log "$var: '$kv' is not NAME=value"; exit 2; }
+    if [ "$role" = PREFILL ]; then p_env+=("$kv"); else d_env+=("$kv"); fi
+  done
+done
 
 on_exit() {  # whatever ends this script (error, Ctrl-C, a process dying) stops what it started
   if [ -f "$STATE" ] && [ ! -f "$LOG_DIR/stopping" ]; then stop_all || true; fi

@@ -40,7 +40,8 @@ late = float(os.environ.get("FAKE_HEALTH_DELAY_S", "0")) if os.environ.get("FAKE
 if os.environ.get("FAKE_ARGS_DIR"):  # what the launcher started this engine with, and when
     with open(os.path.join(os.environ["FAKE_ARGS_DIR"], a.role + ".json"), "w") as f:
         json.dump({"argv": sys.argv[1:], "started": t0, "healthy_from": t0 + late,
-                   "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}, f)
+                   "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                   "env": {k: v for k, v in os.environ.items() if k.startswith(("NELSSA_", "X_"))}}, f)
 async def health(r): return web.Response(status=200 if time.time() >= t0 + late else 503)
 async def models(r):
     return web.json_response({"data": [{"id": a.model, "root": a.model, "max_model_len": 4096}]})
@@ -250,7 +251,8 @@ def test_shared_gpu_memory_split_and_fixed_kv_caches(tmp_path, model):
     for name, kv in (("profiled", None), ("fixed", "40G,24.3g")):
         d = tmp_path / name / "args"
         d.mkdir(parents=True)
-        env = {**slow_p, "FAKE_ARGS_DIR": str(d), "GPU_MEMORY_SPLIT": "0.5,0.3"}
+        env = {**slow_p, "FAKE_ARGS_DIR": str(d), "GPU_MEMORY_SPLIT": "0.5,0.3",
+               "PREFILL_ENV": "NELSSA_STEP_PRIORITY=0 X_A=1", "DECODE_ENV": "X_B=b=c"}
         if kv:
             env["KV_CACHE_MEMORY"] = kv
         a = Launch(tmp_path / name, model, **env)
@@ -262,6 +264,10 @@ def test_shared_gpu_memory_split_and_fixed_kv_caches(tmp_path, model):
             assert _after(e["prefill"]["argv"], "--gpu-memory-utilization") == "0.5"
             assert _after(e["decode"]["argv"], "--gpu-memory-utilization") == "0.3"
             assert "--cuda" in e["decode"]["argv"] and "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y" in out
+            # one instance's own environment (PREFILL_ENV / DECODE_ENV)
+            assert e["prefill"]["env"].get("NELSSA_STEP_PRIORITY") == "0" and e["prefill"]["env"].get("X_A") == "1"
+            assert "NELSSA_STEP_PRIORITY" not in e["decode"]["env"] and "X_A" not in e["decode"]["env"]
+            assert e["decode"]["env"].get("X_B") == "b=c" and "X_B" not in e["prefill"]["env"]
             if kv is None:
                 assert "--kv-cache-memory-bytes" not in e["prefill"]["argv"] + e["decode"]["argv"]
                 assert e["decode"]["started"] >= e["prefill"]["healthy_from"], "D started before P was healthy"
@@ -276,7 +282,8 @@ def test_shared_gpu_memory_split_and_fixed_kv_caches(tmp_path, model):
     for env, msg in (({"GPU_MEMORY_SPLIT": "0.7,0.4"}, "must add up to less than 1"),
                      ({"GPU_MEMORY_SPLIT": "0.5,x"}, "each value must be a fraction"),
                      ({"KV_CACHE_MEMORY": "40G"}, "as P,D"),
-                     ({"KV_CACHE_MEMORY": "40G,2.5G"}, "must be sizes vLLM's --kv-cache-memory-bytes takes")):
+                     ({"KV_CACHE_MEMORY": "40G,2.5G"}, "must be sizes vLLM's --kv-cache-memory-bytes takes"),
+                     ({"PREFILL_ENV": "NELSSA_X=1 oops"}, "PREFILL_ENV: 'oops' is not NAME=value")):
         a = Launch(tmp_path / "bad", model, PATH=path, **env)
         try:
             assert a.p.wait(60) == 2

@@ -424,6 +424,13 @@ class NelssaScheduler(Scheduler):
         (priority, arrival) whatever the order, and is left to do so."""
         if self.policy != SchedulingPolicy.FCFS:
             return []
+        # nothing to reorder where no allocation of this step can fail: the step's prefill tokens and
+        # every running request's next token + lookahead, each in a new block, fit in the free blocks
+        bs = self.block_size
+        worst = -(-self.scheduler_config.max_num_batched_tokens // bs) + len(running) * (
+            1 + -(-self.num_lookahead_tokens // bs))
+        if self.kv_cache_manager.block_pool.get_num_free_blocks() > worst:
+            return []
         return [r for r in running if self._spared_one(r)]
 
     def _lane_ready(self) -> None:
