@@ -35,7 +35,7 @@ def test_release_then_adopt_and_every_fallback(node):
         p.put_layers("a", *_kv(200, 1), commit=False)
         h = handover.new_handle()
         assert handover.handle_of(handover.params(h, 216)) == h
-        late = threading.Timer(0.5, handover.release, (p, "a", h, False))
+        late = threading.Timer(0.5, handover.release, (p, "a", h, False, time.monotonic()))
         late.start()
         t = time.monotonic()
         assert handover.adopt_handed_over(d, "b", h, 200, 5.0, "cpu")
@@ -43,7 +43,8 @@ def test_release_then_adopt_and_every_fallback(node):
         late.join()
         st = d.stats.take()
         assert st["handovers_adopted"] == 1 and len(st["handover_wait_s"]) == 1
-        assert p.stats.take()["handovers_released"] == 1
+        ps = p.stats.take()
+        assert ps["handovers_released"] == 1 and len(ps["handover_lag_s"]) == 1 and ps["handover_lag_s"][0] >= 0.4
         assert d.free("b") and _used(node) == 0
 
         # not released in time: D gives up after handover_wait_s and adopts nothing
@@ -104,6 +105,7 @@ def test_engines_hand_a_long_prompt_over_through_the_node(cut_model_dir):
         h0 = (2400 - 64) // p["block_size"] * p["block_size"]  # policy.goal at the prompt: recent 64 stay
         assert set(ktp) == {handover.KEY} and ktp[handover.KEY]["host_end"] == h0, ktp
         assert p["host_totals"]["handovers_released"] == 1 and p["host_totals"]["moved_tokens"] == h0 - 16
+        assert p["host_totals"]["handover_lag_s_n"] == 1  # its end to its release, timed
         assert p["final_host_bytes"] == 0 and p["final_free_blocks"] == p["total_blocks"] - 1  # blocks back
         assert node.stats().released == 1
         d = run_harness({**common, "mode": "on", "nelssa": nelssa, "requests": [

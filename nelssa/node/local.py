@@ -65,6 +65,8 @@ class HostStats:
         self.handovers_adopted = 0             # D: requests adopted from P instead of clustered
         self.handover_fallbacks = 0            # D: hand-overs not adopted (clustered here instead)
         self.handover_wait_s: list[float] = []  # D: per adoption, seconds from its start to the node's answer
+        self.handover_lag_s: list[float] = []   # P: per release, seconds from the request's end to its release
+                                                # (its moves still running: D waits that long to adopt it)
 
     def take(self) -> dict:
         with self._lock:
@@ -81,7 +83,8 @@ class HostStats:
                  "lane_timeline_batches": self.lane_timeline_batches, "handoff_failures": self.handoff_failures,
                  "lane_finish_cancels": self.lane_finish_cancels, "handovers_released": self.handovers_released,
                  "handover_failures": self.handover_failures, "handovers_adopted": self.handovers_adopted,
-                 "handover_fallbacks": self.handover_fallbacks, "handover_wait_s": self.handover_wait_s}
+                 "handover_fallbacks": self.handover_fallbacks, "handover_wait_s": self.handover_wait_s,
+                 "handover_lag_s": self.handover_lag_s}
             self.reset()
         return d
 

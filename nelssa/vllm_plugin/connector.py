@@ -176,6 +176,10 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
                                             buckets=buckets, documentation="P/D, decode instance: per adoption, "
                                             "its start to the node's answer (waits for the prefill instance's "
                                             "release)")),
+            "handover_lag_s": per_engine(h(name="nelssa:handover_lag_seconds", labelnames=labelnames,
+                                           buckets=buckets, documentation="P/D, prefill instance: per release, "
+                                           "the request's end to its release on the node (its moves still "
+                                           "running; the decode instance waits that long to adopt it)")),
             "moved_tokens": per_engine(c(name="nelssa:moved_tokens", labelnames=labelnames,
                                          documentation="Tokens moved to the host tier (prompts and chunks)")),
             "host_bytes": per_engine(g(name="nelssa:host_bytes", labelnames=labelnames, multiprocess_mode="mostrecent",

@@ -209,11 +209,11 @@ class Handoff:
         self._moves.pop(rid, None)
         self._end.pop(rid, None)
         self._gen.pop(rid, None)
-        self._pool.submit(self._handover, rid, handle, on_end)
+        self._pool.submit(self._handover, rid, handle, on_end, time.monotonic())
 
-    def _handover(self, rid: str, handle: str, on_end) -> None:
+    def _handover(self, rid: str, handle: str, on_end, ended: float) -> None:
         try:
-            handover.release(self.host, rid, handle, failed=rid in self._failed)
+            handover.release(self.host, rid, handle, failed=rid in self._failed, ended=ended)
         except Exception as e:  # noqa: BLE001 - D falls back; the blocks must still be reported
             log.error("NELSSA hand-over of %s failed: %s: %s", rid, type(e).__name__, e)
         finally:

@@ -72,9 +72,10 @@ def handle_of(kv_transfer_params) -> str:
     return h["handle"]
 
 
-def release(host, rid: str, handle: str, failed: bool) -> None:
+def release(host, rid: str, handle: str, failed: bool, ended: float | None = None) -> None:
     """P (3), on the hand-off thread after the request's moves: its node entry released under
-    ``handle`` (or, after a failed move, freed)."""
+    ``handle`` (or, after a failed move, freed). ``ended``: time.monotonic() at the request's end, for
+    ``handover_lag_s``."""
     if failed or not host.has(rid):
         host.free(rid)
         log.warning("NELSSA hand-over of %s: %s; the decode instance will cluster it itself", rid,
@@ -84,6 +85,8 @@ def release(host, rid: str, handle: str, failed: bool) -> None:
     try:
         host.release(rid, ttl_s=RELEASE_TTL_S, handle=handle)
         host.stats.add(handovers_released=1)
+        if ended is not None:
+            host.stats.add(handover_lag_s=time.monotonic() - ended)
     except HostError as e:
         host.free(rid)
         host.stats.add(handover_failures=1)
