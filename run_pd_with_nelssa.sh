@@ -102,7 +102,7 @@ stop_all() {  # stop every recorded process group, newest first: TERM to its lea
       [ "$waited" -ne $((limit / 2)) ] || for j in "${sent[@]}"; do kill -TERM -- "-${j#* }" 2>/dev/null || true; done
     done
     if group_alive "$pid"; then
-      log "$name (process group $pid) still running after ${STOP_TIMEOUT:-30} s: SIGKILL"
+      log "$name (process group $pid) still running after $limit s: SIGKILL"
       kill -KILL -- "-$pid" 2>/dev/null || true
     fi
   done

@@ -38,12 +38,17 @@ METRICS = {
 FRACTIONS = ("vllm:kv_cache_usage_perc",)
 
 
+def _merge(m: dict[str, float], k: str, v: float) -> None:
+    """One more instance's (or label set's) value of sample ``k`` into ``m``: summed, FRACTIONS the largest."""
+    m[k] = max(m[k], v) if k in FRACTIONS and k in m else m.get(k, 0.0) + v
+
+
 def combine_metrics(per_url: list[dict[str, float]]) -> dict[str, float]:
     """Several instances' parsed /metrics -> one sample: counts summed, FRACTIONS the largest."""
     m: dict[str, float] = {}
     for one in per_url:
         for k, v in one.items():
-            m[k] = max(m[k], v) if k in FRACTIONS and k in m else m.get(k, 0.0) + v
+            _merge(m, k, v)
     return m
 
 
@@ -51,9 +56,12 @@ def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {sample name: value summed over label sets (engines), FRACTIONS the largest}
     for vllm:* and nelssa:*."""
     from prometheus_client.parser import text_string_to_metric_families
-    return combine_metrics([{s.name: float(s.value)} for fam in text_string_to_metric_families(text)
-                            for s in fam.samples
-                            if s.name.startswith(("vllm:", "nelssa:")) and not s.name.endswith(("_bucket", "_created"))])
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith(("vllm:", "nelssa:")) and not s.name.endswith(("_bucket", "_created")):
+                _merge(out, s.name, float(s.value))
+    return out
 
 
 def sample_of(m: dict[str, float]) -> dict[str, float]:

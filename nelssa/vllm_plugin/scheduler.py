@@ -398,11 +398,14 @@ class NelssaScheduler(Scheduler):
         # the list vLLM schedules: lane requests left out (not scheduled, nor preempted, in this step);
         # spared ones first, so vLLM's FCFS victim (the list's last) is any other one before them
         hidden = [r for r in self.running if r.request_id in self._busy]
-        visible = [r for r in self.running if r.request_id not in self._busy]
+        visible = [r for r in self.running if r.request_id not in self._busy] if hidden else self.running
         spared = self._spared(visible)
         if hidden or spared:
             order = {id(r): i for i, r in enumerate(self.running)}
-            self.running = spared + [r for r in visible if not self._spared_one(r)] if spared else visible
+            if spared:
+                first = {id(r) for r in spared}
+                visible = spared + [r for r in visible if id(r) not in first]
+            self.running = visible
         try:
             out = super().schedule(*args, **kwargs)
         finally:
@@ -414,9 +417,6 @@ class NelssaScheduler(Scheduler):
             self._busy.update(r for r in out.num_scheduled_tokens if self._host_end.get(r) or r in self._switching)
             self._switched.update(r for r in out.num_scheduled_tokens if r in self._switching)
         return out
-
-    def _spared_one(self, r: Request) -> bool:
-        return self.nelssa_policy.spared(r.num_computed_tokens, r.num_prompt_tokens)
 
     def _spared(self, running: list[Request]) -> list[Request]:
         """Running requests vLLM preempts only after all others (policy.Policy.spared), in their order.
@@ -431,7 +431,8 @@ class NelssaScheduler(Scheduler):
             1 + -(-self.num_lookahead_tokens // bs))
         if self.kv_cache_manager.block_pool.get_num_free_blocks() > worst:
             return []
-        return [r for r in running if self._spared_one(r)]
+        spared = self.nelssa_policy.spared
+        return [r for r in running if spared(r.num_computed_tokens, r.num_prompt_tokens)]
 
     def _lane_ready(self) -> None:
         """Busy requests whose next position the lane has computed are schedulable now, when the lane
