@@ -23,9 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     bh = sub.add_parser("bench", help="benchmarks: hol (head-of-line scenario, NELSSA vs NELSSA_OFF); serving "
                                       "workloads single-long, multi-long, mixed, growth (nelssa.bench.workloads); "
                                       "accuracy (needles at several budgets, dense vs NELSSA); report DIR "
-                                      "(Markdown summary of a results folder)")
+                                      "(Markdown summary of a results folder); merge --out DIR A B (modes run "
+                                      "apart, side by side)")
     bh.add_argument("name", choices=["hol", "hol-http", "single-long", "multi-long", "mixed", "growth", "accuracy",
-                                     "report"])
+                                     "report", "merge"])
     bh.add_argument("args", nargs=argparse.REMAINDER)
     ca = sub.add_parser("calibrate", add_help=False,
                         help="measure the paper's latency model here, fit it, solve T_input (nelssa.bench.calibrate)")
@@ -41,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.name == "report":
             from nelssa.bench.report import main as report
             return report(a.args + rest)
+        if a.name == "merge":
+            from nelssa.bench.workloads import merge_main
+            return merge_main(a.args + rest)
         if a.name == "accuracy":
             from nelssa.bench.accuracy_sweep import main as accuracy
             return accuracy(a.args + rest)

@@ -389,3 +389,44 @@ def test_sweep_plot_for_several_points(tmp_path):
     assert set(s["ratios_on_over_off"]) == {"rate1-long0.2", "rate2-long0.2", "rate1-longtrace", "rate2-longtrace"}
     assert "sweep.png" in wl.plot_all(runs, s, str(tmp_path))
     assert os.path.getsize(tmp_path / "sweep.png") > 5_000
+
+
+def test_modes_run_apart_then_merged(tmp_path, monkeypatch):
+    """One mode per invocation (a device call each), then `nelssa bench merge`: the summary, ratios and
+    plots of a joint run; a mode's raw files exist after each point; mismatched folders are refused."""
+    url, state, stop = _fake_server()
+    monkeypatch.setattr(wl, "_tokenizer", lambda path: _FakeTok())
+    preset = wl._override(wl.PRESETS["cpu"], ["hol-http.duration=0.6", "hol-http.rate=6",
+                                              "hol-http.long_at=0.1", "hol-http.long_len=300"])
+    seen = []
+    real_save = wl.save_mode
+    monkeypatch.setattr(wl, "save_mode", lambda out, mode, run: (seen.append((mode, sorted(run["points"]))),
+                                                                  real_save(out, mode, run)))
+    try:
+        a = wl.run("hol-http", preset, str(tmp_path / "a"), endpoints={"on": url}, interval=0.05)
+        b = wl.run("hol-http", preset, str(tmp_path / "b"), endpoints={"off": url}, interval=0.05)
+        other = wl._override(preset, ["hol-http.long_len=280"])
+        wl.run("hol-http", other, str(tmp_path / "c"), endpoints={"off": url}, interval=0.05)
+    finally:
+        stop()
+    assert ("on", ["hol"]) in seen and ("off", ["hol"]) in seen  # saved after the point, before the end
+    assert "ratios_on_over_off" not in a and "ratios_on_over_off" not in b
+    from nelssa.cli import main as cli
+    assert cli(["bench", "merge", "--out", str(tmp_path / "m"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    m = json.loads((tmp_path / "m" / "summary.json").read_text())
+    assert set(m["modes"]) == {"on", "off"} and m["served_modes"] == ["off", "on"]
+    assert m["modes"]["on"] == a["modes"]["on"] and m["modes"]["off"] == b["modes"]["off"]  # nothing re-derived differently
+    r = m["ratios_on_over_off"]["hol"]
+    assert r["decode_tok_s"] == pytest.approx(a["modes"]["on"]["hol"]["decode_tok_s"] / b["modes"]["off"]["hol"]["decode_tok_s"])
+    assert set(m["hol"]) == {"on", "off"} and "hol_targets" in m and len(m["merged_from"]) == 2
+    for f in ("throughput.png", "running.png", "short_tpot_cdf.png", "hol.png", "requests_on.jsonl", "meta.json"):
+        assert (tmp_path / "m" / f).exists(), f
+    # refused: another plan, a mode twice, not a results folder
+    assert cli(["bench", "merge", "--out", str(tmp_path / "x"), str(tmp_path / "a"), str(tmp_path / "c")]) == 2
+    assert cli(["bench", "merge", "--out", str(tmp_path / "x"), str(tmp_path / "b"), str(tmp_path / "b")]) == 2
+    (tmp_path / "empty").mkdir()
+    assert cli(["bench", "merge", "--out", str(tmp_path / "x"), str(tmp_path / "empty")]) == 2
+    # a run stopped after its first point (no summary.json): its finished point is merged
+    (tmp_path / "b" / "summary.json").unlink()
+    assert cli(["bench", "merge", "--out", str(tmp_path / "m2"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert set(json.loads((tmp_path / "m2" / "summary.json").read_text())["modes"]) == {"on", "off"}

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from typing import Any
+from typing import Any, Callable
 
 # vLLM gauges/counters sampled over time (summed over label sets and instances, the KV-use fraction the
 # fullest instance's: combine_metrics); every nelssa:* sample is kept too
@@ -202,9 +202,10 @@ def _record(r: dict, out: Any, t0: float, point: str) -> dict:
 
 async def replay(base_url: str, model_id: str, points: list[tuple[str, list[dict]]], prompts: dict[str, list[int]],
                  metrics_urls: list[str] | None = None, interval: float = 0.5, label: str = "bench",
-                 gap_s: float = 2.0) -> dict:
+                 gap_s: float = 2.0, on_point: Callable[[dict], None] | None = None) -> dict:
     """Send every point's plan (arrival times relative to the point's start) to the endpoint, points
-    one after the other; sample /metrics meanwhile. Returns {requests, samples, points: {name: [t0, t1]}}."""
+    one after the other; sample /metrics meanwhile. Returns {requests, samples, points: {name: [t0, t1]}};
+    ``on_point`` gets that dict (so far) after each point, so a run stopped later keeps what it finished."""
     import aiohttp
     from vllm.benchmarks.lib.endpoint_request_func import RequestFuncInput, async_request_openai_completions
 
@@ -251,6 +252,8 @@ async def replay(base_url: str, model_id: str, points: list[tuple[str, list[dict
                 tasks.append(asyncio.create_task(one(r)))
             await asyncio.gather(*tasks)
             spans[name][1] = time.perf_counter() - t0
+            if on_point is not None:
+                on_point({"requests": recs, "samples": samples, "points": {k: v for k, v in spans.items()}})
             await asyncio.sleep(gap_s)  # let the gauges settle between points
         stop.set()
         await smp

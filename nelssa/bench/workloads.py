@@ -22,6 +22,11 @@ sweep point, arrival, token times), ``metrics_<mode>.jsonl`` (the /metrics sampl
 (per mode and point: per-class TTFT/TPOT percentiles, decode tok/s, batch/KV/queue/preemptions; the
 NELSSA/OFF ratios), ``throughput.png``, ``running.png``, ``short_tpot_cdf.png`` (and ``sweep.png`` for
 sweeps), ``server_<mode>.log``; ``nelssa bench report DIR`` renders ``report.md``.
+
+One mode per invocation (``--serve on``, then ``--serve off``: e.g. one device call each) and
+``nelssa bench merge --out DIR A B`` puts them side by side as if run together: the same summary, ratios
+and plots, from the modes' raw files (which are written after every sweep point, so a run stopped by
+a time limit keeps the points it finished). Both runs must have the same workload and sweep points.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import math
 import os
 import sys
 import time
+from functools import partial
 from typing import Any
 
 from nelssa.bench import trace as tr
@@ -357,6 +363,12 @@ def run(workload: str, preset: dict, out: str, serve: list[str] | None = None,
     runs: dict[str, dict] = {}
     failed: dict[str, str] = {}
     tok = None
+    meta = {"workload": workload, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "preset": preset, "T_input": t_input, "points": {n: tr.shares(p) for n, p in points},
+            "endpoints": endpoints or {}, "metrics_urls": metrics or {}, "served_modes": serve or [],
+            "model": model_path, "notes": notes, "command": " ".join(sys.argv)}
+    with open(os.path.join(out, "meta.json"), "w") as f:  # for `nelssa bench merge`, also of a stopped run
+        json.dump(meta, f, indent=1)
     for mode in modes:
         print(f"[bench] {workload}: mode {mode}", file=sys.stderr, flush=True)
         t = time.time()
@@ -366,28 +378,21 @@ def run(workload: str, preset: dict, out: str, serve: list[str] | None = None,
                 with Server(mode, model_path, preset["nelssa"], preset["server"], free_port(),
                             os.path.join(out, f"server_{mode}.log"), start_timeout, preset.get("env")) as srv:
                     runs[mode], tok = _drive(srv.url, workload, points, preset, tok, model_path, interval,
-                                             (metrics or {}).get(mode))
+                                             (metrics or {}).get(mode), partial(save_mode, out, mode))
             else:
                 runs[mode], tok = _drive(endpoints[mode], workload, points, preset, tok, model_path, interval,
-                                         (metrics or {}).get(mode))
+                                         (metrics or {}).get(mode), partial(save_mode, out, mode))
         except Exception as e:  # noqa: BLE001 - the other modes still run; the invocation fails at the end
             failed[mode] = f"{type(e).__name__}: {e}"[-3000:]
             print(f"[bench] mode {mode} failed after {time.time() - t:.0f} s: {failed[mode]}", file=sys.stderr,
                   flush=True)
             continue
         runs[mode]["wall_s"] = time.time() - t
-        with open(os.path.join(out, f"requests_{mode}.jsonl"), "w") as f:
-            for r in runs[mode]["requests"]:
-                f.write(json.dumps(r) + "\n")
-        with open(os.path.join(out, f"metrics_{mode}.jsonl"), "w") as f:
-            for s in runs[mode]["samples"]:
-                f.write(json.dumps(s) + "\n")
-    meta = {"workload": workload, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "preset": preset, "T_input": t_input, "points": {n: tr.shares(p) for n, p in points},
-            "endpoints": endpoints or {}, "metrics_urls": metrics or {}, "served_modes": serve or [],
-            "failed_modes": failed,
-            "model": model_path, "notes": notes, "command": " ".join(sys.argv),
-            "wall_s": {m: r.get("wall_s") for m, r in runs.items()}}
+        save_mode(out, mode, runs[mode])
+    return _write(out, runs, {**meta, "failed_modes": failed, "wall_s": {m: r.get("wall_s") for m, r in runs.items()}})
+
+
+def _write(out: str, runs: dict[str, dict], meta: dict) -> dict:
     summ = summarise(runs, meta)
     summ["plots"] = plot_all(runs, summ, out) if runs else []
     with open(os.path.join(out, "summary.json"), "w") as f:
@@ -395,8 +400,105 @@ def run(workload: str, preset: dict, out: str, serve: list[str] | None = None,
     return summ
 
 
+def merge(out: str, folders: list[str]) -> dict:
+    """Results folders of one workload, each with its own modes (e.g. ``--serve on`` and ``--serve off``
+    run apart), side by side in ``out``: summary with ratios and plots as ``run`` writes them. Refuses
+    folders of different workloads or sweep points, and a mode found in two folders."""
+    runs: dict[str, dict] = {}
+    metas: list[dict] = []
+    failed: dict[str, str] = {}
+    for d in folders:
+        path = os.path.join(d, "meta.json")
+        if not os.path.exists(path):
+            path = os.path.join(d, "summary.json")
+        if not os.path.exists(path):
+            raise ValueError(f"{d}: no meta.json or summary.json (not a `nelssa bench` results folder)")
+        with open(path) as f:
+            meta = json.load(f)
+        for k in ("workload", "points"):
+            if metas and meta.get(k) != metas[0].get(k):
+                raise ValueError(f"{d}: its {k} differs from {folders[0]}'s; only runs of one plan can be merged")
+        metas.append(meta)
+        failed.update(meta.get("failed_modes") or {})
+        modes = sorted(n[len("requests_"):-len(".jsonl")] for n in os.listdir(d)
+                       if n.startswith("requests_") and n.endswith(".jsonl"))
+        if not modes:
+            raise ValueError(f"{d}: no requests_<mode>.jsonl (the run finished no point)")
+        for m in modes:
+            if m in runs:
+                raise ValueError(f"mode {m} is in more than one folder ({d})")
+            runs[m] = load_mode(d, m)
+    for m, r in runs.items():
+        if set(r["points"]) != set(metas[0]["points"]):
+            missing = sorted(set(metas[0]["points"]) - set(r["points"]))
+            print(f"[bench] merge: mode {m} finished {len(r['points'])} of {len(metas[0]['points'])} points "
+                  f"(missing {', '.join(missing)})", file=sys.stderr)
+    os.makedirs(out, exist_ok=True)
+    meta = {**metas[0], "merged_from": [os.path.abspath(d) for d in folders],
+            "commands": [m.get("command") for m in metas], "failed_modes": failed,
+            "served_modes": sorted(runs), "wall_s": {m: r.get("wall_s") for m, r in runs.items()}}
+    meta.pop("command", None)
+    summ = _write(out, runs, meta)
+    for m, r in runs.items():  # the merged folder is a results folder of its own (report, a later merge)
+        save_mode(out, m, r)
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump({k: v for k, v in meta.items() if k not in ("failed_modes", "wall_s")}, f, indent=1)
+    return summ
+
+
+def merge_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nelssa bench merge", description=merge.__doc__)
+    ap.add_argument("folders", nargs="+", help="results folders of `nelssa bench <workload>` runs")
+    ap.add_argument("--out", required=True, help="folder for the merged summary and plots")
+    a = ap.parse_args(argv)
+    try:
+        summ = merge(a.out, a.folders)
+    except (ValueError, OSError) as e:
+        print(f"nelssa bench merge: {e}", file=sys.stderr)
+        return 2
+    print(_table(summ))
+    print(f"[bench] wrote {a.out}/summary.json, {', '.join(summ['plots'])}", file=sys.stderr)
+    return 0
+
+
+def save_mode(out: str, mode: str, run: dict) -> None:
+    """One mode's raw results: requests_<mode>.jsonl, metrics_<mode>.jsonl and points_<mode>.json (each
+    point's span). Written after every point too, so a run stopped by a time limit keeps its finished
+    points (``nelssa bench merge`` reads them back)."""
+    for name, rows in ((f"requests_{mode}.jsonl", run["requests"]), (f"metrics_{mode}.jsonl", run["samples"])):
+        with open(os.path.join(out, name + ".tmp"), "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+    with open(os.path.join(out, f"points_{mode}.json"), "w") as f:
+        json.dump({"points": run["points"], "wall_s": run.get("wall_s")}, f)
+
+
+def load_mode(folder: str, mode: str) -> dict:
+    """save_mode's files read back: {requests, samples, points[, wall_s]}. Points without a spans file
+    (results written before it existed) span their requests' first start to last token."""
+    def rows(name: str) -> list[dict]:
+        with open(os.path.join(folder, name)) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    run = {"requests": rows(f"requests_{mode}.jsonl"), "samples": rows(f"metrics_{mode}.jsonl")}
+    spans = os.path.join(folder, f"points_{mode}.json")
+    if os.path.exists(spans):
+        with open(spans) as f:
+            d = json.load(f)
+        run["points"], run["wall_s"] = d["points"], d.get("wall_s")
+    else:
+        run["points"] = {}
+        for r in run["requests"]:
+            end = r["stamps"][-1] if r.get("stamps") else r["start"]
+            lo, hi = run["points"].get(r["point"], [r["start"], end])
+            run["points"][r["point"]] = [min(lo, r["start"]), max(hi, end)]
+    # only the points that finished: a stopped run's unfinished point has no span end yet
+    run["requests"] = [r for r in run["requests"] if r["point"] in run["points"]]
+    return run
+
+
 def _drive(url: str, workload: str, points, preset, tok, model_path, interval,
-           metrics_urls: list[str] | None = None) -> tuple[dict, Any]:
+           metrics_urls: list[str] | None = None, on_point=None) -> tuple[dict, Any]:
     from nelssa.bench.serving import endpoint_model, replay
     mid, root = endpoint_model(url)
     if tok is None:
@@ -407,7 +509,7 @@ def _drive(url: str, workload: str, points, preset, tok, model_path, interval,
             prompts[r["id"]] = prompt_ids(tok, r["n_in"], k, preset.get("prompts", "random"))
             k += 1
     res = asyncio.run(replay(url, mid, points, prompts, metrics_urls, interval=interval,
-                             label=f"{workload}:{url.split(':')[-1]}"))
+                             label=f"{workload}:{url.split(':')[-1]}", on_point=on_point))
     return res, tok
 
 
