@@ -395,21 +395,26 @@ class NelssaScheduler(Scheduler):
         kvm.watermark_blocks = base + self._prefill_reserve()
         sc.long_prefill_token_threshold = self._long_chunk(thr)
         self._lane_ready()
-        # the list vLLM schedules: lane requests left out (not scheduled, nor preempted, in this step);
+        # the list vLLM schedules: lane requests left out (not scheduled, nor preempted, in this step;
+        # still counted against max_num_seqs, so vLLM admits no more than it has room for — on a P/D
+        # decode instance with 128 running it had admitted past it and failed its own assertion);
         # spared ones first, so vLLM's FCFS victim (the list's last) is any other one before them
         hidden = [r for r in self.running if r.request_id in self._busy]
         visible = [r for r in self.running if r.request_id not in self._busy] if hidden else self.running
         spared = self._spared(visible)
+        max_running = self.max_num_running_reqs
         if hidden or spared:
             order = {id(r): i for i, r in enumerate(self.running)}
             if spared:
                 first = {id(r) for r in spared}
                 visible = spared + [r for r in visible if id(r) not in first]
             self.running = visible
+            self.max_num_running_reqs = max(0, max_running - len(hidden))
         try:
             out = super().schedule(*args, **kwargs)
         finally:
             kvm.watermark_blocks, sc.long_prefill_token_threshold = base, thr
+            self.max_num_running_reqs = max_running
             if hidden or spared:  # the running list's own order back; vLLM's new requests after it
                 n = len(order)
                 self.running = sorted(self.running + hidden, key=lambda r: order.get(id(r), n))
