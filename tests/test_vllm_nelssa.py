@@ -155,6 +155,22 @@ def test_long_context_is_not_the_preemption_victim():
     assert on["host_totals"].get("long_requests", 0) == 0  # opted out: nothing went to the host tier
 
 
+def test_lane_requests_count_against_max_num_seqs():
+    """The long lane leaves its busy requests out of the list vLLM schedules (lane.py, 1); they still
+    hold a place of ``max_num_seqs``: with 2 places, a long request in the lane and four short ones,
+    vLLM must not admit a second short one beside the first while the long one is in the lane (on the
+    H200 a P/D decode instance at 128 running did, and died on vLLM's own assertion). Same tokens."""
+    shorts = [{"id": f"s{i}", "text_tokens": 120, "offset": 40000 + 5000 * i, "max_tokens": 24} for i in range(4)]
+    spec = {"model": CUT, "nelssa": {**NELSSA, "lane": True},
+            "engine": {"num_gpu_blocks_override": 70, "max_num_batched_tokens": 1024, "max_num_seqs": 2},
+            "requests": [{"id": "long", "text_tokens": 2300, "max_tokens": 40}] + shorts}
+    on, off = both(spec)
+    print(f"running per step, NELSSA: {[s['running'] for s in on['steps']]}")
+    assert max(s["running"] for s in on["steps"]) <= 2
+    assert on["host_totals"]["lane_rows"] >= 10, on["host_totals"]  # the long one decoded in the lane
+    assert tokens(on) == tokens(off) and set(tokens(on)) == {"long", "s0", "s1", "s2", "s3"}
+
+
 def test_deferred_prompt_does_not_queue_behind_a_long_prefill():
     """One long prefill at a time (``long_prefills`` 1) is for host-backed prompts: a deferred prompt
     (``T_input`` <= length < ``defer_below``, served from the device like a short request) arriving while

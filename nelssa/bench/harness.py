@@ -145,7 +145,8 @@ def run(spec: dict) -> dict:
         for rid, req in sched.requests.items():
             seen[rid] = req
         row: dict = {"step": step, "free_blocks": kvm.block_pool.get_num_free_blocks(), "rss_mb": _rss_mb(),
-                     "host_bytes": host.nbytes if host is not None else 0, "blocks": {}}
+                     "host_bytes": host.nbytes if host is not None else 0, "running": len(sched.running),
+                     "blocks": {}}
         for ours, rid in internal.items():
             if rid in sched.requests:
                 b = kvm.get_block_ids(rid)[0]

@@ -218,7 +218,10 @@ async def replay(base_url: str, model_id: str, points: list[tuple[str, list[dict
     samples: list[dict] = []
     spans: dict[str, list[float]] = {}
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as sess:
+    # idle connections dropped before the server closes them (vLLM's keep-alive, 5 s by default): a request
+    # sent on one the server is closing fails with ServerDisconnectedError (H200 mixed sweep: one per mode)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as sess:
         def inp(r: dict, rid: str) -> Any:
             return RequestFuncInput(prompt=prompts[r["id"]], api_url=api, prompt_len=r["n_in"], output_len=r["n_out"],
                                     model=model_id, ignore_eos=True, extra_body={"temperature": 0.0},

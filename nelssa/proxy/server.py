@@ -148,7 +148,9 @@ class Proxy:
         return app
 
     async def _startup(self, app) -> None:
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        # idle upstream connections are dropped before vLLM's server closes them (its keep-alive, 5 s by
+        # default): reusing one the server is closing fails the request (ServerDisconnectedError)
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0))
         await self.check_health()
         self._health_task = asyncio.create_task(self._health_loop())
 
