@@ -74,6 +74,51 @@ def test_release_then_adopt_and_every_fallback(node):
         d.close()
 
 
+def test_decode_scheduler_sees_releases(node):
+    """D's scheduler admits a handed-over request once the node holds its release (scheduler.py,
+    _handover_released): NodeRoom's thread asks the node (Released) for the handles it watches; an
+    adopted handle is no longer released; malformed or too many handles are refused."""
+    from nelssa.node.client import NodeRoom
+    cfg = _cfg(node, "grpc", handover=True)
+    p, d = NodeHostTier(cfg, L, keep_centroids=True), NodeHostTier(cfg, L)
+    room = NodeRoom(cfg, max_age_s=0.05)
+    try:
+        h, other = handover.new_handle(), handover.new_handle()
+        room.watch(h)
+        room.watch(other)
+        p.put_layers("a", *_kv(200, 1))
+        time.sleep(0.3)
+        assert not room.released(h)
+        handover.release(p, "a", h, failed=False)
+        t = time.monotonic()
+        while not room.released(h) and time.monotonic() - t < 5:
+            time.sleep(0.02)
+        assert room.released(h) and not room.released(other)
+        assert handover.adopt_handed_over(d, "b", h, 200, 1.0, "cpu")
+        t = time.monotonic()
+        while room.released(h) and time.monotonic() - t < 5:
+            time.sleep(0.02)
+        assert not room.released(h)  # adopted: nobody else waits for it
+        room.forget(h)
+        room.forget(other)
+        assert d.free("b") and _used(node) == 0
+        import grpc
+
+        from nelssa.node.proto import nelssa_node_pb2 as pb
+        ch, stub = node.stub()
+        try:
+            for bad in (["short"], [h] * 4097):
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.Released(pb.ReleasedRequest(handles=bad), timeout=5)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        finally:
+            ch.close()
+    finally:
+        room.close()
+        p.close()
+        d.close()
+
+
 def test_malformed_handover_params_are_errors():
     assert handover.handle_of({"do_remote_prefill": True}) == ""
     for bad in ({handover.KEY: "abc"}, {handover.KEY: {"handle": 5}}, {handover.KEY: {"handle": ""}}):
@@ -118,5 +163,33 @@ def test_engines_hand_a_long_prompt_over_through_the_node(cut_model_dir):
         assert t["attn_s_n"] > 0  # D attended over the adopted request
         s = node.stats()
         assert s.released == 0 and s.requests == 0 and all(dv.used_bytes == 0 for dv in s.devices), s
+    finally:
+        node.stop()
+
+
+@pytest.mark.engine
+def test_decode_instance_admits_a_hand_over_only_once_released(cut_model_dir):
+    """D holds a handed-over request (no blocks, not scheduled) until its prefill instance has released it
+    on the node, so the whole prompt's blocks are not held while P still stores it. Here P never
+    releases: after ``handover_wait_s`` D admits it without the hand-over and clusters the prompt
+    itself (no adoption tried); a short request passes it meanwhile; tokens equal NELSSA_OFF's."""
+    node = Node("--devices", "1", "--device-memory", "64MiB")
+    try:
+        nelssa = {"T_input": 2048, "budget": 1.0, "chunk": 128, "segment": 4096, "long_chunk": 0, "defer_below": 0,
+                  "engine": "node", "node_address": node.address, "host_capacity": "4GiB", "handover_wait_s": 4.0}
+        common = {"model": cut_model_dir, "max_model_len": 4096, "engine": {"max_num_batched_tokens": 4096}}
+        ktp = handover.params(handover.new_handle(), 2304)
+        reqs = [{"id": "long", "text_tokens": 2400, "max_tokens": 16, "extra_args": {"kv_transfer_params": ktp}},
+                {"id": "short", "text_tokens": 100, "offset": 30000, "max_tokens": 48}]
+        d = run_harness({**common, "mode": "on", "nelssa": nelssa, "requests": reqs}, timeout=600)
+        off = run_harness({**common, "mode": "off", "requests": [{k: v for k, v in r.items() if k != "extra_args"}
+                                                                  for r in reqs]}, timeout=600)
+        first = {rid: min(s["t"] for s in d["steps"] if s["blocks"].get(rid)) for rid in ("long", "short")}
+        print(f"first step with blocks (s): {first}")
+        assert first["long"] >= 4.0 > first["short"]  # held for handover_wait_s; the short one passed
+        assert {k: r["token_ids"] for k, r in d["results"].items()} == {k: r["token_ids"] for k, r in off["results"].items()}
+        t = d["host_totals"]
+        assert t.get("handovers_adopted", 0) == 0 and t.get("handover_fallbacks", 0) == 0, t  # never tried
+        assert t["moved_tokens"] > 0  # D clustered the prompt itself
     finally:
         node.stop()

@@ -146,6 +146,7 @@ def run(spec: dict) -> dict:
             seen[rid] = req
         row: dict = {"step": step, "free_blocks": kvm.block_pool.get_num_free_blocks(), "rss_mb": _rss_mb(),
                      "host_bytes": host.nbytes if host is not None else 0, "running": len(sched.running),
+                     "t": time.time() - t0,
                      "blocks": {}}
         for ours, rid in internal.items():
             if rid in sched.requests:

@@ -369,7 +369,8 @@ class NodeRoom:
     share of every request on every device, so the fullest device decides (cluster-wise: a
     conservative bound). A thread of its own asks every ``max_age_s``, so the scheduler's step never
     waits for the node; ``free`` is the latest answer, 0 while the node does not answer (logged once
-    per outage: long requests wait, none is admitted into a failing store)."""
+    per outage: long requests wait, none is admitted into a failing store). On a P/D decode instance the
+    same thread asks which watched hand-over handles are released (``watch``, ``released``)."""
 
     def __init__(self, cfg: NelssaConfig, max_age_s: float = 0.25):
         self.cfg, self.max_age_s = cfg, max_age_s
@@ -377,10 +378,37 @@ class NodeRoom:
         self._channel = grpc.insecure_channel(cfg.node_address)
         self._stub = pb_grpc.NelssaNodeStub(self._channel)
         self._down, self._stop = False, threading.Event()
+        self._lock = threading.Lock()
+        self._watched: set[str] = set()   # hand-over handles a decode instance waits for (watch)
+        self._released: frozenset[str] = frozenset()  # those of them released, at the last answer
         t = time.monotonic()
         self.capacity, free = self._ask()  # HostError: an engine using a node it cannot reach does not start
         self._state = (free, t)
         threading.Thread(target=self._loop, name="nelssa-node-room", daemon=True).start()
+
+    def watch(self, handle: str) -> None:
+        """Ask, with the free bytes, whether the request handed over under ``handle`` is released (released)."""
+        with self._lock:
+            self._watched.add(handle)
+
+    def forget(self, handle: str) -> None:
+        with self._lock:
+            self._watched.discard(handle)
+
+    def released(self, handle: str) -> bool:
+        """Whether, at the last answer (at most ``max_age_s`` old), the node held a request released under
+        ``handle`` for its adopter (Released); False while the node does not answer."""
+        return handle in self._released
+
+    def _ask_released(self) -> None:
+        with self._lock:
+            handles = sorted(self._watched)
+        out: set[str] = set()
+        for i in range(0, len(handles), 4096):  # the node's limit per call
+            rep = _call(self._stub, self.cfg, self._md, "Released", pb.ReleasedRequest(handles=handles[i:i + 4096]),
+                        self.cfg.host_timeout_s)
+            out.update(rep.handles)
+        self._released = frozenset(out)
 
     def _ask(self) -> tuple[int, int]:
         # the config's host-tier deadline: on a loaded 2-vCPU box a 5-s one expired again and again in the
@@ -399,13 +427,14 @@ class NodeRoom:
             try:
                 _, free = self._ask()
                 self._state = (free, t)
+                self._ask_released()
                 if self._down:
                     log.warning("nelssa-node at %s answers again", self.cfg.node_address)
                 self._down = False
             except HostError as e:
                 if not self._down:
                     log.error("%s: no long request is admitted until it answers", e)
-                self._state, self._down = (0, t), True
+                self._state, self._down, self._released = (0, t), True, frozenset()
 
     def free(self) -> tuple[int, float]:
         """(free bytes, time.monotonic() when they were asked for): the answer holds every store that

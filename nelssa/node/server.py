@@ -49,6 +49,7 @@ from nelssa.node.wire import (DTYPE_IDS, DTYPES, ITEMSIZE, TOKEN_HEADER, W_REQ_S
 from nelssa.sparse import KVPart, Selection, attend, host_empty, merge_states, prepare_attend
 
 log = logging.getLogger("nelssa.node")
+MAX_RELEASED_QUERY = 4096  # handles per Released call
 
 
 class NodeError(Exception):
@@ -419,6 +420,16 @@ class NodeState:
             self._drop_plans(c, req_id)
             self.released[handle] = (r, time.monotonic() + ttl)
         return handle, ttl
+
+    def released_handles(self, handles) -> list[str]:
+        """Those of ``handles`` under which a released request waits for its adopter (ReleasedRequest)."""
+        if len(handles) > MAX_RELEASED_QUERY:
+            raise WireError(f"at most {MAX_RELEASED_QUERY} handles per Released call, got {len(handles)}")
+        if not all(valid_handle(h) for h in handles):
+            raise WireError("a release handle is 32-128 characters of [0-9A-Za-z_-]")
+        now = time.monotonic()
+        with self.lock:
+            return [h for h in handles if h in self.released and self.released[h][1] > now]
 
     def adopt(self, c: Client, handle: str, req_id: str) -> pb.AdoptReply:
         lim = self.s.limits
@@ -1081,6 +1092,9 @@ class Servicer(pb_grpc.NelssaNodeServicer):
     def Adopt(self, request, context):
         return self._call(context, lambda: self.node.adopt(self.node.client(request.client_id), request.handle,
                                                            request.req_id))
+
+    def Released(self, request, context):
+        return self._call(context, lambda: pb.ReleasedReply(handles=self.node.released_handles(list(request.handles))))
 
     def Centroids(self, request, context):
         _need_deadline(context)

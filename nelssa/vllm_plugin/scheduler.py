@@ -120,6 +120,7 @@ class NelssaScheduler(Scheduler):
         self._fenced: dict[str, list] = {}   # request -> its blocks, popped from the manager, not yet freed
         self._lane_released: set[str] = set()  # released by the worker while a connector still holds the blocks
         self._on_node: dict[str, int] = {}   # D: handed-over request -> its bytes already on the node (handover.py)
+        self._awaiting: dict[str, tuple[str, float]] = {}  # D: held hand-over -> (handle, since): not yet released
         if cfg is None:
             return
         if cfg.lane:
@@ -199,10 +200,13 @@ class NelssaScheduler(Scheduler):
             return self._reject(request, (f"nelssa: the {request.num_prompt_tokens}-token prompt needs more "
                                           "device KV blocks for its prefill than the instance has"))
         try:  # D: a hand-over's prompt is on the node already (K/V rows of [sink, H0): a lower bound)
-            if handover.handle_of(request.kv_transfer_params) and self._node_room is not None:
+            handle = handover.handle_of(request.kv_transfer_params)
+            if handle and self._node_room is not None:
                 h0 = min(int(request.kv_transfer_params[handover.KEY].get("host_end") or 0), request.num_prompt_tokens)
                 layers, heads, dim, es = self._bytes_per
                 self._on_node[request.request_id] = layers * heads * max(0, h0 - self.nelssa.sink) * 2 * dim * es
+                self._awaiting[request.request_id] = (handle, time.monotonic())
+                self._node_room.watch(handle)
         except (ValueError, TypeError):
             pass  # malformed: the connector logs it; the request is clustered here and counted whole
         self._held.append(request)
@@ -289,8 +293,10 @@ class NelssaScheduler(Scheduler):
         use = 1.0 - pool.get_num_free_blocks() / max(1, pool.num_gpu_blocks - 1)  # block 0: vLLM's null block
         if use >= self.nelssa.migrate_watermark:
             return f"device KV {100 * use:.0f}% in use"
-        if self._held and self._need(self._held[0]) <= self._host_room() and not self._device_room(self._held[0]):
-            return f"long request {self._held[0].request_id} waits for device KV"
+        # the first held request that may be admitted now (a hand-over not yet released may not)
+        first = next((r for r in self._held if r.request_id not in self._awaiting), None)
+        if first is not None and self._need(first) <= self._host_room() and not self._device_room(first):
+            return f"long request {first.request_id} waits for device KV"
         return ""
 
     def _migrate(self) -> None:
@@ -361,6 +367,9 @@ class NelssaScheduler(Scheduler):
         i = 0
         while i < len(self._held):
             req = self._held[i]
+            if req.request_id in self._awaiting and not self._handover_released(req):
+                i += 1  # its prefill instance has not released it yet: not counted, not blocking others
+                continue
             need = self._need(req)
             if need > self._host_room(self._on_node.get(req.request_id, 0)) or not self._device_room(req):
                 return
@@ -371,6 +380,30 @@ class NelssaScheduler(Scheduler):
             del self._held[i]
             self._reserved[req.request_id] = need
             super().add_request(req)
+
+    def _handover_released(self, req: Request) -> bool:
+        """D (handover.py, 4): whether a held hand-over may be admitted — its prefill instance has released
+        it on the node (asked by NodeRoom's thread), so the whole prompt's blocks this instance allocates
+        for the NIXL read are held only until the adoption at its first move (seconds), not while P
+        still stores it (17-19 s per 100K prompt on the shared H200). Not released within
+        ``handover_wait_s``: admitted without the hand-over (logged, ``handover_fallbacks``); the KV it
+        receives is clustered here."""
+        rid = req.request_id
+        handle, since = self._awaiting[rid]
+        if self._node_room.released(handle):
+            del self._awaiting[rid]
+            self._node_room.forget(handle)
+            return True
+        if time.monotonic() - since < self.nelssa.handover_wait_s:
+            return False
+        del self._awaiting[rid]
+        self._node_room.forget(handle)
+        self._on_node.pop(rid, None)
+        req.kv_transfer_params = {k: v for k, v in req.kv_transfer_params.items() if k != handover.KEY}
+        self._count("handover_fallbacks")
+        log.warning("NELSSA hand-over of %s: not released within %.0f s (handover_wait_s); admitted without it, "
+                    "its prompt is clustered here", rid, self.nelssa.handover_wait_s)
+        return True
 
     def _prefill_reserve(self) -> int:
         """Blocks that running long prefills still have to allocate."""
@@ -523,6 +556,9 @@ class NelssaScheduler(Scheduler):
             for r in gone:
                 self._held.remove(r)
                 self._on_node.pop(r.request_id, None)
+                wait = self._awaiting.pop(r.request_id, None)
+                if wait is not None:
+                    self._node_room.forget(wait[0])
                 r.status = finished_status
         return super().finish_requests(request_ids, finished_status)
 

@@ -109,6 +109,11 @@ class NelssaNodeStub:
                 request_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.CentroidsRequest.SerializeToString,
                 response_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.DataChunk.FromString,
                 _registered_method=True)
+        self.Released = channel.unary_unary(
+                '/nelssa.node.v1.NelssaNode/Released',
+                request_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleasedRequest.SerializeToString,
+                response_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleasedReply.FromString,
+                _registered_method=True)
 
 
 class NelssaNodeServicer:
@@ -205,6 +210,12 @@ class NelssaNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Released(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NelssaNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -282,6 +293,11 @@ def add_NelssaNodeServicer_to_server(servicer, server):
                     servicer.Centroids,
                     request_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.CentroidsRequest.FromString,
                     response_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.DataChunk.SerializeToString,
+            ),
+            'Released': grpc.unary_unary_rpc_method_handler(
+                    servicer.Released,
+                    request_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleasedRequest.FromString,
+                    response_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleasedReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -689,6 +705,33 @@ class NelssaNode:
             '/nelssa.node.v1.NelssaNode/Centroids',
             nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.CentroidsRequest.SerializeToString,
             nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.DataChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Released(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nelssa.node.v1.NelssaNode/Released',
+            nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleasedRequest.SerializeToString,
+            nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleasedReply.FromString,
             options,
             channel_credentials,
             insecure,
