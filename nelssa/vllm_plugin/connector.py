@@ -308,6 +308,10 @@ class NelssaConnector(KVConnectorBase_V1):
         if h:
             self._adopt[request.request_id] = h
 
+    def drop_adoption(self, request_id: str) -> None:
+        """D: the scheduler admits this request without its hand-over (not released in time): no adoption."""
+        self._adopt.pop(request_id, None)
+
     def build_connector_meta(self, scheduler_output):
         sched = scheduler_output.num_scheduled_tokens
         release, self._release = self._release, {}

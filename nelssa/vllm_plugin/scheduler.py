@@ -79,6 +79,7 @@ import math
 import time
 from collections import deque
 
+from vllm.distributed.kv_transfer.kv_connector.v1 import SupportsHMA
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -209,6 +210,11 @@ class NelssaScheduler(Scheduler):
                 self._node_room.watch(handle)
         except (ValueError, TypeError):
             pass  # malformed: the connector logs it; the request is clustered here and counted whole
+        if self.connector is not None:
+            # the connectors see it now, not at its admission: on a P/D decode instance NixlConnector then
+            # renews P's lease on the prompt's KV while the request is held here (vLLM's 30 s would expire
+            # while D waits for room or for the hand-over's release, and P would free blocks D reads later)
+            self.connector.on_new_request(request)
         self._held.append(request)
         self._admit_held()
 
@@ -217,6 +223,28 @@ class NelssaScheduler(Scheduler):
         log.error("rejecting request %s: %s", request.request_id, msg)
         request.status = RequestStatus.FINISHED_ERROR
         self._rejected.append((request, msg))
+        self._unscheduled_finished(request)
+
+    def _unscheduled_finished(self, request: Request) -> None:
+        """A request that ends before vLLM's scheduler had it (held, or rejected here): the connectors are
+        told as vLLM tells them of a request that ends unscheduled, with no blocks — on a P/D decode
+        instance NixlConnector then has P free the prompt's KV at once instead of at its lease's end."""
+        if self.connector is None:
+            return
+        empty = tuple([] for _ in self.kv_cache_config.kv_cache_groups)
+        if isinstance(self.connector, SupportsHMA):
+            self.connector.request_finished_all_groups(request, empty)
+        else:
+            self.connector.request_finished(request, empty[0])
+
+    def _enqueue_held(self, request: Request) -> None:
+        """vLLM's add_request for an admitted held request, without telling the connectors again (they saw
+        it when it was held: add_request)."""
+        conn, self.connector = self.connector, None
+        try:
+            super().add_request(request)
+        finally:
+            self.connector = conn
 
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -379,7 +407,7 @@ class NelssaScheduler(Scheduler):
                 continue
             del self._held[i]
             self._reserved[req.request_id] = need
-            super().add_request(req)
+            self._enqueue_held(req)
 
     def _handover_released(self, req: Request) -> bool:
         """D (handover.py, 4): whether a held hand-over may be admitted — its prefill instance has released
@@ -400,6 +428,7 @@ class NelssaScheduler(Scheduler):
         self._node_room.forget(handle)
         self._on_node.pop(rid, None)
         req.kv_transfer_params = {k: v for k, v in req.kv_transfer_params.items() if k != handover.KEY}
+        self._conn.drop_adoption(rid)
         self._count("handover_fallbacks")
         log.warning("NELSSA hand-over of %s: not released within %.0f s (handover_wait_s); admitted without it, "
                     "its prompt is clustered here", rid, self.nelssa.handover_wait_s)
@@ -560,6 +589,7 @@ class NelssaScheduler(Scheduler):
                 if wait is not None:
                     self._node_room.forget(wait[0])
                 r.status = finished_status
+                self._unscheduled_finished(r)
         return super().finish_requests(request_ids, finished_status)
 
     def get_num_unfinished_requests(self) -> int:
