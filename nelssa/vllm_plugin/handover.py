@@ -24,9 +24,13 @@ Contract, by side:
        whose move failed is freed instead (D falls back, 5). Either way the request is then reported
        (NelssaConnector.get_finished: finished sending) and vLLM frees its blocks once NixlConnector
        has reported it too.
-  D, scheduler (NelssaConnector.on_new_request, build_connector_meta):
-    4. A request whose params name a hand-over has its handle sent to the worker (``adopt``) in the
-       metadata of the first step that schedules it.
+  D, scheduler (NelssaScheduler._handover_released, NelssaConnector.on_new_request, build_connector_meta):
+    4. A request whose params name a hand-over is held (no blocks) until the node holds P's release
+       (the node's Released, asked by the scheduler's NodeRoom thread), so D allocates the prompt's
+       blocks for the NIXL read and the adoption only; meanwhile its connectors know it (NIXL renews
+       P's lease on the KV). Its handle goes to the worker (``adopt``) in the metadata of the first
+       step that schedules it. Not released within ``handover_wait_s``: admitted without the hand-over
+       (the handle dropped, ``handover_fallbacks``), clustered here from the KV it receives.
   D, worker (Handoff.submit, ``adopt_handed_over``):
     5. The request's first move, [sink, H0) (its KV arrived whole over NIXL), adopts the node's request
        instead of clustering: retried while the node does not hold it yet (P releases after its last

@@ -18,6 +18,10 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
     held request that waits only for that limit (they are served like short requests).
   - while it prefills, vLLM's admission watermark is raised by the blocks its prompt still needs,
     so short requests admitted meanwhile leave them free.
+  - P/D decode instance: a hand-over (handover.py, 4) also waits for its prefill instance's release
+    on the node; it does not hold the requests behind it. The connectors see a held request when it is
+    held (NIXL renews P's lease on its KV meanwhile), and one that ends held or is rejected as an
+    unscheduled end (NIXL lets P free its KV at once).
 * Long prefill chunks: while short requests decode, a long prompt advances by at most
   policy.prefill_chunk(long_chunk, its context so far) tokens per step (vLLM's
   long_prefill_token_threshold for that step), so a step with a long-prefill chunk costs about the
