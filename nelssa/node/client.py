@@ -34,9 +34,9 @@ from nelssa.node.local import HostError, HostStats, call_results, pin_if, stage_
 from nelssa.node.proto import nelssa_node_pb2 as pb
 from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
 from nelssa.node.server import is_loopback
-from nelssa.node.wire import (DTYPE_IDS, ITEMSIZE, TOKEN_HEADER, W_BEAT, W_CLOSED, W_REQ_SEQ, W_RESP_SEQ, Limits,
-                              NativeChannel, PlanLayout, ShmChannel, StoreSlot, WireError, decode_result, encode_job,
-                              plan_layout, store_bytes)
+from nelssa.node.wire import (DTYPE_IDS, ITEMSIZE, MAX_RELEASED_QUERY, TOKEN_HEADER, W_BEAT, W_CLOSED, W_REQ_SEQ,
+                              W_RESP_SEQ, Limits, NativeChannel, PlanLayout, ShmChannel, StoreSlot, WireError,
+                              decode_result, encode_job, plan_layout, store_bytes)
 from nelssa.sparse import Selection, pack
 from nelssa.sparse.clustered import cluster_layers, part_stats
 
@@ -404,9 +404,9 @@ class NodeRoom:
         with self._lock:
             handles = sorted(self._watched)
         out: set[str] = set()
-        for i in range(0, len(handles), 4096):  # the node's limit per call
-            rep = _call(self._stub, self.cfg, self._md, "Released", pb.ReleasedRequest(handles=handles[i:i + 4096]),
-                        self.cfg.host_timeout_s)
+        for i in range(0, len(handles), MAX_RELEASED_QUERY):
+            rep = _call(self._stub, self.cfg, self._md, "Released",
+                        pb.ReleasedRequest(handles=handles[i:i + MAX_RELEASED_QUERY]), self.cfg.host_timeout_s)
             out.update(rep.handles)
         self._released = frozenset(out)
 

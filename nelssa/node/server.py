@@ -43,13 +43,12 @@ from nelssa._ext import ext
 from nelssa.config import get_config, set_config
 from nelssa.node.proto import nelssa_node_pb2 as pb
 from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
-from nelssa.node.wire import (DTYPE_IDS, DTYPES, ITEMSIZE, TOKEN_HEADER, W_REQ_SEQ, Limits, NativeChannel, ShmChannel,
-                              StoreSlot, WireError, centroid_bytes, decode_job, dtype_of, plan_layout, store_bytes,
-                              tensor_bytes, valid_handle)
+from nelssa.node.wire import (DTYPE_IDS, DTYPES, ITEMSIZE, MAX_RELEASED_QUERY, TOKEN_HEADER, W_REQ_SEQ, Limits,
+                              NativeChannel, ShmChannel, StoreSlot, WireError, centroid_bytes, decode_job, dtype_of,
+                              plan_layout, store_bytes, tensor_bytes, valid_handle)
 from nelssa.sparse import KVPart, Selection, attend, host_empty, merge_states, prepare_attend
 
 log = logging.getLogger("nelssa.node")
-MAX_RELEASED_QUERY = 4096  # handles per Released call
 
 
 class NodeError(Exception):

@@ -381,6 +381,7 @@ def centroid_bytes(H: int, D: int, itemsize: int, C: int) -> int:
     return 2 * H * C * D * itemsize
 
 
+MAX_RELEASED_QUERY = 4096  # hand-over handles per Released call (the node refuses more; clients split)
 HANDLE_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_-")
 
 

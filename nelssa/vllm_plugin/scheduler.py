@@ -423,13 +423,11 @@ class NelssaScheduler(Scheduler):
         rid = req.request_id
         handle, since = self._awaiting[rid]
         if self._node_room.released(handle):
-            del self._awaiting[rid]
-            self._node_room.forget(handle)
+            self._stop_awaiting(rid)
             return True
         if time.monotonic() - since < self.nelssa.handover_wait_s:
             return False
-        del self._awaiting[rid]
-        self._node_room.forget(handle)
+        self._stop_awaiting(rid)
         self._on_node.pop(rid, None)
         req.kv_transfer_params = {k: v for k, v in req.kv_transfer_params.items() if k != handover.KEY}
         self._conn.drop_adoption(rid)
@@ -437,6 +435,12 @@ class NelssaScheduler(Scheduler):
         log.warning("NELSSA hand-over of %s: not released within %.0f s (handover_wait_s); admitted without it, "
                     "its prompt is clustered here", rid, self.nelssa.handover_wait_s)
         return True
+
+    def _stop_awaiting(self, rid: str) -> None:
+        """The request no longer waits for a hand-over's release (admitted, timed out, or finished held)."""
+        wait = self._awaiting.pop(rid, None)
+        if wait is not None:
+            self._node_room.forget(wait[0])
 
     def _prefill_reserve(self) -> int:
         """Blocks that running long prefills still have to allocate."""
@@ -589,9 +593,7 @@ class NelssaScheduler(Scheduler):
             for r in gone:
                 self._held.remove(r)
                 self._on_node.pop(r.request_id, None)
-                wait = self._awaiting.pop(r.request_id, None)
-                if wait is not None:
-                    self._node_room.forget(wait[0])
+                self._stop_awaiting(r.request_id)
                 r.status = finished_status
                 self._unscheduled_finished(r)
         return super().finish_requests(request_ids, finished_status)
