@@ -430,3 +430,25 @@ def test_modes_run_apart_then_merged(tmp_path, monkeypatch):
     (tmp_path / "b" / "summary.json").unlink()
     assert cli(["bench", "merge", "--out", str(tmp_path / "m2"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     assert set(json.loads((tmp_path / "m2" / "summary.json").read_text())["modes"]) == {"on", "off"}
+
+
+def test_point_counters_are_differenced_between_points():
+    """A point's counters (tokens, preemptions, NELSSA) run from the sample before its first to its last,
+    so a request whose tokens all stream between two samples (a starved API server) is still counted,
+    though no gauge sample saw it running."""
+    samples = [{"t": 0.0, "point": None, "running": 0.0, "waiting": 0.0, "kv_usage": 0.0, "preemptions": 0.0,
+                "generation_tokens": 2.0, "prompt_tokens": 64.0},
+               {"t": 0.3, "point": "a", "running": 0.0, "waiting": 0.0, "kv_usage": 0.0, "preemptions": 0.0,
+                "generation_tokens": 2.0, "prompt_tokens": 64.0},
+               {"t": 2.2, "point": "a", "running": 0.0, "waiting": 0.0, "kv_usage": 0.0, "preemptions": 1.0,
+                "generation_tokens": 34.0, "prompt_tokens": 1564.0},
+               {"t": 4.1, "point": "b", "running": 1.0, "waiting": 0.0, "kv_usage": 0.1, "preemptions": 1.0,
+                "generation_tokens": 40.0, "prompt_tokens": 1664.0},
+               {"t": 5.0, "point": "b", "running": 0.0, "waiting": 0.0, "kv_usage": 0.0, "preemptions": 1.0,
+                "generation_tokens": 50.0, "prompt_tokens": 1664.0}]
+    a = wl.point_stats([_rec(0, "long", "a", 0.1, 1.2, [0.0] * 31)], samples, [0.0, 1.5])
+    assert a["running_max"] == 0 and a["generation_tokens"] == 32 and a["prompt_tokens"] == 1500
+    assert a["preemptions"] == 1
+    b = wl.point_stats([_rec(1, "short", "b", 3.9, 0.1, [0.05] * 15)], samples, [3.9, 5.0])
+    assert b["generation_tokens"] == 16 and b["prompt_tokens"] == 100 and b["preemptions"] == 0
+

@@ -2,15 +2,15 @@
 one under NELSSA_OFF (SmolLM2's first 8 layers, the cpu preset's KV-limited server: 28 blocks of 128
 tokens), started once for the module, and every workload of `nelssa bench` driven against both
 (`--endpoints`): streaming clients, exact-length prompts, `ignore_eos`, /metrics sampled. Asserts the
-files of issue 12 are written and well-formed, and what each workload exists to show happened (long
+files of issue 12 are written and well-formed (the /metrics counters over each point account for every
+generated token: a gauge sample may see nothing, since on CI's 2 vCPUs a starved API server once streamed a
+request's 32 tokens at once between two samples), and what each workload exists to show happened (long
 requests on the host tier, a grown request migrating under pressure); performance is judged on the
 H200 only.
 
 Sizes (2-core box): `mixed` 3 trace-scaled requests at 2 req/s (the seed's draw: one long prompt of
 2,273 tokens, two short ones, 8 tokens out); `single-long` / `multi-long` 1 / 2 prompts of 1,500
-tokens, 32 / 16 out (decode spans several /metrics samples: with 8 out, the on-server's single request
-once finished, on CI's 2 vCPUs, inside one 0.5-s sample interval while the API server, starved by the
-prompt's clustering, streamed all its tokens at once, so no sample saw it running); `growth` 3 requests of 400 tokens generating 800 (contexts pass T_input 1,024 and together
+tokens, 32 / 16 out; `growth` 3 requests of 400 tokens generating 800 (contexts pass T_input 1,024 and together
 outgrow the 3,584-token KV); `hol-http` 6 s of short requests with one 1,500-token request at 2 s."""
 
 import json
@@ -63,7 +63,11 @@ def _run(workload: str, servers: dict, out) -> dict:
             for k, c in st["classes"].items():
                 assert c["errors"] == [] and c["ok"] == c["n"] > 0, (workload, mode, k, c)
                 assert c["ttft_ms_p50"] > 0 and c["tpot_ms_p99"] > 0
-            assert st["decode_tok_s"] > 0 and st["running_max"] >= 1
+            # /metrics covered the point and its counters saw every token (a gauge may miss a request
+            # whose tokens a starved API server streamed at once: CI once saw running max 0 so)
+            assert st["decode_tok_s"] > 0 and st["samples"] >= 1
+            assert st["generation_tokens"] == sum(r["n_out"] for r in plan), (mode, name, st)
+            assert st["prompt_tokens"] >= sum(r["n_in"] for r in plan), (mode, name, st)
         assert s["ratios_on_over_off"][name]["decode_tok_s"] > 0
     for mode in ("on", "off"):
         recs = [json.loads(x) for x in (out / f"requests_{mode}.jsonl").read_text().splitlines()]

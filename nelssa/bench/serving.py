@@ -164,20 +164,25 @@ def endpoint_model(base_url: str) -> tuple[str, str | None]:
 
 # ------------------------------------------------------------------ replay
 
+async def _sample(urls: list[str], t0: float, samples: list, point: str | None) -> None:
+    """One /metrics sample of every instance, combined, appended to ``samples``."""
+    loop = asyncio.get_running_loop()
+    per_url = []
+    for u in urls:
+        try:
+            txt = await loop.run_in_executor(None, http_get, u, 5.0)
+        except OSError:
+            continue
+        per_url.append(parse_metrics(txt))
+    m = combine_metrics(per_url)
+    if m:
+        samples.append({"t": time.perf_counter() - t0, "point": point, **sample_of(m)})
+
+
 async def _sampler(urls: list[str], t0: float, samples: list, stop: asyncio.Event, interval: float,
                    point: list[str]) -> None:
-    loop = asyncio.get_running_loop()
     while True:
-        per_url = []
-        for u in urls:
-            try:
-                txt = await loop.run_in_executor(None, http_get, u, 5.0)
-            except OSError:
-                continue
-            per_url.append(parse_metrics(txt))
-        m = combine_metrics(per_url)
-        if m:
-            samples.append({"t": time.perf_counter() - t0, "point": point[0], **sample_of(m)})
+        await _sample(urls, t0, samples, point[0])
         if stop.is_set():
             return
         try:
@@ -235,6 +240,9 @@ async def replay(base_url: str, model_id: str, points: list[tuple[str, list[dict
         if not warm.success:
             raise RuntimeError(f"warm-up request to {api} failed: {warm.error[-1000:]}")
         t0 = time.perf_counter()
+        # the counters before any request: the first point's baseline (point_stats differences counters
+        # between samples, which a point whose tokens all stream between two samples still moves)
+        await _sample(urls, t0, samples, None)
         stop = asyncio.Event()
         cur = [points[0][0]]
         smp = asyncio.create_task(_sampler(urls, t0, samples, stop, interval, cur))

@@ -160,17 +160,34 @@ def point_stats(recs: list[dict], samples: list[dict], span: list[float]) -> dic
     if not ss and recs:
         ss = [s for s in samples if s["point"] == recs[0]["point"]]
     if ss:
+        # gauges over the window: as coarse as the sampling (a request that starts and ends between two
+        # samples, e.g. a starved API server streaming all its tokens at once, is in no sample)
+        out["samples"] = len(ss)
         out["running_max"] = max(s["running"] for s in ss)
         out["running_mean"] = sum(s["running"] for s in ss) / len(ss)
         out["waiting_max"] = max(s["waiting"] for s in ss)
         out["kv_usage_max"] = max(s["kv_usage"] for s in ss)
-        out["preemptions"] = ss[-1]["preemptions"] - ss[0]["preemptions"]
-        # NELSSA counters over the window, gauges (e.g. host bytes) at their maximum
-        out["nelssa"] = {k: (ss[-1][k] - ss[0].get(k, 0.0)) if k.endswith(("_total", "_sum", "_count"))
-                         else max(s.get(k, 0.0) for s in ss) for k in ss[-1] if k.startswith("nelssa:")}
+        a, b = _point_bounds(samples, recs[0]["point"]) if recs else (ss[0], ss[-1])
+        out["preemptions"] = b["preemptions"] - a["preemptions"]
+        for k in ("generation_tokens", "prompt_tokens"):
+            if k in b:
+                out[k] = b[k] - a.get(k, 0.0)
+        # NELSSA counters over the point, gauges (e.g. host bytes) at their maximum over the window
+        out["nelssa"] = {k: (b[k] - a.get(k, 0.0)) if k.endswith(("_total", "_sum", "_count"))
+                         else max(s.get(k, 0.0) for s in ss) for k in b if k.startswith("nelssa:")}
         if out["nelssa"].get("nelssa:migrations_started_total"):
             out["handoff"] = handoff_itl(ok, ss)
     return out
+
+
+def _point_bounds(samples: list[dict], point: str) -> tuple[dict, dict]:
+    """The samples a point's counters are differenced between: the last one before the point's first
+    (replay takes one before any request and keeps sampling through the gap after each point), and the
+    point's last (taken after its last token: vLLM counts a token before it streams it)."""
+    idx = [i for i, s in enumerate(samples) if s["point"] == point]
+    if not idx:
+        return samples[0], samples[-1]
+    return samples[max(idx[0] - 1, 0)], samples[idx[-1]]
 
 
 def handoff_windows(samples: list[dict]) -> list[tuple[float, float]]:
