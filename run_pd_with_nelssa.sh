@@ -16,7 +16,8 @@
 #   NODE_DEVICES [1]  NODE_ARGS [extra nelssa-node arguments]
 #   NELSSA_HANDOVER [1 with the node]: P runs NELSSA too, clusters long prompts into nelssa-node as it
 #       prefills them and hands them over to D, which adopts them instead of clustering them (0: P is
-#       stock vLLM and D clusters)
+#       stock vLLM and D clusters); D then holds and reads over NIXL only their window's blocks
+#       (NELSSA_HANDOVER_WINDOW=0 on D: the whole prompt's)
 #   VLLM_EXTRA_ARGS [empty]: appended to both vLLM instances' arguments, e.g. "--dtype float32 --enforce-eager"
 #   PREFILL_GPU [0]  DECODE_GPU [1 with two GPUs, else 0]  GPU_MEMORY_SPLIT [0.45: each instance's
 #       --gpu-memory-utilization when P and D share a GPU; "P,D" for two values, e.g. 0.5,0.27]. On a
@@ -33,6 +34,9 @@
 #   NELSSA_AFFINITY_CORES: D's host-attention pool (NELSSA config)   NODE_CORES: the node's cores
 #   LOG_DIR [${TMPDIR:-/tmp}/nelssa-pd-$PROXY_PORT]: logs and the PID record (stop reads it)
 #   NIXL_KV_LEASE_S [120 on CPU, vLLM's 30 on GPUs]: how long P keeps a request's KV for D
+#   NIXL_PROGRESS_THREAD [0 on CPU, 1 on GPUs]: NIXL's UCX progress thread in P and D (it polls without
+#       sleeping, a core per instance; vLLM's steps drive the transfers without it: nelssa/vllm_plugin/
+#       nixl_progress.py)
 #   NIXL_CONNECTOR [NixlConnector (pull)]: vLLM's NIXL connector of both instances (NixlPushConnector:
 #       see nelssa/proxy/pd.py)   UCX_CUDA_IPC_ENABLE_GET_ZCOPY [y on GPUs]: D reads P's GPU blocks over
 #       cuda_ipc without NVLink too (UCX's default "auto" falls back to TCP there: 45 s per transfer
@@ -226,6 +230,9 @@ sys.exit(0 if all(h(v) > 0 for v in sys.argv[1:]) else 1)" "$p_kv" "$d_kv" 2>/de
   p_extra+=(--kv-cache-memory-bytes "$p_kv") d_extra+=(--kv-cache-memory-bytes "$d_kv")
   log "KV caches of fixed size: P $p_kv, D $d_kv bytes (--kv-cache-memory-bytes)"
 fi
+NIXL_PROGRESS_THREAD=${NIXL_PROGRESS_THREAD:-$([ "$ngpu" -gt 0 ] && echo 1 || echo 0)}
+p_env+=(NELSSA_NIXL_PROGRESS_THREAD="$NIXL_PROGRESS_THREAD") d_env+=(NELSSA_NIXL_PROGRESS_THREAD="$NIXL_PROGRESS_THREAD")
+[ "$NIXL_PROGRESS_THREAD" = 1 ] || log "NIXL without its progress thread (NIXL_PROGRESS_THREAD=$NIXL_PROGRESS_THREAD): vLLM's steps drive the transfers"
 PREFILL_CORES=${PREFILL_CORES:-${NELSSA_ENGINE_CORES:-}}
 DECODE_CORES=${DECODE_CORES:-${NELSSA_ENGINE_CORES:-}}
 if [ "$ngpu" -eq 0 ]; then  # vLLM's CPU workers bind their OpenMP threads to exactly these cores

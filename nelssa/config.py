@@ -140,6 +140,9 @@ class NelssaConfig:
     handover_wait_s: float = 60.0  # decode instance: how long a hand-over's adoption waits for the prefill
                                    # instance's release before it clusters the request itself (its KV came
                                    # whole over NIXL)
+    handover_window: bool = True  # decode instance: a released hand-over is admitted with device blocks for
+                                  # its window only and reads only those over NIXL (handover.py, 6); off: the
+                                  # whole prompt's blocks, read whole, freed after the adoption
     node_spin_us: int = -1        # engine "node", native plane: a job polls its answer this long (yielding its
                                   # core past 20 us) before it naps ~10 us per poll; -1: 1000 on hosts with 8 or
                                   # more usable cores, else 20 (on shared cores a spinning waiter delays the
@@ -251,6 +254,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_NODE_LEASE_S": ("node_lease_s", float),
     "NELSSA_HANDOVER": ("handover", _bool),
     "NELSSA_HANDOVER_WAIT_S": ("handover_wait_s", float),
+    "NELSSA_HANDOVER_WINDOW": ("handover_window", _bool),
     "NELSSA_NODE_SPIN_US": ("node_spin_us", int),
     "NELSSA_SEED": ("seed", int),
     "NELSSA_USE_CPP": ("use_cpp", _bool),

@@ -615,3 +615,110 @@ def test_nelssa_stats_aggregate_counts_each_part_once():
     r = m.reduce()
     assert r["lane_drafts_run"] == 3.0 and r["attn_s_count"] == 2 and abs(r["attn_s_mean_ms"] - 150.0) < 1e-9
     assert a.data["lane_drafts"] == {"run": 2.0}  # aggregate leaves its inputs alone
+
+
+def test_window_admission_allocates_the_window_only():
+    """A hand-over admitted with its window (handover.py, 6) through vLLM's own KVCacheManager: the async
+    NIXL load of the prompt's tokens (NixlConnector loads all of them; vLLM recomputes the last) gets real blocks for the sink's and the window's positions and the null
+    block for [sink, H0) — the pool loses only the window's blocks, admission asks only for them — and
+    the blocks NIXL pairs with P's (non-null, in order) are the positions left in P's filtered list; the
+    step after the load adds the last token's block; freeing gives every block back."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+    from nelssa.vllm_plugin.spec import NelssaManager, NelssaSpec, register_spec
+    register_spec()
+    bs = 16
+    spec = NelssaSpec(block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.float32, T_input=256, sink=16,
+                      recent=64, chunk=128)
+    cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    kvm = KVCacheManager(cfg, max_model_len=2048, scheduler_block_size=bs, hash_block_size=bs, enable_caching=True)
+    (mgr,) = kvm.coordinator.single_type_managers
+    assert isinstance(mgr, NelssaManager)
+    pol, n = spec.policy(), 600
+    h0 = pol.goal(n, n)
+    first, last = pol.freed_blocks(h0)
+    assert (h0, first, last) == (528, 1, 33)
+    free0 = kvm.block_pool.get_num_free_blocks()
+    whole = -(-n // bs)  # 38 blocks: more than half of this pool
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(bs, sha256)
+    req = Request("r", list(range(n)), SamplingParams(max_tokens=8), None, block_hasher=hasher)
+    req.skip_reading_prefix_cache = True  # as NelssaScheduler._admit_window sets it
+    mgr.window_ends["r"] = h0
+    got = kvm.allocate_slots(req, 0, num_external_computed_tokens=n, delay_cache_blocks=True)
+    assert got is not None
+    (blocks,) = kvm.get_blocks("r").blocks
+    assert len(blocks) == whole and all(b.is_null for b in blocks[first:last])
+    assert not any(b.is_null for b in blocks[:first] + blocks[last:])
+    spared = last - first
+    assert free0 - kvm.block_pool.get_num_free_blocks() == whole - spared == 6
+    # what NixlConnector pairs: this instance's non-null unhashed blocks with P's list less [first, last)
+    local = kvm.get_blocks("r").get_unhashed_block_ids_all_groups()[0]
+    remote = [1000 + i for i in range(whole)]
+    filtered = remote[:first] + remote[last:]
+    assert len(local) == len(filtered) and filtered[first:] == [1000 + i for i in range(last, whole)]
+    # loaded: the step computing the last prompt token (and a lookahead slot) allocates past the window
+    req.num_computed_tokens = n - 1
+    assert kvm.allocate_slots(req, 1, num_lookahead_tokens=1) is not None
+    assert len(kvm.get_blocks("r").blocks[0]) == -(-(n + 1) // bs)
+    # H0 in use: the manager frees nothing more (the range is null already) and keeps the window
+    mgr.host_ends["r"] = h0
+    req.num_computed_tokens = n
+    before = kvm.block_pool.get_num_free_blocks()
+    assert kvm.allocate_slots(req, 1, num_lookahead_tokens=1) is not None
+    assert kvm.block_pool.get_num_free_blocks() == before
+    kvm.free(req)
+    assert kvm.block_pool.get_num_free_blocks() == free0
+    # without a window admission: the whole prompt's blocks, as stock
+    req2 = Request("s", list(range(n)), SamplingParams(max_tokens=8), None, block_hasher=hasher)
+    assert kvm.allocate_slots(req2, 0, num_external_computed_tokens=n, delay_cache_blocks=True) is not None
+    assert free0 - kvm.block_pool.get_num_free_blocks() == whole
+
+
+def test_nixl_progress_thread_off_reads_when_both_sides_poll(monkeypatch):
+    """NELSSA_NIXL_PROGRESS_THREAD=0 (nixl_progress.py): vLLM's NIXL worker module then makes its agents
+    without NIXL's busy progress thread; such agents stay idle (an idle pair with the thread took ~2
+    cores of this box), and a READ completes while the reader polls its state and the target its
+    notifications, as vLLM's steps do on D and P."""
+    pytest.importorskip("nixl")
+    import resource
+    import time
+
+    import vllm.distributed.nixl_utils as nu
+    from nelssa.vllm_plugin import nixl_progress
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+    for mod in (nu, base_worker):  # both restored after the test
+        monkeypatch.setattr(mod, "nixl_agent_config", mod.nixl_agent_config)
+    monkeypatch.setenv(nixl_progress.ENV, "1")
+    assert not nixl_progress.apply_from_env()
+    monkeypatch.setenv(nixl_progress.ENV, "0")
+    assert nixl_progress.apply_from_env()
+    cfg = base_worker.nixl_agent_config(num_threads=4, capture_telemetry=True)  # as vLLM calls it
+    assert cfg.enable_pthread is False and cfg.num_threads == 4
+    from nixl._api import nixl_agent
+    p, d = nixl_agent("nelssa-test-P", cfg), nixl_agent("nelssa-test-D", base_worker.nixl_agent_config(num_threads=4))
+
+    def cpu():
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    src, dst = torch.arange(1 << 18, dtype=torch.int32), torch.zeros(1 << 18, dtype=torch.int32)
+    p.register_memory(src)
+    d.register_memory(dst)
+    d.add_remote_agent(p.get_agent_metadata())
+    p.add_remote_agent(d.get_agent_metadata())
+    c0, w0 = cpu(), time.monotonic()
+    time.sleep(1.0)
+    assert (cpu() - c0) / (time.monotonic() - w0) < 0.5  # idle agents do not spin
+    h = d.initialize_xfer("READ", d.get_xfer_descs(dst), p.get_xfer_descs(src), "nelssa-test-P", b"done")
+    st, notes, t = d.transfer(h), {}, time.monotonic()
+    while st == "PROC" and time.monotonic() - t < 30:
+        st = d.check_xfer_state(h)
+        notes = notes or p.get_new_notifs()
+    while not notes and time.monotonic() - t < 30:
+        notes = p.get_new_notifs()
+    assert st == "DONE" and torch.equal(src, dst) and notes == {"nelssa-test-D": [b"done"]}

@@ -43,6 +43,7 @@ class Fake:
         self.name = name
         self.seen: list[tuple[str, dict, dict]] = []
         self.healthy = True
+        self.health_delay = 0.0    # seconds before /health answers
         self.status = 200          # answer status for generation requests
         self.delay = 0.0           # seconds before answering
         self.tokens = 5            # streamed / generated tokens
@@ -61,6 +62,8 @@ class Fake:
         return app
 
     async def health(self, request):
+        if self.health_delay:
+            await asyncio.sleep(self.health_delay)
         return web.Response(status=200 if self.healthy else 503)
 
     async def models(self, request):
@@ -346,6 +349,29 @@ def test_engine_down_is_503_then_back():
         r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "a"})
         assert r.status_code == 503 and "prefill" in r.json()["error"]["message"]
         assert metric(s.metrics(), "nelssa_proxy_upstream_healthy", role="prefill", url=s.proxy.P.members[0].url) == 0
+    finally:
+        s.close()
+
+
+def test_a_slow_health_check_keeps_an_instance_in_rotation():
+    """A busy engine's /health may answer late: one or two unanswered checks in a row keep the instance in
+    rotation (requests still go there); HEALTH_TIMEOUTS in a row take it out; an answer brings it back."""
+    from nelssa.proxy.server import HEALTH_TIMEOUTS
+    s = Stack()
+    try:
+        s.wait_health()
+        up = s.proxy.P.members[0]
+        s.P[0].health_delay = 1.5  # past the check's 1-s timeout (health_interval 0.2)
+        t = time.monotonic() + 10
+        while up.timeouts < HEALTH_TIMEOUTS - 1 and time.monotonic() < t:
+            time.sleep(0.05)
+        assert up.timeouts == HEALTH_TIMEOUTS - 1 and up.healthy
+        assert httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "a"}).status_code == 200
+        s.wait_health(ok=False)
+        assert up.timeouts >= HEALTH_TIMEOUTS and not up.healthy
+        s.P[0].health_delay = 0.0
+        s.wait_health()
+        assert up.timeouts == 0
     finally:
         s.close()
 

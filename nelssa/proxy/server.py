@@ -67,6 +67,7 @@ class Upstream:
     url: str
     role: str            # "prefill" | "decode"
     healthy: bool = False
+    timeouts: int = 0    # consecutive health checks it did not answer in time
     inflight: int = 0
     long_inflight: int = 0
     models: list[dict] = field(default_factory=list)
@@ -119,6 +120,9 @@ class Metrics:
         self.inflight = Gauge("nelssa_proxy_inflight", "Requests in flight per upstream", ["role", "url"], registry=r)
         self.healthy = Gauge("nelssa_proxy_upstream_healthy", "1 if the upstream passes its health check",
                              ["role", "url"], registry=r)
+
+
+HEALTH_TIMEOUTS = 3  # consecutive unanswered health checks that take an instance out of rotation
 
 
 class Proxy:
@@ -189,8 +193,13 @@ class Proxy:
             self._router_task = None  # retried on the next health check
 
     async def _check(self, u: Upstream) -> None:
+        """An instance that answers its health check with an error, or refuses the connection, leaves the
+        rotation at once; one that does not answer in time only after HEALTH_TIMEOUTS checks in a row (a
+        busy engine's API server can be slow to answer: on a loaded 2-vCPU box single checks timed out
+        while both instances were serving, and one request found no prefill instance in rotation)."""
         ok = False
         t = aiohttp.ClientTimeout(total=max(1.0, self.health_interval))
+        slow = False
         try:
             async with self.session.get(u.url + "/health", timeout=t) as r:
                 ok = r.status == 200
@@ -198,11 +207,19 @@ class Proxy:
                 async with self.session.get(u.url + "/v1/models", timeout=t) as r:
                     if r.status == 200:
                         u.models = list((await r.json()).get("data") or [])
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        except asyncio.TimeoutError:
+            slow = True
+        except (aiohttp.ClientError, ValueError):
             ok = False
+        u.timeouts = u.timeouts + 1 if slow else 0
+        if slow and u.healthy and u.timeouts < HEALTH_TIMEOUTS:
+            log.info("%s %s did not answer its health check in %.1f s (%d in a row); kept in rotation", u.role,
+                     u.url, t.total, u.timeouts)
+            return
         if ok != u.healthy:
             log.log(logging.INFO if ok else logging.WARNING, "%s %s is %s", u.role, u.url,
-                    "healthy" if ok else "down: out of rotation")
+                    "healthy" if ok else "down: out of rotation" + (
+                        f" ({u.timeouts} health checks in a row unanswered)" if slow else ""))
         u.healthy = ok
         self.m.healthy.labels(u.role, u.url).set(1 if ok else 0)
 

@@ -21,6 +21,8 @@ SCHEDULER = "nelssa.vllm_plugin.scheduler.NelssaScheduler"
 def register() -> None:
     """Called by vLLM in each of its processes."""
     from nelssa.config import _bool
+    from nelssa.vllm_plugin.nixl_progress import apply_from_env
+    apply_from_env()  # a deployment setting of NIXL, the baseline's too (nixl_progress.py)
     if _bool(os.environ.get("NELSSA_OFF", "0")):
         return  # the baseline: nothing of NELSSA is registered
     from vllm import ModelRegistry

@@ -17,7 +17,8 @@ It moves no KV itself (in P/D it runs beside NixlConnector in a MultiConnector).
     ``request_finished`` names a long prompt's handle in its kv_transfer_params and holds its blocks,
     the metadata's ``release`` carries the handle to the worker, and ``get_finished`` reports the
     request once the worker has released it on the node; on a decode instance ``on_new_request`` reads
-    the handle and the metadata's ``adopt`` carries it to the worker.
+    the handle and the metadata's ``adopt`` carries it to the worker (``adopt_now``: a window admission,
+    adopted from the step after its allocation on, unscheduled meanwhile).
   * worker: the host tier's counters (KVConnectorStats) reach the API process, where
     build_prom_metrics exports them on /metrics.
 """
@@ -47,6 +48,7 @@ class NelssaConnectorMetadata(KVConnectorMetadata):
     switching: dict[str, int] = field(default_factory=dict)
     release: dict[str, str] = field(default_factory=dict)  # P: finished request -> hand-over handle
     adopt: dict[str, str] = field(default_factory=dict)    # D: request scheduled first -> hand-over handle
+    adopt_now: dict[str, tuple[str, int]] = field(default_factory=dict)  # D: window admission -> (handle, H0)
 
 
 @dataclass
@@ -90,6 +92,12 @@ def step_handovers(meta) -> tuple[dict[str, str], dict[str, str]]:
     """This step's hand-overs (handover.py): (P: requests to release, D: requests to adopt) -> handle."""
     m = _ours(meta, NelssaConnectorMetadata, "metadata")
     return (m.release, m.adopt) if m is not None else ({}, {})
+
+
+def step_adoptions(meta) -> dict[str, tuple[str, int]]:
+    """This step's window admissions to adopt at once (handover.py, 6): request -> (handle, H0)."""
+    m = _ours(meta, NelssaConnectorMetadata, "metadata")
+    return m.adopt_now if m is not None else {}
 
 
 def step_anchors(meta) -> dict[str, int]:
@@ -164,11 +172,21 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
                                                documentation="P/D, prefill instance: long prompts released on "
                                                              "nelssa-node for the decode instance")),
             "handover_failures": per_engine(c(name="nelssa:handover_failures", labelnames=labelnames,
-                                              documentation="P/D, prefill instance: hand-overs given up (a move "
-                                                            "or the release failed; D clusters the prompt)")),
+                                              documentation="P/D: hand-overs given up (prefill instance: a move "
+                                                            "or the release failed, D clusters the prompt; decode "
+                                                            "instance: a window admission's adoption failed, the "
+                                                            "request fails)")),
             "handovers_adopted": per_engine(c(name="nelssa:handovers_adopted", labelnames=labelnames,
                                               documentation="P/D, decode instance: long prompts adopted from the "
                                                             "prefill instance instead of clustered")),
+            "handover_windows": per_engine(c(name="nelssa:handover_windows", labelnames=labelnames,
+                                             documentation="P/D, decode instance: hand-overs admitted with "
+                                                           "device blocks for their window only, read so over "
+                                                           "NIXL")),
+            "handover_window_blocks_spared": per_engine(c(
+                name="nelssa:handover_window_blocks_spared", labelnames=labelnames,
+                documentation="P/D, decode instance: device blocks window admissions did not allocate "
+                              "(and NIXL did not read)")),
             "handover_fallbacks": per_engine(c(name="nelssa:handover_fallbacks", labelnames=labelnames,
                                                documentation="P/D, decode instance: hand-overs not adopted (not "
                                                              "released in time, a mismatch): clustered here")),
@@ -286,6 +304,8 @@ class NelssaConnector(KVConnectorBase_V1):
         self.handover_end = None               # set by NelssaScheduler on P (handover): request -> H0 or 0
         self._release: dict[str, str] = {}     # P: finished hand-overs not yet sent to the worker
         self._adopt: dict[str, str] = {}       # D: hand-overs not yet scheduled
+        self.window: dict[str, int] = {}       # set by NelssaScheduler on D: window admission -> H0
+        self._adopt_now: dict[str, tuple[str, int]] = {}  # D: window admissions allocated, not yet sent
         self._alloc_next = 0.0                 # worker: when the allocator's counters are read next
         self._alloc_last: dict[str, int] = {}  # worker: their values at the last read
 
@@ -294,7 +314,11 @@ class NelssaConnector(KVConnectorBase_V1):
         return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        pass
+        """D: a window admission (handover.py, 6) is adopted from the step after its allocation on, while
+        NIXL reads its window (it is not scheduled before both are done)."""
+        rid = request.request_id
+        if rid in self.window and rid in self._adopt:
+            self._adopt_now[rid] = (self._adopt.pop(rid), self.window[rid])
 
     def on_new_request(self, request) -> None:
         """D: a request handed over by its prefill instance (handover.py, 4). A malformed entry is logged
@@ -316,9 +340,10 @@ class NelssaConnector(KVConnectorBase_V1):
         sched = scheduler_output.num_scheduled_tokens
         release, self._release = self._release, {}
         adopt = {r: self._adopt.pop(r) for r in [r for r in self._adopt if r in sched]}
+        now, self._adopt_now = self._adopt_now, {}
         return NelssaConnectorMetadata({r: h for r, h in self.host_ends.items() if r in sched},
                                        {r: a for r, a in self.anchors.items() if r in sched},
-                                       {r: h for r, h in self.switching.items() if r in sched}, release, adopt)
+                                       {r: h for r, h in self.switching.items() if r in sched}, release, adopt, now)
 
     def request_finished(self, request, block_ids):
         """P with ``handover`` (handover.py, 1): a long prompt prefilled for remote decode gets a handle in
@@ -326,6 +351,7 @@ class NelssaConnector(KVConnectorBase_V1):
         from vllm.v1.request import RequestStatus
         rid = request.request_id
         self._adopt.pop(rid, None)
+        self._adopt_now.pop(rid, None)
         f = self.handover_end
         if f is None or not (request.kv_transfer_params or {}).get("do_remote_decode") or request.status not in (
                 RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
@@ -335,7 +361,7 @@ class NelssaConnector(KVConnectorBase_V1):
             return False, None
         handle = handover.new_handle()
         self._release[rid] = handle
-        return True, handover.params(handle, h0)
+        return True, handover.params(handle, h0, self._vllm_config.cache_config.block_size)
 
     # ---- worker side
     def start_load_kv(self, forward_context, **kwargs):

@@ -24,7 +24,8 @@ Contract (worker side; the ranges come from policy.Policy, the switch from the s
   4. P/D hand-over (handover.py): ``submit(moves, adopt)`` makes a request's first move [sink, H0) an
      adoption of what its prefill instance stored (falling back to the move); ``handover(rid, handle,
      on_end)`` (instead of ``drop``) releases a finished request on the node after its moves, off the
-     step path, then calls ``on_end(rid)``.
+     step path, then calls ``on_end(rid)``. ``adopt(rid, handle, h0, on_fail)``: a window admission's
+     adoption, at once and with no fallback (its [sink, H0) is not on this device: handover.py, 6).
 A failed move (the host tier full, gone, or failing) is logged and counted (``handoff_failures``); the
 request's later moves are skipped and none is reported, so it never switches: it decodes from its
 device blocks (exactly: dense attention) to its end, holding them. A range whose move failed is thus
@@ -86,6 +87,29 @@ class Handoff:
             handle = adopt.pop(rid, None) if adopt and lo == self.sink else None
             fut = self._pool.submit(self._run, ev, rid, list(blocks), lo, hi, self._gen.get(rid, 0), handle)
             self._moves.setdefault(rid, []).append((hi, fut))
+
+    def adopt(self, rid: str, handle: str, hi: int, on_fail) -> None:
+        """D, a window admission (handover.py, 6): adopt the node's request as [sink, hi) now, on the hand-off
+        thread, reported like a move (``on_done``). Its KV of that range is not on this device, so there is
+        no fallback: a failed adoption calls ``on_fail(rid, why)`` (the request fails loudly)."""
+        if self.end(rid) != self.sink:
+            raise RuntimeError(f"adoption of {rid}: it has hand-offs up to {self.end(rid)} already")
+        self._end[rid] = hi
+        fut = self._pool.submit(self._adopt, rid, handle, hi, self._gen.get(rid, 0), on_fail)
+        self._moves.setdefault(rid, []).append((hi, fut))
+
+    def _adopt(self, rid: str, handle: str, hi: int, gen: int, on_fail) -> None:
+        if handover.adopt_handed_over(self.host, rid, handle, hi - self.sink, self.host.cfg.handover_wait_s,
+                                      self.layers[0].kv_cache.device, cancelled=lambda: rid in self._dropping,
+                                      fallback=False):
+            if self._on_done is not None:
+                self._on_done(rid, hi, gen)
+            return
+        self._failed.add(rid)
+        if rid not in self._dropping:
+            on_fail(rid, "its hand-over from the prefill instance could not be adopted from nelssa-node (see the "
+                         "log); its KV of [sink, H0) is only there")
+        raise HandoffFailed(f"adoption of {rid} failed")
 
     def _side_stream(self) -> torch.cuda.Stream:
         """The moves' CUDA stream, made on first use (the paged cache exists only once vLLM bound it), at

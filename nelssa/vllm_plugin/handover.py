@@ -4,15 +4,15 @@ In a P/D stack with the node, P clusters a long prompt while it prefills it (the
 instance, handoff.py, storing into the node) and D adopts the node's request instead of clustering
 the prompt again: clustering leaves D, whose steps serve the short requests. Both instances run the
 NELSSA plugin with engine "node" and the same policy (T_input, sink, recent, block size); P has config
-``handover``. The KV of the prompt still reaches D whole over NIXL (NixlConnector beside the NELSSA
-connector), so D can always fall back to clustering it itself.
+``handover``. The prompt's KV reaches D over NIXL (NixlConnector beside the NELSSA connector): only
+its window once P has released it on the node (6), else whole, so D can fall back to clustering it.
 
 Contract, by side:
   P, scheduler (NelssaScheduler, NelssaConnector.request_finished):
     1. A request P host-backs by its prompt (policy anchor = its prompt length), prefilled for remote
        decode (kv_transfer_params ``do_remote_decode``) and finished normally, gets a handle (128
        random bits) named in its returned kv_transfer_params: ``{"nelssa_handover": {"handle", "host_end"}}``
-       (host_end: H0, the end of the range on the node). Its blocks stay held (delayed free) until the
+       (host_end: H0, the end of the range on the node; block_size: P's). Its blocks stay held (delayed free) until the
        worker reports the hand-over ended; the handle reaches the worker in the next step's connector
        metadata (``release``), with the request among that step's finished ones.
     2. Such a request is never switched on P (no host range in use, no block freed): D reads every
@@ -39,6 +39,21 @@ Contract, by side:
        below H0); the moves after it append to the adopted request. A failed adoption (not released in
        time, a mismatch, a node error) is logged and counted (``handover_fallbacks``), anything adopted is
        freed, and the move runs as usual from D's blocks: nothing is lost, D clusters once more.
+  D, window admission (config ``handover_window``, on by default; NelssaScheduler._admit_window, NelssaManager,
+  NelssaConnector.update_state_after_alloc, Handoff.adopt):
+    6. A hand-over admitted once released (4) whose H0 is D's own for the prompt (the same policy), whose
+       KV comes over NIXL and whose blocks are of D's size is admitted with its window only: the manager allocates real blocks for
+       [0, sink) and [H0, prompt) and the null block for [sink, H0) (no transient full-size allocation;
+       admission asks only for the window's blocks), and the same block positions are taken out of
+       P's block list in its kv_transfer_params, so NixlConnector (which pairs P's blocks with D's
+       non-null ones in order) reads only the window. No prefix-cache reads for it (a hit inside
+       [sink, H0) would break that pairing). The adoption starts in the step after the allocation
+       (``adopt_now``), while NIXL reads; the request stays unscheduled until both are done (the
+       scheduler's promotion of a loaded request waits for its H0 in use), and its first step — the
+       prompt's last token — attends [sink, H0) on the host already: a split step, the one step of it
+       that waits for the host tier (the lane computes the ones after it). A failed adoption (its
+       [sink, H0) exists only on the node) or a failed NIXL read fails the request loudly
+       (``handover_failures``); a preempted one comes back as a prompt prefilled on D (whole blocks).
 """
 
 from __future__ import annotations
@@ -60,9 +75,10 @@ def new_handle() -> str:
     return secrets.token_hex(16)
 
 
-def params(handle: str, host_end: int) -> dict:
-    """What P adds to a handed-over request's kv_transfer_params."""
-    return {KEY: {"handle": handle, "host_end": int(host_end)}}
+def params(handle: str, host_end: int, block_size: int = 0) -> dict:
+    """What P adds to a handed-over request's kv_transfer_params (``block_size``: P's KV block size, which
+    D's window admission (6) needs to equal its own: it names P's blocks by position)."""
+    return {KEY: {"handle": handle, "host_end": int(host_end), "block_size": int(block_size)}}
 
 
 def handle_of(kv_transfer_params) -> str:
@@ -98,15 +114,19 @@ def release(host, rid: str, handle: str, failed: bool, ended: float | None = Non
 
 
 def adopt_handed_over(host, rid: str, handle: str, tokens: int, wait_s: float, device,
-                      cancelled=lambda: False) -> bool:
-    """D (5): adopt the request P released under ``handle`` as ``rid``, holding exactly ``tokens``
+                      cancelled=lambda: False, fallback: bool = True) -> bool:
+    """D (5, 6): adopt the request P released under ``handle`` as ``rid``, holding exactly ``tokens``
     tokens -> True; False (logged, counted, nothing left adopted) when it cannot be had in ``wait_s``
-    or ``cancelled()`` (the request finished meanwhile: its drop waits for this)."""
+    or ``cancelled()`` (the request finished meanwhile: its drop waits for this). ``fallback``: D
+    clusters the request itself then (5: counted ``handover_fallbacks``); else the caller fails it (6:
+    ``handover_failures``)."""
     t0 = time.monotonic()
     why = ""
+    then, counter = ("clustering it here", "handover_fallbacks") if fallback else ("the request fails",
+                                                                                    "handover_failures")
     if not hasattr(host, "adopt"):
-        log.warning("NELSSA hand-over of %s: this instance's host tier is not nelssa-node; clustering it here", rid)
-        host.stats.add(handover_fallbacks=1)
+        log.warning("NELSSA hand-over of %s: this instance's host tier is not nelssa-node; %s", rid, then)
+        host.stats.add(**{counter: 1})
         return False
     while True:
         try:
@@ -129,6 +149,6 @@ def adopt_handed_over(host, rid: str, handle: str, tokens: int, wait_s: float, d
     if cancelled():
         log.info("NELSSA hand-over of %s not adopted: the request finished first", rid)
         return False
-    log.warning("NELSSA hand-over of %s not adopted (%s); clustering it here", rid, why or "not released in time")
-    host.stats.add(handover_fallbacks=1)
+    log.warning("NELSSA hand-over of %s not adopted (%s); %s", rid, why or "not released in time", then)
+    host.stats.add(**{counter: 1})
     return False

@@ -30,7 +30,8 @@ from nelssa.node import LocalHostTier, host_tier
 from nelssa.sparse.kmeans import to_device
 from nelssa.vllm_plugin import runtime
 from nelssa.vllm_plugin.attention import StepPlan, read_kv, set_plan
-from nelssa.vllm_plugin.connector import step_anchors, step_handovers, step_host_ends, step_switching
+from nelssa.vllm_plugin.connector import (step_adoptions, step_anchors, step_handovers, step_host_ends,
+                                          step_switching)
 from nelssa.vllm_plugin.handoff import Handoff
 from nelssa.vllm_plugin.policy import Policy, device_only
 
@@ -145,6 +146,12 @@ class NelssaRunnerMixin:
         finished = finished - release.keys()
         for rid in finished | preempted:
             self._nelssa_adopt.pop(rid, None)
+        for rid, (handle, h0) in step_adoptions(scheduler_output.kv_connector_metadata).items():
+            if rid not in finished:  # a window admission (handover.py, 6): adopted now, while NIXL reads
+                try:
+                    self.nelssa_handoff.adopt(rid, handle, h0, runtime.fail)
+                except Exception as e:  # noqa: BLE001 - this request fails loudly; others go on
+                    runtime.fail(rid, f"adopting its hand-over: {type(e).__name__}: {e}")
         lane = self.nelssa_lane
         if lane is not None:  # before this step may reuse their blocks (lane.py, 6; lane_spec.py, 4)
             lane.drop(preempted)    # vLLM frees a preempted request's blocks at once: its job waited for

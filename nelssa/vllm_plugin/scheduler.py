@@ -70,6 +70,9 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   admission counts the centroid state it keeps on the node. On the decode instance a handed-over
   request's node room is asked for less what it holds there already (its K/V of [sink, H0): a lower
   bound; should its adoption fail, D stores the prompt again beside P's copy until the node frees that).
+  A released hand-over is admitted with its window only (handover.py, 6: ``_admit_window``; device room
+  counted for the window's blocks) and promoted from vLLM's wait for its KV only once its adoption is
+  reported, its H0 in use from its first step.
 * Opt-out: a request with ``extra_args={"nelssa_offload": False}`` (policy.device_only) is a short
   request at any length: device KV, exact attention, never migrated; a malformed value is rejected.
 Reservations are released when a request finishes (preemption keeps it: the request comes back).
@@ -126,6 +129,8 @@ class NelssaScheduler(Scheduler):
         self._lane_released: set[str] = set()  # released by the worker while a connector still holds the blocks
         self._on_node: dict[str, int] = {}   # D: handed-over request -> its bytes already on the node (handover.py)
         self._awaiting: dict[str, tuple[str, float]] = {}  # D: held hand-over -> (handle, since): not yet released
+        self._window: dict[str, int] = {}    # D: hand-over admitted with its window only -> H0 (manager, connector)
+        self._fail_soon: dict[str, str] = {}  # requests to finish with an error at the next output
         if cfg is None:
             return
         if cfg.lane:
@@ -145,6 +150,7 @@ class NelssaScheduler(Scheduler):
         if len(managers) != 1 or conn is None:
             raise ValueError("NELSSA needs its KV-cache manager and its KV connector (see nelssa.vllm_plugin.engine_args)")
         managers[0].host_ends = conn.host_ends = self._host_end
+        managers[0].window_ends = conn.window = self._window
         conn.anchors = self._anchor
         conn.switching = self._switching
         if cfg.handover:  # P of a P/D stack (handover.py, 1)
@@ -297,6 +303,10 @@ class NelssaScheduler(Scheduler):
         for rid, done in self._done.items():
             if rid in self._busy or rid in self._switching:
                 continue  # the lane reads its blocks from H on: H moves when it is scheduled
+            h0 = self._window.get(rid, 0)
+            if h0 and done >= h0 and not self._host_end.get(rid):
+                self._use_host(rid, h0)  # adopted (handover.py, 6): in use from its first step, no switch step
+                continue
             r = self.requests.get(rid)
             a = self._anchor_of(r) if r is not None and not self._handed_over(r) else 0
             if a and r.num_computed_tokens >= a:
@@ -372,15 +382,21 @@ class NelssaScheduler(Scheduler):
         self._switched.discard(rid)
         self._host_end.pop(rid, None)
         self._switched_at.pop(rid, None)
+        self._window.pop(rid, None)  # it comes back as a prompt prefilled here (its KV came from P)
         if self._anchor.pop(rid, None) is not None and not self._long(request):  # it comes back as a short one
             self._reserved.pop(rid, None)
         return super()._preempt_request(request, timestamp)
 
     def _device_room(self, request: Request) -> bool:
-        """The prompt's blocks fit in the free blocks beside what running requests need to finish and
-        what running long prefills still have to allocate (a deferred prompt may be admitted beside one)."""
+        """The prompt's blocks (a window admission's: its window's) fit in the free blocks beside what
+        running requests need to finish and what running long prefills still have to allocate (a deferred
+        prompt may be admitted beside one)."""
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
         need = self._prefill_reserve()
+        h0 = self._window_end(request)
+        if h0:
+            first, last = self.nelssa_policy.freed_blocks(h0)
+            need -= last - first
         for r in self.running:
             if self._anchor_of(r):
                 continue  # offloaded or migrating: keeps a window; prefilling: capped by long_prefills
@@ -411,6 +427,9 @@ class NelssaScheduler(Scheduler):
                 continue
             del self._held[i]
             self._reserved[req.request_id] = need
+            h0 = self._window_end(req)
+            if h0:
+                self._admit_window(req, h0)
             self._enqueue_held(req)
 
     def _handover_released(self, req: Request) -> bool:
@@ -435,6 +454,55 @@ class NelssaScheduler(Scheduler):
         log.warning("NELSSA hand-over of %s: not released within %.0f s (handover_wait_s); admitted without it, "
                     "its prompt is clustered here", rid, self.nelssa.handover_wait_s)
         return True
+
+    def _window_end(self, req: Request) -> int:
+        """D (handover.py, 6): H0 if ``req`` is admitted with its window only — a released hand-over
+        (config ``handover_window``) whose KV comes over NIXL in blocks of this instance's size and whose
+        H0 is this instance's for its prompt (else 0: the whole prompt's blocks, and the adoption at its
+        first move)."""
+        ktp = req.kv_transfer_params or {}
+        ho = ktp.get(handover.KEY)
+        if (not self.nelssa.handover_window or not isinstance(ho, dict) or req.request_id in self._awaiting
+                or not ktp.get("do_remote_prefill") or not ktp.get("remote_block_ids")):
+            return 0
+        pol, n = self.nelssa_policy, req.num_prompt_tokens
+        if self._anchor_of(req) != n:
+            return 0
+        h0 = pol.goal(n, n)
+        first, last = pol.freed_blocks(h0)
+        groups = ktp["remote_block_ids"]  # P's blocks, per KV-cache group (NixlConnector's BlockIds)
+        if ho.get("host_end") != h0 or ho.get("block_size") != self.block_size or first >= last or not all(
+                isinstance(g, (list, tuple)) and len(g) >= last for g in groups):
+            return 0
+        return h0
+
+    def _admit_window(self, req: Request, h0: int) -> None:
+        """D (handover.py, 6): ``req`` gets device blocks for its window only (NelssaManager: null blocks
+        for [sink, H0)), and NIXL reads only the window's blocks of P's: the same positions are taken out
+        of P's block list (NixlConnector pairs what remains with this instance's non-null blocks in
+        order). No prefix-cache reads: a hit inside [sink, H0) would break that pairing."""
+        first, last = self.nelssa_policy.freed_blocks(h0)
+        ktp = req.kv_transfer_params
+        ktp["remote_block_ids"] = [list(g[:first]) + list(g[last:]) for g in ktp["remote_block_ids"]]
+        req.skip_reading_prefix_cache = True
+        self._window[req.request_id] = h0
+        self._count("handover_windows")
+        self._count("handover_window_blocks_spared", last - first)
+
+    def _try_promote_blocked_waiting_request(self, request: Request) -> bool:
+        """vLLM moves a request whose KV arrived to the waiting queue; a window admission (handover.py, 6)
+        goes only once its adoption is reported too (its H0 in use: _switch), since its first step already
+        attends [sink, H0) on the host. A window whose NIXL read failed cannot be recomputed into its null
+        blocks: the request fails loudly."""
+        rid = request.request_id
+        if rid in self._window and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if rid in self.failed_recving_kv_req_ids:
+                self._fail_soon.setdefault(rid, "nelssa: the window KV of this handed-over request failed to "
+                                                "arrive over NIXL")
+                return False
+            if not self._host_end.get(rid):
+                return False
+        return super()._try_promote_blocked_waiting_request(request)
 
     def _stop_awaiting(self, rid: str) -> None:
         """The request no longer waits for a hand-over's release (admitted, timed out, or finished held)."""
@@ -552,6 +620,8 @@ class NelssaScheduler(Scheduler):
         self._switched.discard(request.request_id)
         self._reserved.pop(request.request_id, None)
         self._on_node.pop(request.request_id, None)
+        self._window.pop(request.request_id, None)
+        self._fail_soon.pop(request.request_id, None)
         self._done.pop(request.request_id, None)
         self._host_end.pop(request.request_id, None)
         self._switched_at.pop(request.request_id, None)
@@ -608,6 +678,9 @@ class NelssaScheduler(Scheduler):
         kvo = model_runner_output.kv_connector_output
         meta = nelssa_worker_meta(kvo.kv_connector_worker_meta) if kvo is not None else None
         failed = getattr(meta, "failed", None)
+        if self._fail_soon:
+            failed = {**self._fail_soon, **(failed or {})}
+            self._fail_soon = {}
         self._release(getattr(meta, "released", None) or ())
         for rid, pos in (getattr(meta, "lane", None) or {}).items():
             r = self.requests.get(rid)

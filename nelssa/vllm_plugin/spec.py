@@ -40,13 +40,56 @@ class NelssaManager(FullAttentionManager):
     says which range that is; ``remove_skipped_blocks``, called by ``KVCacheManager.allocate_slots``
     for every scheduled request, frees the blocks below H. Freed blocks become null blocks in the
     request's table (as for R-SWA); the worker never reads them (window attention gathers window
-    positions only).
+    positions only). ``window_ends`` (request -> H0, set by NelssaScheduler on a P/D decode instance
+    for a hand-over admitted with its window only, handover.py 6): the request's first allocation puts
+    the null block at [sink, H0) from the start, and admission counts only its real blocks.
     """
 
     def __init__(self, kv_cache_spec: NelssaSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         self.policy = kv_cache_spec.policy()
         self.host_ends: dict[str, int] = {}
+        # request -> H0 of a hand-over admitted with its window only (set by NelssaScheduler on a decode
+        # instance, handover.py, 6): its first allocation has null blocks where [sink, H0) is, on the node
+        self.window_ends: dict[str, int] = {}
+
+    def _nulls(self, request_id: str, upto_blocks: int) -> tuple[int, int]:
+        """[first, last) of the null blocks a window admission has among its first ``upto_blocks``."""
+        h = self.window_ends.get(request_id, 0)
+        if not h:
+            return 0, 0
+        first, last = self.policy.freed_blocks(h)
+        return first, max(first, min(last, upto_blocks))
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, **kwargs) -> int:
+        n = super().get_num_blocks_to_allocate(request_id, num_tokens, *args, **kwargs)
+        if request_id in self.num_cached_block:  # allocated already: its nulls are among its blocks
+            return n
+        first, last = self._nulls(request_id, -(-num_tokens // self.block_size))
+        return max(0, n - (last - first))
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int) -> None:
+        """A window admission's blocks for the KV it receives: real blocks for the sink's and the window's
+        positions, the null block for [sink, H0) (no transient full-size allocation)."""
+        total = num_local_computed_tokens + num_external_computed_tokens
+        want = -(-total // self.block_size)
+        first, last = self._nulls(request_id, want)
+        if first == last or num_external_computed_tokens <= 0:
+            return super().allocate_external_computed_blocks(request_id, num_local_computed_tokens,
+                                                              num_external_computed_tokens)
+        blocks = self.req_to_blocks[request_id]
+        for lo, hi, real in ((len(blocks), first, True), (max(len(blocks), first), last, False),
+                             (max(len(blocks), last), want, True)):
+            if hi <= lo:
+                continue
+            if not real:
+                blocks.extend([self._null_block] * (hi - lo))
+                continue
+            new = self.block_pool.get_new_blocks(hi - lo)
+            blocks.extend(new)
+            if self._record_new_block_ids:
+                self.new_block_ids.extend(b.block_id for b in new)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
