@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from harness_util import run_harness
 from nelssa.node.client import NodeHostTier
@@ -70,6 +71,45 @@ def test_release_then_adopt_and_every_fallback(node):
         handover.release(p, "f", handover.new_handle(), failed=True)
         assert not p.has("f") and _used(node) == 0 and p.stats.take()["handover_failures"] == 1
     finally:
+        p.close()
+        d.close()
+
+
+def test_window_adoption_is_reported_or_fails_loudly(node):
+    """D's window admission (handover.py, 6): Handoff.adopt takes the released request as [sink, H0) on
+    the hand-off thread and reports it like a move (ready() then commits it); a hand-over that cannot be
+    adopted has no fallback (its KV of [sink, H0) is only on the node): on_fail names the request, nothing
+    stays adopted, and it is counted as a failure, not a fallback."""
+    from types import SimpleNamespace
+
+    from nelssa.vllm_plugin.handoff import Handoff, HandoffFailed
+    cfg = _cfg(node, "grpc", handover=True, handover_wait_s=0.5)
+    p, d = NodeHostTier(cfg, L, keep_centroids=True), NodeHostTier(cfg, L)
+    done, failed = [], []
+    ho = Handoff(d, [SimpleNamespace(kv_cache=torch.empty(0))], block_size=16, sink=16, read_kv=None,
+                 on_done=lambda r, h, g: done.append((r, h, g)))
+    try:
+        p.put_layers("a", *_kv(200, 1))
+        h = handover.new_handle()
+        handover.release(p, "a", h, failed=False)
+        ho.adopt("x", h, 216, lambda r, m: failed.append((r, m)))
+        ho.ready("x", 216)  # waits for the adoption, commits it
+        assert done == [("x", 216, 0)] and not failed and d.committed("x") == 200
+        with pytest.raises(RuntimeError, match="hand-offs up to 216"):
+            ho.adopt("x", h, 216, lambda r, m: failed.append((r, m)))
+        ho.drop("x")
+        assert d.free("x") and d.stats.take()["handovers_adopted"] == 1
+
+        ho.adopt("y", handover.new_handle(), 216, lambda r, m: failed.append((r, m)))  # never released
+        assert isinstance(ho._moves["y"][0][1].exception(timeout=10), HandoffFailed)
+        assert [r for r, _ in failed] == ["y"] and "could not be adopted" in failed[0][1]
+        assert not d.has("y") and done == [("x", 216, 0)]
+        st = d.stats.take()
+        assert st["handover_failures"] == 1 and st.get("handover_fallbacks", 0) == 0
+        ho.drop("y")
+        assert _used(node) == 0
+    finally:
+        ho.close()
         p.close()
         d.close()
 
