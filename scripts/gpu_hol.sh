@@ -21,7 +21,9 @@
 #                                                    # (node: nelssa-node, and P hands long prompts over to D);
 #                                                    # PD_VLLM_ARGS: more vLLM arguments for both instances;
 #                                                    # PD_KV [40G,24.3g] P's,D's KV (both start at once; empty:
-#                                                    # profiled, D after P); PD_START_S [360] bound on the start
+#                                                    # profiled, D after P); PD_START_S [360] bound on the start;
+#                                                    # the launcher's knobs pass through (e.g. NIXL_PROGRESS_THREAD=0,
+#                                                    # NELSSA_HANDOVER_WINDOW=0 on D via DECODE_ENV)
 # Carried folders: .bundle/N (../shared/gpu/make-vllm-bundle.sh .bundle), .gpumodel/dummy-llama-3.1-8b
 # (`nelssa make-dummy-model --out .gpumodel/dummy-llama-3.1-8b`: config + tokenizer). Results: $OUT.
 set -euo pipefail
