@@ -99,11 +99,7 @@ class Handoff:
         self._moves.setdefault(rid, []).append((hi, fut))
 
     def _adopt(self, rid: str, handle: str, hi: int, gen: int, on_fail) -> None:
-        if handover.adopt_handed_over(self.host, rid, handle, hi - self.sink, self.host.cfg.handover_wait_s,
-                                      self.layers[0].kv_cache.device, cancelled=lambda: rid in self._dropping,
-                                      fallback=False):
-            if self._on_done is not None:
-                self._on_done(rid, hi, gen)
+        if self._adopted(rid, handle, self.sink, hi, gen, fallback=False):
             return
         self._failed.add(rid)
         if rid not in self._dropping:
@@ -122,11 +118,7 @@ class Handoff:
     def _run(self, ev, rid: str, blocks: list[int], lo: int, hi: int, gen: int, handle: str | None = None) -> None:
         if rid in self._failed:
             raise HandoffFailed(f"hand-off of {rid}: an earlier move failed")
-        if handle is not None and handover.adopt_handed_over(
-                self.host, rid, handle, hi - lo, self.host.cfg.handover_wait_s, self.layers[0].kv_cache.device,
-                cancelled=lambda: rid in self._dropping):
-            if self._on_done is not None:
-                self._on_done(rid, hi, gen)
+        if handle is not None and self._adopted(rid, handle, lo, hi, gen, fallback=True):
             return
         if handle is not None and rid in self._dropping:
             return  # not adopted, and the request is gone: nothing to cluster for
@@ -146,6 +138,17 @@ class Handoff:
             raise
         if self._on_done is not None:
             self._on_done(rid, hi, gen)
+
+    def _adopted(self, rid: str, handle: str, lo: int, hi: int, gen: int, fallback: bool) -> bool:
+        """The node's request released under ``handle`` adopted as [lo, hi) of ``rid`` and reported like a
+        move (handover.adopt_handed_over; it gives up once the request is being dropped)."""
+        if not handover.adopt_handed_over(self.host, rid, handle, hi - lo, self.host.cfg.handover_wait_s,
+                                          self.layers[0].kv_cache.device, cancelled=lambda: rid in self._dropping,
+                                          fallback=fallback):
+            return False
+        if self._on_done is not None:
+            self._on_done(rid, hi, gen)
+        return True
 
     def _copy(self, rid: str, blocks: list[int], lo: int, hi: int) -> None:
         """Read [lo, hi) of every layer from the paged cache, cluster, prepare it on the host."""

@@ -11,12 +11,13 @@ Contract, by side:
   P, scheduler (NelssaScheduler, NelssaConnector.request_finished):
     1. A request P host-backs by its prompt (policy anchor = its prompt length), prefilled for remote
        decode (kv_transfer_params ``do_remote_decode``) and finished normally, gets a handle (128
-       random bits) named in its returned kv_transfer_params: ``{"nelssa_handover": {"handle", "host_end"}}``
-       (host_end: H0, the end of the range on the node; block_size: P's). Its blocks stay held (delayed free) until the
-       worker reports the hand-over ended; the handle reaches the worker in the next step's connector
-       metadata (``release``), with the request among that step's finished ones.
-    2. Such a request is never switched on P (no host range in use, no block freed): D reads every
-       block of it over NIXL, and P never decodes it.
+       random bits) named in its returned kv_transfer_params: ``{"nelssa_handover": {"handle",
+       "host_end", "block_size"}}`` (host_end: H0, the end of the range on the node; block_size: P's).
+       Its blocks stay held (delayed free) until the worker reports the hand-over ended; the handle
+       reaches the worker in the next step's connector metadata (``release``), with the request among
+       that step's finished ones.
+    2. Such a request is never switched on P (no host range in use, no block freed): D can read any
+       block of it over NIXL (its window, 6, or all of them), and P never decodes it.
   P, worker (Handoff.handover):
     3. The finished request is not dropped on the step path: after its moves (the hand-off thread runs
        a request's work in order) its node entry is released under the handle with ``release_ttl_s``
@@ -39,11 +40,12 @@ Contract, by side:
        below H0); the moves after it append to the adopted request. A failed adoption (not released in
        time, a mismatch, a node error) is logged and counted (``handover_fallbacks``), anything adopted is
        freed, and the move runs as usual from D's blocks: nothing is lost, D clusters once more.
-  D, window admission (config ``handover_window``, on by default; NelssaScheduler._admit_window, NelssaManager,
-  NelssaConnector.update_state_after_alloc, Handoff.adopt):
+  D, window admission (config ``handover_window``, on by default; NelssaScheduler._admit_window,
+  NelssaManager, NelssaConnector.update_state_after_alloc, Handoff.adopt):
     6. A hand-over admitted once released (4) whose H0 is D's own for the prompt (the same policy), whose
-       KV comes over NIXL and whose blocks are of D's size is admitted with its window only: the manager allocates real blocks for
-       [0, sink) and [H0, prompt) and the null block for [sink, H0) (no transient full-size allocation;
+       KV comes over NIXL and whose blocks are of D's size is admitted with its window only: the manager
+       allocates real blocks for [0, sink) and [H0, prompt) and the null block for [sink, H0) (no
+       transient full-size allocation;
        admission asks only for the window's blocks), and the same block positions are taken out of
        P's block list in its kv_transfer_params, so NixlConnector (which pairs P's blocks with D's
        non-null ones in order) reads only the window. No prefix-cache reads for it (a hit inside

@@ -9,19 +9,17 @@ timing out and the stack failing its requests). vLLM drives NIXL itself on every
 reads (``check_xfer_state``), P its notifications (``get_new_notifs``), and P keeps stepping while it
 holds blocks for D (``Scheduler.has_finished_requests``) — which is all a read needs: with the thread
 off on both agents a READ completed once the target also polled its notifications (tests/
-test_plugin_units.py), and was still in progress after 60 s when only the reader polled. vLLM has no setting for it, so this
-wraps the config factory vLLM imports (``vllm.distributed.nixl_utils.nixl_agent_config``) before its
-NIXL worker module does; applied in every vLLM process by the plugin's ``register()``, also under
-NELSSA_OFF (a baseline's transfers are configured the same way)."""
+test_plugin_units.py), and was still in progress after 60 s when only the reader polled. vLLM has no
+setting for it, so this wraps the config factory vLLM imports (``vllm.distributed.nixl_utils.
+nixl_agent_config``) before its NIXL worker module does; applied in every vLLM process by the plugin's
+``register()``, also under NELSSA_OFF (a baseline's transfers are configured the same way)."""
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
 ENV = "NELSSA_NIXL_PROGRESS_THREAD"
-log = logging.getLogger("vllm.nelssa")
 
 
 def apply_from_env() -> bool:

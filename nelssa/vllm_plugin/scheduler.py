@@ -434,9 +434,9 @@ class NelssaScheduler(Scheduler):
 
     def _handover_released(self, req: Request) -> bool:
         """D (handover.py, 4): whether a held hand-over may be admitted — its prefill instance has released
-        it on the node (asked by NodeRoom's thread), so the whole prompt's blocks this instance allocates
-        for the NIXL read are held only until the adoption at its first move (seconds), not while P
-        still stores it (17-19 s per 100K prompt on the shared H200). Not released within
+        it on the node (asked by NodeRoom's thread), so the blocks this instance allocates for the NIXL
+        read (its window's, 6, or the whole prompt's until the adoption) are not held while P still
+        stores it (17-19 s per 100K prompt on the shared H200). Not released within
         ``handover_wait_s``: admitted without the hand-over (logged, ``handover_fallbacks``); the KV it
         receives is clustered here."""
         rid = req.request_id

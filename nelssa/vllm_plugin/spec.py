@@ -79,17 +79,12 @@ class NelssaManager(FullAttentionManager):
             return super().allocate_external_computed_blocks(request_id, num_local_computed_tokens,
                                                               num_external_computed_tokens)
         blocks = self.req_to_blocks[request_id]
-        for lo, hi, real in ((len(blocks), first, True), (max(len(blocks), first), last, False),
-                             (max(len(blocks), last), want, True)):
-            if hi <= lo:
-                continue
-            if not real:
-                blocks.extend([self._null_block] * (hi - lo))
-                continue
-            new = self.block_pool.get_new_blocks(hi - lo)
-            blocks.extend(new)
-            if self._record_new_block_ids:
-                self.new_block_ids.extend(b.block_id for b in new)
+        pos = range(len(blocks), want)
+        new = self.block_pool.get_new_blocks(sum(1 for i in pos if not first <= i < last))
+        fresh = iter(new)
+        blocks.extend(self._null_block if first <= i < last else next(fresh) for i in pos)
+        if self._record_new_block_ids:
+            self.new_block_ids.extend(b.block_id for b in new)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
