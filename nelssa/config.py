@@ -117,7 +117,8 @@ class NelssaConfig:
                                   # (bench_handoff, H200: step p99 beside a 32K move 27 -> 7.8 ms). 0: vLLM's own
     stall_log_ms: float = 0.0     # log every thread's stack when the engine's step thread makes no step for this
                                   # long while it has work (vllm_plugin/watchdog.py; 0 = off)
-    sink: int = 16                # first tokens kept on the device
+    sink: int = 16                # first tokens kept on the device; an engine rounds it up to whole KV blocks
+                                  # (vllm_nelssa_config: 64 on 64-token blocks)
     recent: int = 64              # last tokens kept on the device
     chunk: int = 1024             # generated tokens clustered and appended to the host tier at once
     long_prefills: int = 1        # long prompts prefilling at once (admission; 0: no limit)
@@ -314,11 +315,24 @@ def calibrated_t_input(path: str) -> int:
     return t
 
 
-def vllm_nelssa_config(additional_config: Mapping[str, Any] | None) -> NelssaConfig | None:
+def vllm_nelssa_config(additional_config: Mapping[str, Any] | None,
+                       block_size: int | None = None) -> NelssaConfig | None:
     """The config when NELSSA is enabled for a vLLM instance: a "nelssa" section in its
-    additional_config and NELSSA_OFF unset. None means stock vLLM (the baseline)."""
+    additional_config and NELSSA_OFF unset. None means stock vLLM (the baseline).
+
+    ``block_size`` (the engine's KV block size; every part of an engine passes the same one): the
+    sink is rounded up to whole blocks. A request's first block is never freed (the host range
+    starts at a block boundary), so the tokens of a partial sink block past ``sink`` were on the
+    device and on the host both; and the window attention reads whole blocks from position 0 and
+    from H, which a partial sink block breaks (the lane's captured batch needs it: on 64-token
+    blocks a 16-token sink left every lane batch uncaptured, H200 P/D run of the 27th session).
+    A P/D pair derives the same sink from the same block size (the hand-over requires it)."""
     cfg = load_config(additional_config)
-    return cfg if cfg.enabled and "nelssa" in (additional_config or {}) else None
+    if not (cfg.enabled and "nelssa" in (additional_config or {})):
+        return None
+    if block_size and cfg.sink % block_size:
+        cfg = cfg.replace(sink=-(-cfg.sink // block_size) * block_size)
+    return cfg
 
 
 _current: NelssaConfig | None = None

@@ -174,6 +174,11 @@ def test_config_sources_and_errors():
     assert client_spin_us(load_config(None, env={})) in (20, 1000)  # by the usable cores
     assert vllm_nelssa_config({}) is None and vllm_nelssa_config(None) is None
     assert vllm_nelssa_config({"nelssa": {}}) is not None
+    # an engine's sink is whole KV blocks (the lane's window reads whole blocks from 0 and from H)
+    assert [vllm_nelssa_config({"nelssa": {}}, bs).sink for bs in (None, 16, 64, 128)] == [16, 16, 64, 128]
+    assert vllm_nelssa_config({"nelssa": {"sink": 130}}, 128).sink == 256
+    assert vllm_nelssa_config({"nelssa": {"sink": 0}}, 64).sink == 0
+    assert vllm_nelssa_config({"nelssa": {}}, 64).replace(T_input=8192).T_input == 8192
     assert parse_bytes("64GiB") == 64 << 30 and parse_cores("2") == (2,)
     for bad, msg in [({"nelssa": {"budget": 0}}, "budget"), ({"nelssa": {"bogus": 1}}, "unknown nelssa config"),
                      ({"nelssa": {"engine": "x"}}, "engine"), ({"nelssa": []}, "must be an object"),
@@ -466,6 +471,10 @@ def test_lane_batch_graph_keys_windows_and_forget():
     assert lens.tolist() == [16 + 70, 16 + 20] and lens.dtype == np.int32
     assert inp(bt[:1], [64], [64 + 21 * 16 + 1]).window(16, bg.cap, 16) is None
     assert inp(bt[:1], [64], [80]).window(8, bg.cap, 16) is None  # a sink of partial blocks
+    # an engine's sink is whole blocks (vllm_nelssa_config): the default 16 on 64-token blocks gets a window
+    assert inp(bt[:1], [128], [128 + 30]).window(16, bg.cap, 64) is None
+    win64, len64 = inp(bt[:1], [128], [128 + 30]).window(vllm_nelssa_config({"nelssa": {}}, 64).sink, bg.cap, 64)
+    assert win64[0, :2].tolist() == [0, 2] and len64.tolist() == [64 + 30]
     plan = StepPlan(host, ["a", "b"], [0, 1], torch.arange(2), [64, 96], [64 + 70, 96 + 20])
 
     bg._graphs.update({("a", "b"): "g1", ("c",): "g2"})

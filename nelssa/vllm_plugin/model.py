@@ -30,6 +30,9 @@ class NelssaAttention(Attention):
             raise ValueError(f"NELSSA supports full-attention layers only; {self.layer_name} has "
                              f"{type(spec).__name__} (sliding window / quantised KV are not supported)")
         c = self.nelssa_cfg
+        if c.sink % spec.block_size:  # vllm_nelssa_config rounded it with the block size at model init
+            raise ValueError(f"NELSSA: the KV block size changed to {spec.block_size} after the model was built "
+                             f"(sink {c.sink}); set --block-size explicitly")
         return NelssaSpec(**{k: getattr(spec, k) for k in spec.__dataclass_fields__},
                           T_input=c.T_input, sink=c.sink, recent=c.recent, chunk=c.chunk)
 
@@ -46,7 +49,7 @@ class NelssaLlamaForCausalLM(LlamaForCausalLM):
 
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        cfg = vllm_nelssa_config(vllm_config.additional_config)
+        cfg = vllm_nelssa_config(vllm_config.additional_config, vllm_config.cache_config.block_size)
         self.nelssa_enabled = cfg is not None
         # CPU lane: the lane's dense lock (lane.py, 5), held by the step's forward (runner) and the logits
         self.nelssa_dense_lock = contextlib.nullcontext()
