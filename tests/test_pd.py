@@ -3,7 +3,8 @@ processes, SmolLM2, fp32, NIXL over DRAM); short and long requests through the p
 official openai client (one streamed); answers equal stock vLLM's (P asked directly, budget 1.0);
 usage right; the long request's KV reached D's host tier — with the node (the default,
 NELSSA_PD_ENGINE=node) clustered by P and adopted by D (the hand-over: D clustered nothing, and
-allocated and read over NIXL only the window's blocks), with
+allocated and read over NIXL only the window's blocks; with D's long lane, on by default here as on the
+GPU, the lane computed the prompt's last position before its first step, so D ran no split step), with
 NELSSA_PD_ENGINE=local moved there by D; KV came over NIXL; a malformed body is a 400 and the stack
 keeps serving; `stop` leaves no process and no listening port."""
 
@@ -70,6 +71,7 @@ def test_pd_stack_end_to_end(tmp_path):
            "PREFILL_NIXL_PORT": str(pn), "DECODE_NIXL_PORT": str(dn),
            "NELSSA_T_INPUT": "512", "NELSSA_BUDGET": "1.0", "NELSSA_ENGINE": engine, "NODE_PORT": str(node),
            "NELSSA_DEFER_BELOW": "0",  # D moves the long request to the host tier however much room it has
+           "NELSSA_LANE": os.environ.get("NELSSA_LANE", "1"),  # D's long requests decode in the lane (lane.py)
            # node leases past the stalls of four busy processes on 2 vCPUs (30 s expired there: the node
            # dropped P's stored request, and D clustered the prompt itself)
            "NELSSA_NODE_LEASE_S": "300",
@@ -177,6 +179,9 @@ def test_pd_stack_end_to_end(tmp_path):
                 # admitted with device blocks for the window only, only those read over NIXL (handover.py, 6)
                 assert _metric_sum(dm, "nelssa:handover_windows_total") >= 1
                 assert _metric_sum(dm, "nelssa:handover_window_blocks_spared_total") >= 1
+                if env["NELSSA_LANE"] == "1":  # the lane computed their first positions: no split step on D
+                    assert _metric_sum(dm, "nelssa:handover_lane_seeds_total") >= 1
+                    assert _metric_sum(dm, "nelssa:offload_step_seconds_count") == 0
             else:
                 assert _metric_sum(dm, "nelssa:moved_tokens_total") > 0
             assert _metric_sum(pm, "nelssa:host_bytes") == 0  # P's node entries went to D (or the node's ttl)

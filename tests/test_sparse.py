@@ -561,3 +561,41 @@ def test_prepared_parts_committed_at_once_equal_part_by_part():
     out, lse = sparse_attention(q, many, budget=1.0)
     ref, ref_lse = dense_attention(q, torch.cat([k for k, _ in chunks], 1), torch.cat([v for _, v in chunks], 1))
     assert rel_err(out, ref) < 1e-4 and lse_err(lse, ref_lse) < 1e-4
+
+
+def test_append_beside_a_commit_numbers_its_part_right():
+    """A chunk's append (the hand-off thread) while the first part is committed (the step thread, at a
+    switch): the new part's clusters name a part that exists. Without ``ClusteredKV._swap`` the append
+    ran inside the commit's window between adding the committed part to ``parts`` and removing it from
+    the pending list, counted it twice, and its table named part 2 of 2 (the CPU head-of-line test failed
+    on "selection out of range of its cluster table"). Here the append is started inside that window."""
+    import threading
+
+    from nelssa.sparse.clustered import ClusteredKV
+    g = torch.Generator().manual_seed(0)
+    kv = lambda n: (torch.randn(2, n, 16, generator=g), torch.randn(2, n, 16, generator=g))  # noqa: E731
+    ckv = ClusteredKV(2, 16, torch.float32, torch.device("cpu"), cluster_size=8, segment=256, iters=2, seed=0)
+    k1, v1 = kv(96)
+    k2, v2 = kv(32)
+    ckv.append(k1, v1, commit=False)
+    started = []
+
+    class InTheWindow(list):  # commit_until appends here after parts.extend, before the pending list's del
+        def append(self, x):
+            if not started:
+                t = threading.Thread(target=ckv.append, args=(k2, v2), kwargs={"commit": False})
+                started.append(t)
+                t.start()
+                t.join(0.5)  # unlocked, the append finishes here, inside the window
+            super().append(x)
+
+    ckv._perms = InTheWindow(ckv._perms)
+    ckv.commit_until(96)
+    started[0].join()
+    ckv.commit_until(128)
+    assert len(ckv.parts) == 2 and ckv.cpart.max().item() == 1 and ckv.cpart.min().item() == 0
+    assert ckv.csize.shape[1] == ckv.cpart.shape[0] == ckv.centroids.shape[1]
+    q = torch.randn(4, 16, generator=g)
+    out, lse = sparse_attention(q, ckv, budget=1.0)  # every cluster, through the table
+    ref, ref_lse = dense_attention(q, torch.cat([k1, k2], 1), torch.cat([v1, v2], 1))
+    assert rel_err(out, ref) <= 1e-5 and lse_err(lse, ref_lse) <= 1e-5

@@ -172,6 +172,12 @@ class ClusteredKV:
         self._perm: torch.Tensor | None = None           # their concatenation, made when read
         self.length = 0
         self._pending: list[_Pending] = []
+        # the appender's read of the newest table and part count, and the committer's swap of tables and
+        # parts, one at a time: unlocked, an append beside a commit (a chunk's hand-off as the prompt's
+        # range is committed at a switch) numbered its part from a count that held the committed part
+        # twice, and that layer's table named a part that does not exist ("selection out of range of its
+        # cluster table", the CPU head-of-line test, 2026-12-04)
+        self._swap = threading.Lock()
         self.freed = False
 
     @property
@@ -214,8 +220,9 @@ class ClusteredKV:
         ``commit=False`` the part is prepared (clustered, packed on the host, centroids on the device)
         but stays invisible to readers until ``commit_until``: a background hand-off builds it while
         attention keeps reading the committed parts. One thread appends; readers and the committer
-        are another (list append/pop are atomic). ``labels`` ([H, n] cluster ids, C): clustering done
-        by the caller (``cluster_layers`` runs it for many layers at once).
+        are another (the appender's table and part count and the committer's swap hold ``_swap``).
+        ``labels`` ([H, n] cluster ids, C): clustering done by the caller (``cluster_layers`` runs it
+        for many layers at once).
         """
         self.check_alive()
         _check_kv(keys, values)
@@ -233,15 +240,17 @@ class ClusteredKV:
                         cent=cent.to(dev), sizes=sizes.to(device=dev, dtype=torch.int32), vmean=vmean.to(dev))
         # the table after this part, from the newest prepared part's (or the committed one: an empty list
         # read here means the committer swapped its tables in before it removed the parts)
-        last = self._pending[-1] if self._pending else None
-        prev = last.tables if last is not None else (self.cpart, self.cstart, self.csize)
-        if prev is not None:
-            cpart, cstart, csize = prev
-            part.tables = (torch.cat([cpart, torch.full((part.sizes_cpu.shape[1],), self.num_parts, dtype=torch.int32)]),
-                           torch.cat([cstart, part.starts], 1), torch.cat([csize, part.sizes_cpu], 1))
-        self._pending.append(part)
-        if last is not None:
-            last.tables = None  # only the newest keeps one (a commit up to an older part builds its own)
+        with self._swap:
+            last = self._pending[-1] if self._pending else None
+            prev = last.tables if last is not None else (self.cpart, self.cstart, self.csize)
+            if prev is not None:
+                cpart, cstart, csize = prev
+                part.tables = (torch.cat([cpart, torch.full((part.sizes_cpu.shape[1],), self.num_parts,
+                                                            dtype=torch.int32)]),
+                               torch.cat([cstart, part.starts], 1), torch.cat([csize, part.sizes_cpu], 1))
+            self._pending.append(part)
+            if last is not None:
+                last.tables = None  # only the newest keeps one (a commit up to an older part builds its own)
         if commit:
             self.commit_until(self.length + self.pending_tokens)
 
@@ -263,31 +272,32 @@ class ClusteredKV:
         # concatenation per table) and one concatenation per device tensor. Part by part, the tables were
         # copied once per part: a 100K prompt's 13 parts x 32 layers held the step thread ~350 ms at its
         # switch on the H200 (run 19)
-        take, n = [], self.length
-        for p in list(self._pending):
-            if n + p.n > length:
-                break
-            take.append(p)
-            n += p.n
-        if take:
-            base, off = len(self.parts), self.length
-            tables = take[-1].tables  # made by the appending thread, or (a commit up to an older part) here
-            if tables is None:
-                tables = (torch.cat([self.cpart] + [torch.full((p.sizes_cpu.shape[1],), base + i, dtype=torch.int32)
-                                                    for i, p in enumerate(take)]),
-                          torch.cat([self.cstart] + [p.starts for p in take], 1),
-                          torch.cat([self.csize] + [p.sizes_cpu for p in take], 1))
-            self.parts.extend(KVPart(p.kv) for p in take)  # before the tables that index them
-            self.cpart, self.cstart, self.csize = tables
-            for p in take:
-                self._perms.append((p.perm, off))
-                off += p.n
-            self._perm = None
-            self.centroids = torch.cat([self.centroids] + [p.cent for p in take], 1)
-            self.sizes = torch.cat([self.sizes] + [p.sizes for p in take], 1)
-            self.vmeans = torch.cat([self.vmeans] + [p.vmean for p in take], 1)
-            self.length = n
-            del self._pending[:len(take)]  # the appender only appends (its own thread)
+        with self._swap:  # the appender reads the newest table and the part count under it (__init__)
+            take, n = [], self.length
+            for p in list(self._pending):
+                if n + p.n > length:
+                    break
+                take.append(p)
+                n += p.n
+            if take:
+                base, off = len(self.parts), self.length
+                tables = take[-1].tables  # made by the appending thread, or (a commit up to an older part) here
+                if tables is None:
+                    tables = (torch.cat([self.cpart] + [torch.full((p.sizes_cpu.shape[1],), base + i,
+                                                                   dtype=torch.int32) for i, p in enumerate(take)]),
+                              torch.cat([self.cstart] + [p.starts for p in take], 1),
+                              torch.cat([self.csize] + [p.sizes_cpu for p in take], 1))
+                self.parts.extend(KVPart(p.kv) for p in take)  # before the tables that index them
+                self.cpart, self.cstart, self.csize = tables
+                for p in take:
+                    self._perms.append((p.perm, off))
+                    off += p.n
+                self._perm = None
+                self.centroids = torch.cat([self.centroids] + [p.cent for p in take], 1)
+                self.sizes = torch.cat([self.sizes] + [p.sizes for p in take], 1)
+                self.vmeans = torch.cat([self.vmeans] + [p.vmean for p in take], 1)
+                self.length = n
+                del self._pending[:len(take)]  # the appender only appends (its own thread)
         if self.length != length:
             raise ValueError(f"host KV holds {self.length} committed (+{self.pending_tokens} prepared) tokens, "
                              f"{length} expected")

@@ -49,6 +49,9 @@ class NelssaConnectorMetadata(KVConnectorMetadata):
     release: dict[str, str] = field(default_factory=dict)  # P: finished request -> hand-over handle
     adopt: dict[str, str] = field(default_factory=dict)    # D: request scheduled first -> hand-over handle
     adopt_now: dict[str, tuple[str, int]] = field(default_factory=dict)  # D: window admission -> (handle, H0)
+    # D, with the lane: window admission -> (position, H0, its input token, its block ids up to the position):
+    # the lane computes the prompt's last position before the request's first step (handover.py, 6)
+    seeds: dict[str, tuple[int, int, int, list[int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,6 +101,12 @@ def step_adoptions(meta) -> dict[str, tuple[str, int]]:
     """This step's window admissions to adopt at once (handover.py, 6): request -> (handle, H0)."""
     m = _ours(meta, NelssaConnectorMetadata, "metadata")
     return m.adopt_now if m is not None else {}
+
+
+def step_seeds(meta) -> dict[str, tuple[int, int, int, list[int]]]:
+    """This step's lane seeds of window admissions (handover.py, 6): request -> (position, H0, token, blocks)."""
+    m = _ours(meta, NelssaConnectorMetadata, "metadata")
+    return m.seeds if m is not None else {}
 
 
 def step_anchors(meta) -> dict[str, int]:
@@ -187,6 +196,10 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
                 name="nelssa:handover_window_blocks_spared", labelnames=labelnames,
                 documentation="P/D, decode instance: device blocks window admissions did not allocate "
                               "(and NIXL did not read)")),
+            "handover_lane_seeds": per_engine(c(name="nelssa:handover_lane_seeds", labelnames=labelnames,
+                                                documentation="P/D, decode instance with the lane: window "
+                                                              "admissions whose first position the lane computed "
+                                                              "(their first step not a split step)")),
             "handover_fallbacks": per_engine(c(name="nelssa:handover_fallbacks", labelnames=labelnames,
                                                documentation="P/D, decode instance: hand-overs not adopted (not "
                                                              "released in time, a mismatch): clustered here")),
@@ -306,6 +319,7 @@ class NelssaConnector(KVConnectorBase_V1):
         self._adopt: dict[str, str] = {}       # D: hand-overs not yet scheduled
         self.window: dict[str, int] = {}       # set by NelssaScheduler on D: window admission -> H0
         self._adopt_now: dict[str, tuple[str, int]] = {}  # D: window admissions allocated, not yet sent
+        self.seeds: dict[str, tuple[int, int, int, list[int]]] = {}  # set by NelssaScheduler (D, lane): not yet sent
         self._alloc_next = 0.0                 # worker: when the allocator's counters are read next
         self._alloc_last: dict[str, int] = {}  # worker: their values at the last read
 
@@ -341,9 +355,11 @@ class NelssaConnector(KVConnectorBase_V1):
         release, self._release = self._release, {}
         adopt = {r: self._adopt.pop(r) for r in [r for r in self._adopt if r in sched]}
         now, self._adopt_now = self._adopt_now, {}
+        seeds, self.seeds = self.seeds, {}
         return NelssaConnectorMetadata({r: h for r, h in self.host_ends.items() if r in sched},
                                        {r: a for r, a in self.anchors.items() if r in sched},
-                                       {r: h for r, h in self.switching.items() if r in sched}, release, adopt, now)
+                                       {r: h for r, h in self.switching.items() if r in sched}, release, adopt, now,
+                                       seeds)
 
     def request_finished(self, request, block_ids):
         """P with ``handover`` (handover.py, 1): a long prompt prefilled for remote decode gets a handle in
@@ -352,6 +368,7 @@ class NelssaConnector(KVConnectorBase_V1):
         rid = request.request_id
         self._adopt.pop(rid, None)
         self._adopt_now.pop(rid, None)
+        self.seeds.pop(rid, None)
         f = self.handover_end
         if f is None or not (request.kv_transfer_params or {}).get("do_remote_decode") or request.status not in (
                 RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):

@@ -52,8 +52,11 @@ Contract, by side:
        [sink, H0) would break that pairing). The adoption starts in the step after the allocation
        (``adopt_now``), while NIXL reads; the request stays unscheduled until both are done (the
        scheduler's promotion of a loaded request waits for its H0 in use), and its first step — the
-       prompt's last token — attends [sink, H0) on the host already: a split step, the one step of it
-       that waits for the host tier (the lane computes the ones after it). A failed adoption (its
+       prompt's last token — attends [sink, H0) on the host already. With the lane, the scheduler then
+       sends that position as a lane seed (``seeds``: position, H0, the prompt's last token, its block
+       ids) and promotes the request once the lane has reported it computed: the first step finds a
+       lane row, so no step waits for the host tier (NelssaScheduler._seed, runner._nelssa_lane_seed);
+       without the lane that step is a split step. A failed adoption (its
        [sink, H0) exists only on the node) or a failed NIXL read fails the request loudly
        (``handover_failures``); a preempted one comes back as a prompt prefilled on D (whole blocks).
 """

@@ -23,6 +23,7 @@ import logging
 import sys
 import time
 
+import numpy as np
 import torch
 
 from nelssa.config import set_config, vllm_nelssa_config
@@ -31,7 +32,7 @@ from nelssa.sparse.kmeans import to_device
 from nelssa.vllm_plugin import runtime
 from nelssa.vllm_plugin.attention import StepPlan, read_kv, set_plan
 from nelssa.vllm_plugin.connector import (step_adoptions, step_anchors, step_handovers, step_host_ends,
-                                          step_switching)
+                                          step_seeds, step_switching)
 from nelssa.vllm_plugin.handoff import Handoff
 from nelssa.vllm_plugin.policy import Policy, device_only
 
@@ -154,6 +155,8 @@ class NelssaRunnerMixin:
                 except Exception as e:  # noqa: BLE001 - this request fails loudly; others go on
                     runtime.fail(rid, f"adopting its hand-over: {type(e).__name__}: {e}")
         lane = self.nelssa_lane
+        if lane is not None:
+            self._nelssa_lane_seed(step_seeds(scheduler_output.kv_connector_metadata), finished)
         if lane is not None:  # before this step may reuse their blocks (lane.py, 6; lane_spec.py, 4)
             lane.drop(preempted)    # vLLM frees a preempted request's blocks at once: its job waited for
             lane.release(finished)  # the scheduler keeps a finished one's until the lane is done with it
@@ -345,6 +348,30 @@ class NelssaRunnerMixin:
         if ev is not None and out:  # the token copies above ran on this stream: record after them
             ev.record()
         self.nelssa_lane.submit(out)
+
+    def _nelssa_lane_seed(self, seeds: dict, finished: set) -> None:
+        """Queue the lane jobs of window admissions' first positions (handover.py, 6): the prompt's last
+        token at its position, with H0 and the block ids the scheduler allocated (the window's KV is
+        in: NIXL read it, and the node holds [sink, H0)). Not scheduled yet, these requests are not in
+        this runner's batch; the step that schedules one finds its position computed (a lane row)."""
+        from nelssa.vllm_plugin.lane import Job
+        jobs = []
+        for rid, (pos, h0, tok, blocks) in seeds.items():
+            if rid in finished or rid in runtime.failed:
+                continue
+            try:
+                self.nelssa_handoff.ready(rid, h0)  # the adoption (reported) committed: the lane reads it
+            except Exception as e:  # noqa: BLE001 - this request fails loudly; others go on
+                runtime.fail(rid, f"its adopted hand-over up to {h0}: {type(e).__name__}: {e}")
+                continue
+            jobs.append(Job(rid, pos, h0, torch.full((1,), tok, dtype=torch.long, device=self.device),
+                            np.asarray(blocks, dtype=np.int32)))
+        if jobs and self.device.type == "cuda":  # the token made on this stream: the lane waits for it
+            ev = torch.cuda.Event()
+            ev.record()
+            for j in jobs:
+                j.event = ev
+        self.nelssa_lane.submit(jobs)
 
     def _nelssa_submit(self, moves: list[tuple[str, int, int]], plan: StepPlan) -> None:
         """Hand off the new ranges in the background (after this step's forward was launched)."""

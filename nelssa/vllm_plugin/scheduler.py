@@ -72,7 +72,9 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   bound; should its adoption fail, D stores the prompt again beside P's copy until the node frees that).
   A released hand-over is admitted with its window only (handover.py, 6: ``_admit_window``; device room
   counted for the window's blocks) and promoted from vLLM's wait for its KV only once its adoption is
-  reported, its H0 in use from its first step.
+  reported, its H0 in use from its first step. With the lane, also only once the lane has computed the
+  prompt's last position (``seeds`` in the connector's metadata, sent when its KV and adoption are in):
+  its first step is then a lane row, not a split step.
 * Opt-out: a request with ``extra_args={"nelssa_offload": False}`` (policy.device_only) is a short
   request at any length: device KV, exact attention, never migrated; a malformed value is rejected.
 Reservations are released when a request finishes (preemption keeps it: the request comes back).
@@ -131,6 +133,8 @@ class NelssaScheduler(Scheduler):
         self._on_node: dict[str, int] = {}   # D: handed-over request -> its bytes already on the node (handover.py)
         self._awaiting: dict[str, tuple[str, float]] = {}  # D: held hand-over -> (handle, since): not yet released
         self._window: dict[str, int] = {}    # D: hand-over admitted with its window only -> H0 (manager, connector)
+        self._seeding: dict[str, int] = {}   # D, lane: window admission -> the position its lane seed computes
+        self._seeded: set[str] = set()       # ... reported computed: promoted at the next try
         self._fail_soon: dict[str, str] = {}  # requests to finish with an error at the next output
         if cfg is None:
             return
@@ -503,7 +507,34 @@ class NelssaScheduler(Scheduler):
                 return False
             if not self._host_end.get(rid):
                 return False
+            if self.nelssa.lane and not self._seed(request):
+                return False
         return super()._try_promote_blocked_waiting_request(request)
+
+    def _seed(self, request: Request) -> bool:
+        """D with the lane (handover.py, 6): whether the lane has computed a window admission's first
+        position, the prompt's last token (then its first step is a lane row, not a split step that
+        would make the step's short rows wait for the host tier). Once its window KV is in and its
+        adoption reported (the lane reads both), the seed goes to the worker in the next step's
+        metadata; the lane's report promotes the request."""
+        rid = request.request_id
+        if rid in self._seeded:
+            return True
+        lane = runtime.lane()  # in-process executor: the lane's result is visible before its report
+        pos = self._seeding.get(rid)
+        if pos is not None:
+            if lane is not None and lane.ready(rid, pos):
+                self._seeded.add(rid)
+            return rid in self._seeded
+        if rid not in self.finished_recving_kv_req_ids:
+            return False  # NIXL still reads the window
+        pos = request.num_prompt_tokens - 1
+        blocks = self.kv_cache_manager.get_block_ids(rid)[0]
+        self._seeding[rid] = pos
+        self._conn.seeds[rid] = (pos, self._host_end[rid], int(request.all_token_ids[pos]),
+                                 list(blocks[:pos // self.block_size + 1]))
+        self._count("handover_lane_seeds")
+        return False
 
     def _stop_awaiting(self, rid: str) -> None:
         """The request no longer waits for a hand-over's release (admitted, timed out, or finished held)."""
@@ -622,6 +653,8 @@ class NelssaScheduler(Scheduler):
         self._reserved.pop(request.request_id, None)
         self._on_node.pop(request.request_id, None)
         self._window.pop(request.request_id, None)
+        self._seeding.pop(request.request_id, None)
+        self._seeded.discard(request.request_id)
         self._fail_soon.pop(request.request_id, None)
         self._done.pop(request.request_id, None)
         self._host_end.pop(request.request_id, None)
@@ -684,6 +717,8 @@ class NelssaScheduler(Scheduler):
             self._fail_soon = {}
         self._release(getattr(meta, "released", None) or ())
         for rid, pos in (getattr(meta, "lane", None) or {}).items():
+            if self._seeding.get(rid) == pos:  # a window admission's first position (_seed)
+                self._seeded.add(rid)
             r = self.requests.get(rid)
             if r is not None and r.num_computed_tokens <= pos:  # else older than its scheduling (_lane_ready)
                 self._busy.discard(rid)
