@@ -155,9 +155,8 @@ class NelssaRunnerMixin:
                 except Exception as e:  # noqa: BLE001 - this request fails loudly; others go on
                     runtime.fail(rid, f"adopting its hand-over: {type(e).__name__}: {e}")
         lane = self.nelssa_lane
-        if lane is not None:
-            self._nelssa_lane_seed(step_seeds(scheduler_output.kv_connector_metadata), finished)
         if lane is not None:  # before this step may reuse their blocks (lane.py, 6; lane_spec.py, 4)
+            self._nelssa_lane_seed(step_seeds(scheduler_output.kv_connector_metadata), finished)
             lane.drop(preempted)    # vLLM frees a preempted request's blocks at once: its job waited for
             lane.release(finished)  # the scheduler keeps a finished one's until the lane is done with it
             lane.stale(step_host_ends(scheduler_output.kv_connector_metadata))
