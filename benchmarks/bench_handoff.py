@@ -7,8 +7,10 @@ measures exactly that object on a synthetic paged cache of the model's shape (Ll
 32 layers, 8 KV heads of 128, bf16, 16-token blocks), per context length:
 
   move_s       submit -> the move's completion (what a migration of that context takes), and its parts
-               measured alone on an idle device: ``read_s`` (the gather from the paged cache, all layers)
-               and ``cluster_s`` (k-means over the layers); the rest is packing and the copy to the host;
+               measured alone on an idle device: ``read_s`` (the gather from the paged cache, all layers),
+               ``cluster_s`` (k-means over the layers; ``cluster_fp32_s`` with fp32 similarities) and
+               ``put_s`` (the host tier's store: k-means, the parts' tables, packing and the copy into
+               host memory; ``pack_s`` = put_s - cluster_s);
   steps        a synthetic decode step on the main stream (per layer one GEMM that reads a
                ``--step-gb``/layers slice of weights, then a wait for that stream, as an engine's step
                ends on its sampled tokens), run back to back on another Python thread (GIL switch
@@ -150,14 +152,25 @@ def main() -> None:
         b, o = torch.tensor(blocks, device=dev)[pos // bs], pos % bs
         sync()
         t = time.perf_counter()
-        ks = [read_kv(x.kv_cache, "flash", b, o, KH, D)[0].transpose(0, 1).contiguous() for x in layers]
+        kvs = [read_kv(x.kv_cache, "flash", b, o, KH, D) for x in layers]
+        ks = [k.transpose(0, 1).contiguous() for k, _ in kvs]
+        vs = [v.transpose(0, 1).contiguous() for _, v in kvs]
         sync()
         read_s = time.perf_counter() - t
+        cluster_s = {}
+        for sd in (None, torch.float32):  # the default (bf16 similarities on CUDA) and all-fp32
+            t = time.perf_counter()
+            cluster_layers(ks, seed=cfg.seed, cluster_size=cfg.cluster_size, segment=cfg.segment, iters=cfg.iters,
+                           sim_dtype=sd)
+            sync()
+            cluster_s["fp32" if sd is not None else "default"] = time.perf_counter() - t
+        # the store alone (k-means, the parts' tables, packing, the copy into host memory), device idle
         t = time.perf_counter()
-        cluster_layers(ks, seed=cfg.seed, cluster_size=cfg.cluster_size, segment=cfg.segment, iters=cfg.iters)
+        host.put_layers(f"alone{n}_{i}", ks, vs, commit=False)
         sync()
-        cluster_s = time.perf_counter() - t
-        del ks, pos, b, o
+        put_s = time.perf_counter() - t
+        host.free(f"alone{n}_{i}")
+        del ks, vs, kvs, pos, b, o
         # the move, steps running beside it
         rid = f"ctx{n}_{i}"  # a context may repeat (the first move vs the next)
         stop = threading.Event()
@@ -190,7 +203,8 @@ def main() -> None:
         hand.drop(rid)
         host.free(rid)
         row = {"context": n, "move_s": move_s, "tokens_per_s": (n - cfg.sink) / move_s, "read_s": read_s,
-               "cluster_s": cluster_s, "bytes": 2 * L * KH * D * (n - cfg.sink) * torch.finfo(dtype).bits // 8,
+               "cluster_s": cluster_s["default"], "cluster_fp32_s": cluster_s["fp32"], "put_s": put_s,
+               "pack_s": put_s - cluster_s["default"], "bytes": 2 * L * KH * D * (n - cfg.sink) * torch.finfo(dtype).bits // 8,
                "steps_during": {**step_stats([x for _, x, _ in box["s"]]),
                                 "enqueue": step_stats([e for _, _, e in box["s"]])},
                # the slowest steps beside the move: (start - submit, ms, of which enqueue ms), to place them
@@ -198,7 +212,8 @@ def main() -> None:
                "worst_steps": sorted(((st - t, 1e3 * x, 1e3 * e) for st, x, e in box["s"]), key=lambda y: -y[1])[:10]}
         res["contexts"].append(row)
         sd = row["steps_during"]
-        print(f"[handoff] {n:>7} tokens: move {move_s:.2f} s (read {read_s:.2f}, cluster {cluster_s:.2f} alone); "
+        print(f"[handoff] {n:>7} tokens: move {move_s:.2f} s (alone: read {read_s:.2f}, cluster {cluster_s['default']:.2f} "
+              f"(fp32 {cluster_s['fp32']:.2f}), store {put_s:.2f} = cluster + tables, packing, copy); "
               f"steps during: {sd['n']} p50 {sd['p50_ms']:.2f} p99 {sd['p99_ms']:.2f} max {sd['max_ms']:.2f} ms "
               f"(enqueue p99 {sd['enqueue']['p99_ms']:.2f} max {sd['enqueue']['max_ms']:.2f} ms)",
               flush=True)
@@ -218,6 +233,9 @@ def plot(res: dict, path: str) -> None:
     axes[0].plot(x, [r["move_s"] for r in rows], marker="o", label="move (submit to done, steps beside it)")
     axes[0].plot(x, [r["read_s"] for r in rows], marker=".", ls="--", label="read alone (paged-cache gather)")
     axes[0].plot(x, [r["cluster_s"] for r in rows], marker=".", ls="--", label="k-means alone")
+    if all("put_s" in r for r in rows):
+        axes[0].plot(x, [r["cluster_fp32_s"] for r in rows], marker=".", ls=":", label="k-means alone, fp32")
+        axes[0].plot(x, [r["put_s"] for r in rows], marker=".", ls="--", label="store alone (k-means, packing, copy)")
     axes[0].set_xlabel("context (K tokens)")
     axes[0].set_ylabel("seconds")
     axes[0].set_title(f"Hand-off time vs context ({res['device']})", fontsize=10)

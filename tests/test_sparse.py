@@ -395,6 +395,30 @@ def test_kmeans_deterministic_and_segmented():
     assert ca == 1250
 
 
+def test_kmeans_bf16_similarities_cluster_as_well_as_fp32():
+    """On CUDA the k-means compares tokens with centroids in bf16 (tensor cores; fp32 logits and fp32
+    centroid updates): the clustering's objective (mean cosine of a token to its cluster's mean) matches
+    the all-fp32 one's, and most tokens land in the same cluster."""
+    g = torch.Generator().manual_seed(0)
+    centers = torch.randn(2, 40, 64, generator=g)
+    pick = torch.randint(0, 40, (2, 6000), generator=g)
+    k = centers.gather(1, pick.unsqueeze(-1).expand(-1, -1, 64)) + 0.6 * torch.randn(2, 6000, 64, generator=g)
+
+    def objective(labels, C):
+        x = k - k.mean(1, keepdim=True)
+        x = x / x.norm(dim=-1, keepdim=True)
+        sums = torch.zeros(2, C, 64).scatter_add_(1, labels.unsqueeze(-1).expand(-1, -1, 64), x)
+        cent = sums / sums.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        return (x * cent.gather(1, labels.unsqueeze(-1).expand(-1, -1, 64))).sum(-1).mean().item()
+
+    f32, C = segmented_kmeans(k, seed=1, cluster_size=16, sim_dtype=torch.float32)
+    b16, C2 = segmented_kmeans(k, seed=1, cluster_size=16, sim_dtype=torch.bfloat16)
+    assert C2 == C
+    o32, o16 = objective(f32, C), objective(b16, C)
+    assert abs(o16 - o32) <= 0.01 * o32, (o16, o32)
+    assert (f32 == b16).float().mean().item() > 0.8
+
+
 def test_kmeans_global_assignment_bounded_by_logits_cap(monkeypatch):
     """The last, global assignment compares every token with every segment's centroids (C grows with
     the context): it runs in token chunks whose logits stay under ``max_logits_bytes`` (at 128K tokens

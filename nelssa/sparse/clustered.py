@@ -339,7 +339,7 @@ def cluster_kv(keys: torch.Tensor, values: torch.Tensor, *, seed: int | None = N
 
 
 def cluster_layers(keys: list[torch.Tensor], *, seed: int, cluster_size: int, segment: int, iters: int,
-                   max_logits_bytes: int = 1 << 30) -> list[tuple[torch.Tensor, int]]:
+                   max_logits_bytes: int = 1 << 30, sim_dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, int]]:
     """Segmented k-means of several layers' keys ([H, n, D] each, same shape) in as few launches as
     memory allows: layers are stacked along the head axis (k-means is per head), in groups whose
     assignment logits stay under ``max_logits_bytes``. -> per layer (labels [H, n], C)."""
@@ -351,6 +351,6 @@ def cluster_layers(keys: list[torch.Tensor], *, seed: int, cluster_size: int, se
     for i in range(0, len(keys), g):
         group = keys[i:i + g]
         labels, C = segmented_kmeans(torch.cat(group, 0), seed=seed + i, cluster_size=cluster_size, segment=segment,
-                                     iters=iters, max_logits_bytes=max_logits_bytes)
+                                     iters=iters, max_logits_bytes=max_logits_bytes, sim_dtype=sim_dtype)
         out.extend((lab, C) for lab in labels.split(H, 0))
     return out

@@ -34,9 +34,28 @@ def _update(xn: torch.Tensor, labels: torch.Tensor, cent: torch.Tensor) -> torch
     return torch.where(counts.unsqueeze(-1) > 0, _normalize(sums), cent)
 
 
+def similarity_dtype(device: torch.device) -> torch.dtype:
+    """The dtype k-means compares tokens with centroids in: bf16 on CUDA (tensor cores; fp32 logits), fp32
+    elsewhere (a CPU without native bf16 emulates it several times slower). In fp32 on the H200 a 100K
+    prompt's clustering took ~5 s of CUDA-core matmuls (bench_handoff); the comparisons only pick each
+    token's nearest centroid, and bf16 rounding moves a token only between near-equal ones."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _logits(x: torch.Tensor, ct: torch.Tensor) -> torch.Tensor:
+    """Cosine similarities [H, n, C] of unit rows x [H, n, D] with unit centroids ct [H, D, C], both in
+    the similarity dtype; fp32 out."""
+    if x.dtype == torch.float32:
+        return torch.bmm(x, ct)
+    if x.is_cuda:
+        return torch.bmm(x, ct, out_dtype=torch.float32)
+    return torch.bmm(x, ct).float()  # CPU: no bf16 -> fp32 kernel (tests)
+
+
 def segmented_kmeans(keys: torch.Tensor, *, cluster_size: int = 16, segment: int = 8192, iters: int = 10,
                      seed: int = 0, assign_chunk: int = 8192,
-                     max_logits_bytes: int = 256 << 20) -> tuple[torch.Tensor, int]:
+                     max_logits_bytes: int = 256 << 20,
+                     sim_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, int]:
     """Cluster keys [H, L, D] per head -> (labels [H, L] int64, number of clusters C).
 
     Keys are mean-centred per head and compared by cosine (spherical k-means). Each segment of
@@ -45,11 +64,14 @@ def segmented_kmeans(keys: torch.Tensor, *, cluster_size: int = 16, segment: int
     over all segments' centroids, in token chunks whose logits [H, chunk, C] stay under
     ``max_logits_bytes`` (C grows with L: at 128K tokens, 8 heads x 4 layers and 8192-token chunks
     the logits were 17 GB, allocated at once beside the serving engine, and each chunk's fp32 matmul
-    ~1.1 TFLOP in one kernel). Deterministic given the seed.
+    ~1.1 TFLOP in one kernel). Centroids are updated in fp32; tokens are compared with them in
+    ``sim_dtype`` (default ``similarity_dtype``: bf16 on CUDA). Deterministic given the seed and device.
     """
     H, L, D = keys.shape
+    sd = sim_dtype or similarity_dtype(keys.device)
     x = keys.float()
     xn = _normalize(x - x.mean(dim=1, keepdim=True))
+    xs_all = xn if sd == torch.float32 else xn.to(sd)
     gen = torch.Generator().manual_seed(seed)
     cents = []
     for lo, hi in segments(L, segment):
@@ -59,14 +81,14 @@ def segmented_kmeans(keys: torch.Tensor, *, cluster_size: int = 16, segment: int
         xs = xn[:, lo:hi]
         cent = xs[:, init].clone()
         for _ in range(max(0, iters - 1)):
-            labels = torch.bmm(xs, cent.transpose(1, 2)).argmax(-1)
+            labels = _logits(xs_all[:, lo:hi], cent.to(sd).transpose(1, 2)).argmax(-1)
             cent = _update(xs, labels, cent)
         cents.append(cent)
     cent = torch.cat(cents, dim=1)
     labels = torch.empty(H, L, dtype=torch.long, device=keys.device)
-    ct = cent.transpose(1, 2)
+    ct = cent.to(sd).transpose(1, 2)
     chunk = max(1, min(assign_chunk, max_logits_bytes // max(1, H * cent.shape[1] * 4)))
     for lo in range(0, L, chunk):
         hi = min(L, lo + chunk)
-        labels[:, lo:hi] = torch.bmm(xn[:, lo:hi], ct).argmax(-1)
+        labels[:, lo:hi] = _logits(xs_all[:, lo:hi], ct).argmax(-1)
     return labels, cent.shape[1]
