@@ -48,6 +48,11 @@ def test_hol_cpu_preset_is_well_formed_and_exact(tmp_path, cut_model_dir):
     nel = s["on"]["nelssa"]  # the NELSSA connector's metrics reached the AsyncLLM front end
     assert nel.get("nelssa:moved_tokens_total", 0) >= s["scenario"]["long_len"] - 200, nel
     assert nel.get("nelssa:long_requests_total", 0) == 1, nel
+    # where the moves' time went, by part (read, k-means, packing and copy): together within their total
+    mv = s["on"]["move_split_s_per_move"]
+    assert set(mv) == {"read", "kmeans", "pack"} and all(v > 0 for v in mv.values()), mv
+    per_move = nel["nelssa:clustering_seconds_sum"] / nel["nelssa:clustering_seconds_count"]
+    assert sum(mv.values()) <= per_move * 1.01, (mv, per_move)
     assert nel.get("nelssa:lane_rows_total", 0) >= 10, nel  # the long request's tokens came from the lane
     # drafts (lane_spec.py): the lane computed positions before the step sampled their tokens, and the step's
     # tokens confirmed them (greedy requests; every output above is NELSSA_OFF's all the same)

@@ -105,6 +105,15 @@ other_metric 9.0
     assert two["vllm:num_requests_running"] == 10.0
     assert parse_metrics(text + 'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25\n')[
         "vllm:kv_cache_usage_perc"] == 0.5
+    # a part label is kept as name{part} (as the in-process scrape names it: the hol analysis reads a lane
+    # batch's and a move's time by part; summed over the engines, the parts were lost)
+    parts = parse_metrics("""# HELP nelssa:lane_timeline_seconds x
+# TYPE nelssa:lane_timeline_seconds counter
+nelssa:lane_timeline_seconds_total{engine="0",model_name="m",part="host"} 2.0
+nelssa:lane_timeline_seconds_total{engine="1",model_name="m",part="host"} 1.0
+nelssa:lane_timeline_seconds_total{engine="0",model_name="m",part="lead"} 0.5
+""")
+    assert parts == {"nelssa:lane_timeline_seconds_total{host}": 3.0, "nelssa:lane_timeline_seconds_total{lead}": 0.5}
 
 
 def _rec(i, kind, point, start, ttft, itl, ok=True):

@@ -171,6 +171,7 @@ def test_pd_stack_end_to_end(tmp_path):
             # each prompt (>= 512 tokens) moves [sink, H0): H0 >= 512 - 64 - 128, the sink one 128-token block
             assert _metric_sum(pm, "nelssa:moved_tokens_total") >= 2 * (512 - 64 - 128 - 128)
             assert _metric_sum(pm, "nelssa:handovers_released_total") == 2
+            assert _metric_sum(pm, "nelssa:move_split_seconds_total", part="store") > 0  # P's store calls, timed
             assert _metric_sum(dm, "nelssa:handovers_adopted_total") >= 1  # the second: adopted unless aborted first
             # a hand-over D could not take in time is clustered by D (nothing lost): on this 2-vCPU box one
             # adoption's RPC once ran out of its 30-s deadline (the answers above were still exact)

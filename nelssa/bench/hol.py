@@ -53,6 +53,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+MOVE_PARTS = ("read", "kmeans", "pack", "store")  # a move's time by part (vllm_plugin/handoff.py)
 TIMELINE_PARTS = ("lead", "host", "between", "tail")  # a lane batch's time by part (vllm_plugin/lane_host.py, 7)
 
 
@@ -271,6 +272,11 @@ def analyse(run: dict) -> dict:
     # decode step) spent in communication, i.e. layer calls' round trips outside the node's kernels
     comm, batch = m.get("nelssa:node_comm_seconds_sum"), m.get("nelssa:lane_batch_seconds_sum")
     out["node_comm_share_of_lane_batch"] = comm / batch if comm is not None and batch else None
+    # where a move's time goes (handoff.py): mean seconds per move, by part (on P/D: P's moves)
+    nm = m.get("nelssa:clustering_seconds_count")
+    out["move_split_s_per_move"] = {
+        p: m[f"nelssa:move_split_seconds_total{{{p}}}"] / nm for p in MOVE_PARTS
+        if f"nelssa:move_split_seconds_total{{{p}}}" in m} if nm else None
     # where a lane batch's time goes (lane_host.py, 7): mean ms per batch with host calls, by part
     nb = m.get("nelssa:lane_timeline_batches_total")
     out["lane_timeline_ms_per_batch"] = {

@@ -18,7 +18,7 @@ import torch
 from nelssa._ext import ext
 from nelssa.config import NelssaConfig
 from nelssa.sparse import ClusteredKV, RequestKV, Selection, attend, prepare_attend
-from nelssa.sparse.clustered import cluster_layers
+from nelssa.sparse.clustered import cluster_layers, settled
 
 
 class HostError(RuntimeError):
@@ -37,6 +37,9 @@ class HostStats:
         self.long_requests = 0
         self.attn_s: list[float] = []      # per-layer host attention seconds (one batched submission)
         self.cluster_s: list[float] = []   # per-request clustering seconds (all layers of a move)
+        self.move_split_s: dict[str, float] = {}  # those moves' seconds per part (summed): read (paged cache),
+                                                  # kmeans, pack (cluster tables, packing, copy to host memory),
+                                                  # store (nelssa-node's store call)
         self.moved_tokens = 0
         self.failures = 0
         self.handoff_wait_s: list[float] = []  # main-thread waits for a hand-off not done by its switch
@@ -71,6 +74,7 @@ class HostStats:
     def take(self) -> dict:
         with self._lock:
             d = {"long_requests": self.long_requests, "attn_s": self.attn_s, "cluster_s": self.cluster_s,
+                 "move_split_s": self.move_split_s,
                  "moved_tokens": self.moved_tokens, "failures": self.failures,
                  "handoff_wait_s": self.handoff_wait_s, "offload_step_s": self.offload_step_s,
                  "offload_decode_step_s": self.offload_decode_step_s,
@@ -175,8 +179,10 @@ class LocalHostTier:
         if len(keys) != self.num_layers or len(values) != self.num_layers:
             raise HostError(f"put_layers: {len(keys)} layers given, the host tier has {self.num_layers}")
         part = 0 if rkv.layers[0] is None else rkv.layers[0].num_parts
+        t = time.perf_counter()
         labels = cluster_layers(keys, seed=cfg.seed + 1000 * part, cluster_size=cfg.cluster_size,
                                 segment=cfg.segment, iters=cfg.iters)
+        t1 = settled(keys[0])
         for i, (k, v, lab) in enumerate(zip(keys, values, labels)):
             ckv = rkv.layers[i]
             if ckv is None:
@@ -184,6 +190,7 @@ class LocalHostTier:
                                   segment=cfg.segment, iters=cfg.iters, seed=cfg.seed + i)
                 rkv.set_layer(i, ckv)
             ckv.append(k, v, commit=commit, labels=lab)
+        self.stats.add(move_split_s={"kmeans": t1 - t, "pack": settled(keys[0]) - t1})
 
     def commit(self, req_id: str, length: int) -> None:
         """Make a request's prepared parts visible until every layer holds exactly ``length`` tokens."""

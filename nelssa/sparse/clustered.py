@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,14 @@ def _check_kv(keys: torch.Tensor, values: torch.Tensor) -> None:
         raise ValueError(f"keys have an empty head or head_dim dimension: {tuple(keys.shape)}")
     if keys.device != values.device:
         raise ValueError(f"keys on {keys.device} but values on {values.device}")
+
+
+def settled(t: torch.Tensor) -> float:
+    """time.perf_counter() once the current stream of ``t``'s device has done its work so far: where a
+    background move's parts are timed (its thread waits for the stream at its end anyway)."""
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
+    return time.perf_counter()
 
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -269,6 +269,10 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
         self._lane_split = c(name="nelssa:lane_split_seconds", labelnames=[*labelnames, "part"],
                              documentation="Long lane: its thread's seconds per part of the split attention "
                                            "(select, window, wait, merge)")
+        self._move_split = c(name="nelssa:move_split_seconds", labelnames=[*labelnames, "part"],
+                             documentation="Moves to the host tier (nelssa:clustering_seconds): the hand-off "
+                                           "thread's seconds per part (read, kmeans, pack: tables, packing "
+                                           "and the copy to host memory, store: nelssa-node's store call)")
         self._lane_timeline = c(name="nelssa:lane_timeline_seconds", labelnames=[*labelnames, "part"],
                                 documentation="Long lane batches with host calls, launch to end: lead (until the "
                                               "first host call), host (calls running), between (device work and "
@@ -288,6 +292,8 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
             self._split.labels(*self._labels[engine_idx], part).inc(x)
         for part, x in data.get("lane_split_s", {}).items():
             self._lane_split.labels(*self._labels[engine_idx], part).inc(x)
+        for part, x in data.get("move_split_s", {}).items():
+            self._move_split.labels(*self._labels[engine_idx], part).inc(x)
         for part, x in data.get("lane_timeline_s", {}).items():
             self._lane_timeline.labels(*self._labels[engine_idx], part).inc(x)
         for path, x in data.get("lane_paths", {}).items():

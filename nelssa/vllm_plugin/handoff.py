@@ -42,7 +42,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from nelssa.sparse.clustered import cluster_layers, pack, part_stats
+from nelssa.sparse.clustered import cluster_layers, pack, part_stats, settled
 from nelssa.sparse.kmeans import to_device
 from nelssa.vllm_plugin import handover
 
@@ -154,7 +154,8 @@ class Handoff:
         """Read [lo, hi) of every layer from the paged cache, cluster, prepare it on the host."""
         t = time.perf_counter()
         ks, vs = self._read(blocks, lo, hi)
-        self.host.put_layers(rid, ks, vs, commit=False)
+        self.host.stats.add(move_split_s={"read": settled(ks[0]) - t})
+        self.host.put_layers(rid, ks, vs, commit=False)  # adds its parts (kmeans, pack[, store])
         self.host.stats.add(cluster_s=time.perf_counter() - t, moved_tokens=hi - lo)
 
     def _read(self, blocks: list[int], lo: int, hi: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
