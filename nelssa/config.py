@@ -84,8 +84,9 @@ class NelssaConfig:
     estimate: bool = True         # approximate the unselected clusters by their centroids (device)
     graphs: bool = True           # CUDA: centroid search replayed as captured graphs, one merge kernel
     select_kernel: bool = True    # CUDA: the centroid search as Triton kernels (sparse/select_kernel.py)
-    lane: bool = False            # long lane (vllm_plugin/lane.py): offloaded requests decode apart from the
-                                  # step, so short rows never wait for the host tier
+    lane: bool | None = None      # long lane (vllm_plugin/lane.py): offloaded requests decode apart from the
+                                  # step, so short rows never wait for the host tier. None (default): on with
+                                  # CUDA, off on CPU (an engine decides: vllm_nelssa_config)
     lane_switch_us: int = 200     # with the lane: Python's GIL switch interval (us) in the worker
     lane_gather_ms: float = 50.0  # the lane waits up to this long for the long requests it reported to
                                   # come back, so they run as one batch
@@ -182,6 +183,7 @@ class NelssaConfig:
             f"migrate_watermark must be in [0, 1], got {self.migrate_watermark!r}")
         req(isinstance(self.defer_below, int) and self.defer_below >= 0,
             f"defer_below must be an int >= 0, got {self.defer_below!r}")
+        req(self.lane in (None, True, False), f"lane must be true, false or null (on with CUDA), got {self.lane!r}")
         req(self.engine in ("local", "node"), f"engine must be 'local' or 'node', got {self.engine!r}")
         req(self.node_transport in ("auto", "native", "shm", "grpc"),
             f"node_transport must be auto, native, shm or grpc, got {self.node_transport!r}")
@@ -316,9 +318,14 @@ def calibrated_t_input(path: str) -> int:
 
 
 def vllm_nelssa_config(additional_config: Mapping[str, Any] | None,
-                       block_size: int | None = None) -> NelssaConfig | None:
+                       block_size: int | None = None, device_type: str | None = None) -> NelssaConfig | None:
     """The config when NELSSA is enabled for a vLLM instance: a "nelssa" section in its
     additional_config and NELSSA_OFF unset. None means stock vLLM (the baseline).
+
+    ``device_type`` (vLLM's ``device_config.device_type``): ``lane`` left unset is on with "cuda" —
+    without the lane every step that carries a long request's row waits for the host tier each layer
+    (on the H200 72 ms for everyone in the step against 6) — and off elsewhere (on CPU the lane's thread
+    computes on the engine's own cores).
 
     ``block_size`` (the engine's KV block size; every part of an engine passes the same one): the
     sink is rounded up to whole blocks. A request's first block is never freed (the host range
@@ -332,6 +339,8 @@ def vllm_nelssa_config(additional_config: Mapping[str, Any] | None,
         return None
     if block_size and cfg.sink % block_size:
         cfg = cfg.replace(sink=-(-cfg.sink // block_size) * block_size)
+    if cfg.lane is None:
+        cfg = cfg.replace(lane=device_type == "cuda")
     return cfg
 
 

@@ -179,6 +179,13 @@ def test_config_sources_and_errors():
     assert vllm_nelssa_config({"nelssa": {"sink": 130}}, 128).sink == 256
     assert vllm_nelssa_config({"nelssa": {"sink": 0}}, 64).sink == 0
     assert vllm_nelssa_config({"nelssa": {}}, 64).replace(T_input=8192).T_input == 8192
+    # the lane, left unset, is on with CUDA and off elsewhere; an explicit choice (JSON or env) stands
+    assert load_config({"nelssa": {}}, env={}).lane is None
+    assert [vllm_nelssa_config({"nelssa": {}}, 16, d).lane for d in ("cuda", "cpu", None)] == [True, False, False]
+    assert vllm_nelssa_config({"nelssa": {"lane": False}}, 16, "cuda").lane is False
+    assert vllm_nelssa_config({"nelssa": {"lane": True}}, 16, "cpu").lane is True
+    with pytest.raises(ValueError, match="lane must be"):
+        load_config({"nelssa": {"lane": "yes"}}, env={})
     assert parse_bytes("64GiB") == 64 << 30 and parse_cores("2") == (2,)
     for bad, msg in [({"nelssa": {"budget": 0}}, "budget"), ({"nelssa": {"bogus": 1}}, "unknown nelssa config"),
                      ({"nelssa": {"engine": "x"}}, "engine"), ({"nelssa": []}, "must be an object"),

@@ -49,7 +49,8 @@ class NelssaLlamaForCausalLM(LlamaForCausalLM):
 
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        cfg = vllm_nelssa_config(vllm_config.additional_config, vllm_config.cache_config.block_size)
+        cfg = vllm_nelssa_config(vllm_config.additional_config, vllm_config.cache_config.block_size,
+                                 vllm_config.device_config.device_type)
         self.nelssa_enabled = cfg is not None
         # CPU lane: the lane's dense lock (lane.py, 5), held by the step's forward (runner) and the logits
         self.nelssa_dense_lock = contextlib.nullcontext()

@@ -45,7 +45,8 @@ class NelssaRunnerMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.nelssa_cfg = vllm_nelssa_config(self.vllm_config.additional_config,
-                                             self.vllm_config.cache_config.block_size)
+                                             self.vllm_config.cache_config.block_size,
+                                             self.vllm_config.device_config.device_type)
         self.nelssa_host: LocalHostTier | None = None
         self.nelssa_handoff: Handoff | None = None
         self.nelssa_lane = None

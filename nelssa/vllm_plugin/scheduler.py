@@ -114,7 +114,8 @@ class NelssaScheduler(Scheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.nelssa = cfg = vllm_nelssa_config(self.vllm_config.additional_config,
-                                                 self.vllm_config.cache_config.block_size)
+                                                 self.vllm_config.cache_config.block_size,
+                                                 self.vllm_config.device_config.device_type)
         self._held: deque[Request] = deque()
         self._reserved: dict[str, int] = {}
         self._rejected: list[tuple[Request, str]] = []

@@ -78,7 +78,8 @@ def _gpu_classes():
 
     class NelssaGPUWorker(Worker):
         def init_device(self):
-            cfg = vllm_nelssa_config(self.vllm_config.additional_config, self.vllm_config.cache_config.block_size)
+            cfg = vllm_nelssa_config(self.vllm_config.additional_config, self.vllm_config.cache_config.block_size,
+                                     self.vllm_config.device_config.device_type)
             if hardware_queues(cfg) is not None:
                 log.info("NELSSA lane: CUDA_DEVICE_MAX_CONNECTIONS=%s", os.environ["CUDA_DEVICE_MAX_CONNECTIONS"])
             super().init_device()
