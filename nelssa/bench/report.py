@@ -106,6 +106,11 @@ def hol_md(h: dict, rel: str) -> list[str]:
     for mode, tl in _timelines(h):
         out.append(f"\nLong lane ({mode}), mean ms per batch (lane_host.py, 7): " +
                    ", ".join(f"{p} {_f(tl[p])}" for p in TIMELINE_PARTS) + f"; sum {_f(sum(tl.values()))}")
+    for mode in result_modes(h):
+        mv = h[mode].get("move_split_s_per_move") if mode != "off" else None
+        if mv:
+            out.append(f"\nMoves to the host tier ({mode}), mean s per move (handoff.py): " +
+                       ", ".join(f"{p} {_f(v, 3)}" for p, v in mv.items()))
     return out + ["", _img(os.path.join(rel, "hol.png"), "hol"), ""]
 
 
