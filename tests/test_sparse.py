@@ -387,7 +387,9 @@ def test_to_host_refuses_size_mismatch():
 
 def test_kmeans_deterministic_and_segmented():
     k = torch.randn(2, 20000, 64)
+    kept = k.clone()
     a, ca = segmented_kmeans(k, seed=7, cluster_size=16)
+    assert torch.equal(k, kept)  # the keys clustered are the KV being stored: never modified
     b, cb = segmented_kmeans(k, seed=7, cluster_size=16)
     c, _ = segmented_kmeans(k, seed=8, cluster_size=16)
     assert torch.equal(a, b) and ca == cb and not torch.equal(a, c)

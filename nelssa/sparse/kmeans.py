@@ -72,7 +72,7 @@ def segmented_kmeans(keys: torch.Tensor, *, cluster_size: int = 16, segment: int
     """
     H, L, D = keys.shape
     sd = sim_dtype or similarity_dtype(keys.device)
-    x = keys.float()
+    x = keys.to(torch.float32, copy=True)  # fp32 keys: .float() is the caller's tensor (the KV being stored)
     x -= x.mean(dim=1, keepdim=True)
     xs_all = _normalize(x).to(sd)  # fp32: the same tensor
     del x
