@@ -325,7 +325,8 @@ def vllm_nelssa_config(additional_config: Mapping[str, Any] | None,
     ``device_type`` (vLLM's ``device_config.device_type``): ``lane`` left unset is on with "cuda" —
     without the lane every step that carries a long request's row waits for the host tier each layer
     (on the H200 72 ms for everyone in the step against 6) — and off elsewhere (on CPU the lane's thread
-    computes on the engine's own cores).
+    computes on the engine's own cores) and on a prefill instance that hands its long prompts over
+    (``handover``: it decodes none of them).
 
     ``block_size`` (the engine's KV block size; every part of an engine passes the same one): the
     sink is rounded up to whole blocks. A request's first block is never freed (the host range
@@ -340,7 +341,7 @@ def vllm_nelssa_config(additional_config: Mapping[str, Any] | None,
     if block_size and cfg.sink % block_size:
         cfg = cfg.replace(sink=-(-cfg.sink // block_size) * block_size)
     if cfg.lane is None:
-        cfg = cfg.replace(lane=device_type == "cuda")
+        cfg = cfg.replace(lane=device_type == "cuda" and not cfg.handover)
     return cfg
 
 

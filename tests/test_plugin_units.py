@@ -184,6 +184,7 @@ def test_config_sources_and_errors():
     assert [vllm_nelssa_config({"nelssa": {}}, 16, d).lane for d in ("cuda", "cpu", None)] == [True, False, False]
     assert vllm_nelssa_config({"nelssa": {"lane": False}}, 16, "cuda").lane is False
     assert vllm_nelssa_config({"nelssa": {"lane": True}}, 16, "cpu").lane is True
+    assert vllm_nelssa_config({"nelssa": {"engine": "node", "handover": True}}, 16, "cuda").lane is False  # P
     with pytest.raises(ValueError, match="lane must be"):
         load_config({"nelssa": {"lane": "yes"}}, env={})
     assert parse_bytes("64GiB") == 64 << 30 and parse_cores("2") == (2,)
