@@ -17,6 +17,14 @@ def pct(v: list[float], p: float) -> float | None:
     return float(np.percentile(np.asarray(v), p))
 
 
+def metric_key(name: str, labels: dict[str, str]) -> str:
+    """A Prometheus sample's key in the benches' metric dicts: its name, and its "part", "path" or
+    "outcome" label as name{part} (a lane batch's or a move's time by part, batches by path, drafts by
+    outcome); every other label (engine, model) is summed over."""
+    lab = labels.get("part") or labels.get("path") or labels.get("outcome")
+    return f"{name}{{{lab}}}" if lab else name
+
+
 def ratio(a, b):
     """a / b, None where either is missing or b is 0."""
     return a / b if a is not None and b not in (None, 0) else None

@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nelssa.bench.common import metric_key
 from nelssa.bench.common import pct as _pct
 from nelssa.bench.common import prompt_ids
 from nelssa.bench.common import ratio as _ratio
@@ -109,14 +110,13 @@ def _prompt_ids(sc: Scenario, tok, r: dict, k: int) -> list[int]:
 
 def _scrape() -> dict[str, float]:
     """vLLM and NELSSA metrics of this (front-end) process, summed over label sets except "part", "path"
-    and "outcome" (kept as name{part})."""
+    and "outcome" (kept as name{part}: common.metric_key)."""
     from prometheus_client import REGISTRY
     out: dict[str, float] = {}
     for fam in REGISTRY.collect():
         if fam.name.startswith(("vllm:", "nelssa:")):
             for s in fam.samples:
-                lab = s.labels.get("part") or s.labels.get("path") or s.labels.get("outcome")
-                name = f"{s.name}{{{lab}}}" if lab else s.name
+                name = metric_key(s.name, s.labels)
                 out[name] = out.get(name, 0.0) + float(s.value)
     return out
 

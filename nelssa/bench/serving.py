@@ -21,6 +21,8 @@ import time
 import urllib.request
 from typing import Any, Callable
 
+from nelssa.bench.common import metric_key
+
 # vLLM gauges/counters sampled over time (summed over label sets and instances, the KV-use fraction the
 # fullest instance's: combine_metrics); every nelssa:* sample is kept too
 METRICS = {
@@ -54,15 +56,14 @@ def combine_metrics(per_url: list[dict[str, float]]) -> dict[str, float]:
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {sample name: value summed over label sets (engines), FRACTIONS the largest}
-    for vllm:* and nelssa:*; a "part", "path" or "outcome" label is kept, as name{part} (the in-process
-    scrape's names, nelssa.bench.hol: a lane batch's or a move's time by part)."""
+    for vllm:* and nelssa:*, keyed as the in-process scrape keys them (common.metric_key: a "part", "path"
+    or "outcome" label kept as name{part})."""
     from prometheus_client.parser import text_string_to_metric_families
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name.startswith(("vllm:", "nelssa:")) and not s.name.endswith(("_bucket", "_created")):
-                lab = s.labels.get("part") or s.labels.get("path") or s.labels.get("outcome")
-                _merge(out, f"{s.name}{{{lab}}}" if lab else s.name, float(s.value))
+                _merge(out, metric_key(s.name, s.labels), float(s.value))
     return out
 
 
