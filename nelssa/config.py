@@ -345,6 +345,13 @@ def vllm_nelssa_config(additional_config: Mapping[str, Any] | None,
     return cfg
 
 
+def engine_config(vllm_config: Any) -> NelssaConfig | None:
+    """``vllm_nelssa_config`` of a vLLM instance's VllmConfig: its additional_config, KV block size and
+    device type. The scheduler, worker, runner and model all call this, so they derive one config."""
+    return vllm_nelssa_config(vllm_config.additional_config, vllm_config.cache_config.block_size,
+                              vllm_config.device_config.device_type)
+
+
 _current: NelssaConfig | None = None
 
 

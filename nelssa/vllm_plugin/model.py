@@ -13,7 +13,7 @@ import re
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
-from nelssa.config import NelssaConfig, vllm_nelssa_config
+from nelssa.config import NelssaConfig, engine_config
 from nelssa.vllm_plugin.attention import wrap_impl
 from nelssa.vllm_plugin.spec import NelssaSpec
 
@@ -49,8 +49,7 @@ class NelssaLlamaForCausalLM(LlamaForCausalLM):
 
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        cfg = vllm_nelssa_config(vllm_config.additional_config, vllm_config.cache_config.block_size,
-                                 vllm_config.device_config.device_type)
+        cfg = engine_config(vllm_config)
         self.nelssa_enabled = cfg is not None
         # CPU lane: the lane's dense lock (lane.py, 5), held by the step's forward (runner) and the logits
         self.nelssa_dense_lock = contextlib.nullcontext()

@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from nelssa.config import set_config, vllm_nelssa_config
+from nelssa.config import engine_config, set_config
 from nelssa.node import LocalHostTier, host_tier
 from nelssa.sparse.kmeans import to_device
 from nelssa.vllm_plugin import runtime
@@ -44,9 +44,7 @@ class NelssaRunnerMixin:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.nelssa_cfg = vllm_nelssa_config(self.vllm_config.additional_config,
-                                             self.vllm_config.cache_config.block_size,
-                                             self.vllm_config.device_config.device_type)
+        self.nelssa_cfg = engine_config(self.vllm_config)
         self.nelssa_host: LocalHostTier | None = None
         self.nelssa_handoff: Handoff | None = None
         self.nelssa_lane = None

@@ -95,7 +95,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
-from nelssa.config import mem_available, vllm_nelssa_config
+from nelssa.config import engine_config, mem_available
 from nelssa.vllm_plugin import handover, runtime
 from nelssa.vllm_plugin.connector import find_connector, nelssa_worker_meta
 from nelssa.vllm_plugin.policy import attention_balance, device_only, host_bytes, prefill_chunk
@@ -113,9 +113,7 @@ class NelssaScheduler(Scheduler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.nelssa = cfg = vllm_nelssa_config(self.vllm_config.additional_config,
-                                                 self.vllm_config.cache_config.block_size,
-                                                 self.vllm_config.device_config.device_type)
+        self.nelssa = cfg = engine_config(self.vllm_config)
         self._held: deque[Request] = deque()
         self._reserved: dict[str, int] = {}
         self._rejected: list[tuple[Request, str]] = []

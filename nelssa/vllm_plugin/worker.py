@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from nelssa.config import NelssaConfig, vllm_nelssa_config
+from nelssa.config import NelssaConfig, engine_config
 from nelssa.vllm_plugin.runner import NelssaRunnerMixin
 
 log = logging.getLogger("vllm.nelssa")
@@ -78,8 +78,7 @@ def _gpu_classes():
 
     class NelssaGPUWorker(Worker):
         def init_device(self):
-            cfg = vllm_nelssa_config(self.vllm_config.additional_config, self.vllm_config.cache_config.block_size,
-                                     self.vllm_config.device_config.device_type)
+            cfg = engine_config(self.vllm_config)
             if hardware_queues(cfg) is not None:
                 log.info("NELSSA lane: CUDA_DEVICE_MAX_CONNECTIONS=%s", os.environ["CUDA_DEVICE_MAX_CONNECTIONS"])
             super().init_device()
