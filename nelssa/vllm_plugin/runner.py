@@ -353,6 +353,7 @@ class NelssaRunnerMixin:
         in: NIXL read it, and the node holds [sink, H0)). Not scheduled yet, these requests are not in
         this runner's batch; the step that schedules one finds its position computed (a lane row)."""
         from nelssa.vllm_plugin.lane import Job
+        ev = torch.cuda.Event() if self.device.type == "cuda" else None
         jobs = []
         for rid, (pos, h0, tok, blocks) in seeds.items():
             if rid in finished or rid in runtime.failed:
@@ -363,12 +364,9 @@ class NelssaRunnerMixin:
                 runtime.fail(rid, f"its adopted hand-over up to {h0}: {type(e).__name__}: {e}")
                 continue
             jobs.append(Job(rid, pos, h0, torch.full((1,), tok, dtype=torch.long, device=self.device),
-                            np.asarray(blocks, dtype=np.int32)))
-        if jobs and self.device.type == "cuda":  # the token made on this stream: the lane waits for it
-            ev = torch.cuda.Event()
+                            np.asarray(blocks, dtype=np.int32), ev))
+        if ev is not None and jobs:  # the tokens made on this stream above: record after them
             ev.record()
-            for j in jobs:
-                j.event = ev
         self.nelssa_lane.submit(jobs)
 
     def _nelssa_submit(self, moves: list[tuple[str, int, int]], plan: StepPlan) -> None:
