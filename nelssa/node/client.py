@@ -38,7 +38,7 @@ from nelssa.node.wire import (DTYPE_IDS, ITEMSIZE, MAX_RELEASED_QUERY, TOKEN_HEA
                               W_RESP_SEQ, Limits, NativeChannel, PlanLayout, ShmChannel, StoreSlot, WireError,
                               decode_result, encode_job, plan_layout, store_bytes)
 from nelssa.sparse import Selection, pack
-from nelssa.sparse.clustered import cluster_layers, part_stats, settled
+from nelssa.sparse.clustered import cluster_part, part_stats, settled
 
 log = logging.getLogger("nelssa.node.client")
 
@@ -571,10 +571,8 @@ class NodeHostTier:
         if dtype not in DTYPE_IDS or any(k.shape != (H, n, D) or v.shape != k.shape for k, v in zip(keys, values)):
             raise HostError(f"put_layers: every layer's keys/values must be [{H}, {n}, {D}] of bf16/fp16/fp32")
         part = r.parts
-        t = time.perf_counter()
-        labels = cluster_layers(keys, seed=cfg.seed + 1000 * part, cluster_size=cfg.cluster_size,
-                                segment=cfg.segment, iters=cfg.iters)
-        t1 = settled(keys[0])
+        labels, kmeans_s = cluster_part(keys, cfg, part)
+        t1 = time.perf_counter()
         stats = [part_stats(k, v, lab, C) for k, v, (lab, C) in zip(keys, values, labels)]
         header = pb.StoreHeader(client_id=self.client_id, req_id=req_id, part=part, num_layers=self.num_layers,
                                 kv_heads=H, head_dim=D, dtype=DTYPE_IDS[dtype], tokens=n,
@@ -592,7 +590,7 @@ class NodeHostTier:
             t2 = settled(keys[0])  # streamed: the packing runs as gRPC takes the chunks (counted as the store)
             step = max(1 << 16, min(4 << 20, self.limits.max_message_bytes - (1 << 12)))
             rep = self._rpc("Store", _stream_chunks(header, keys, values, stats, step), timeout=timeout)
-        self.stats.add(move_split_s={"kmeans": t1 - t, "pack": t2 - t1, "store": time.perf_counter() - t2})
+        self.stats.add(move_split_s={"kmeans": kmeans_s, "pack": t2 - t1, "store": time.perf_counter() - t2})
         with self._lock:
             for i, (sizes, _, cent, vmean) in enumerate(stats):
                 if r.layers[i] is None:

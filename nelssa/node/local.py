@@ -18,7 +18,7 @@ import torch
 from nelssa._ext import ext
 from nelssa.config import NelssaConfig
 from nelssa.sparse import ClusteredKV, RequestKV, Selection, attend, prepare_attend
-from nelssa.sparse.clustered import cluster_layers, settled
+from nelssa.sparse.clustered import cluster_part, settled
 
 
 class HostError(RuntimeError):
@@ -179,10 +179,8 @@ class LocalHostTier:
         if len(keys) != self.num_layers or len(values) != self.num_layers:
             raise HostError(f"put_layers: {len(keys)} layers given, the host tier has {self.num_layers}")
         part = 0 if rkv.layers[0] is None else rkv.layers[0].num_parts
+        labels, kmeans_s = cluster_part(keys, cfg, part)
         t = time.perf_counter()
-        labels = cluster_layers(keys, seed=cfg.seed + 1000 * part, cluster_size=cfg.cluster_size,
-                                segment=cfg.segment, iters=cfg.iters)
-        t1 = settled(keys[0])
         for i, (k, v, lab) in enumerate(zip(keys, values, labels)):
             ckv = rkv.layers[i]
             if ckv is None:
@@ -190,7 +188,7 @@ class LocalHostTier:
                                   segment=cfg.segment, iters=cfg.iters, seed=cfg.seed + i)
                 rkv.set_layer(i, ckv)
             ckv.append(k, v, commit=commit, labels=lab)
-        self.stats.add(move_split_s={"kmeans": t1 - t, "pack": settled(keys[0]) - t1})
+        self.stats.add(move_split_s={"kmeans": kmeans_s, "pack": settled(keys[0]) - t})
 
     def commit(self, req_id: str, length: int) -> None:
         """Make a request's prepared parts visible until every layer holds exactly ``length`` tokens."""

@@ -347,6 +347,16 @@ def cluster_kv(keys: torch.Tensor, values: torch.Tensor, *, seed: int | None = N
     return ckv
 
 
+def cluster_part(keys: list[torch.Tensor], cfg, part: int) -> tuple[list[tuple[torch.Tensor, int]], float]:
+    """A request's part ``part`` (its moves' count so far) clustered as every host tier clusters it (the
+    in-process tier and nelssa-node's client must agree: the same seed for the same part) -> (per layer
+    (labels, C), seconds until the device finished the k-means: a move's ``kmeans`` part)."""
+    t = time.perf_counter()
+    labels = cluster_layers(keys, seed=cfg.seed + 1000 * part, cluster_size=cfg.cluster_size,
+                            segment=cfg.segment, iters=cfg.iters)
+    return labels, settled(keys[0]) - t
+
+
 def cluster_layers(keys: list[torch.Tensor], *, seed: int, cluster_size: int, segment: int, iters: int,
                    max_logits_bytes: int = 1 << 30, sim_dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, int]]:
     """Segmented k-means of several layers' keys ([H, n, D] each, same shape) in as few launches as
