@@ -10,7 +10,8 @@ measures exactly that object on a synthetic paged cache of the model's shape (Ll
                measured alone on an idle device: ``read_s`` (the gather from the paged cache, all layers),
                ``cluster_s`` (k-means over the layers; ``cluster_fp32_s`` with fp32 similarities) and
                ``put_s`` (the host tier's store: k-means, the parts' tables, packing and the copy into
-               host memory; ``pack_s`` = put_s - cluster_s);
+               host memory; ``pack_s`` = put_s - cluster_s; ``put_new_mappings``: its parts that went into
+               new memory rather than the ``--host-reserve`` reservation);
   steps        a synthetic decode step on the main stream (per layer one GEMM that reads a
                ``--step-gb``/layers slice of weights, then a wait for that stream, as an engine's step
                ends on its sampled tokens), run back to back on another Python thread (GIL switch
@@ -36,8 +37,9 @@ from types import SimpleNamespace
 import torch
 
 from nelssa.bench.common import pct
-from nelssa.config import get_config
+from nelssa.config import get_config, parse_bytes, set_config
 from nelssa.node.local import LocalHostTier
+from nelssa.sparse import hostmem
 from nelssa.sparse.clustered import cluster_layers
 from nelssa.vllm_plugin.attention import read_kv
 from nelssa.vllm_plugin.handoff import Handoff
@@ -112,6 +114,9 @@ def main() -> None:
     ap.add_argument("--no-warm", action="store_true",
                     help="skip Handoff.warm (the engine warms before serving): the first move then pays the "
                          "thread's one-time CUDA set-up beside the steps")
+    ap.add_argument("--host-reserve", default="",
+                    help="host-tier memory reserved (touched; with CUDA registered) before the moves, e.g. 20GiB "
+                         "(config host_reserve, sparse/hostmem.py; default: the config's, 0)")
     ap.add_argument("--switch-us", type=float, default=200.0,
                     help="Python's GIL switch interval (the engine's worker sets 200 us with the lane)")
     a = ap.parse_args()
@@ -121,6 +126,9 @@ def main() -> None:
     ctxs = [int(x) for x in a.contexts.split(",")]
     L, KH, D, bs = a.layers, a.kv_heads, a.head_dim, a.block_size
     cfg = get_config()
+    if a.host_reserve:
+        cfg = cfg.replace(host_reserve=parse_bytes(a.host_reserve))
+        set_config(cfg)
     nb = math.ceil(max(ctxs) / bs)
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -129,13 +137,18 @@ def main() -> None:
                               impl=SimpleNamespace(nelssa_kv_layout="flash"), num_kv_heads=KH, head_size=D)
               for _ in range(L)]
     steps = Steps(L, a.step_gb, dev, dtype, a.step_priority)
-    host = LocalHostTier(cfg, num_layers=L)
+    host = LocalHostTier(cfg, num_layers=L)  # reserves cfg.host_reserve in the background (registered with CUDA)
+    t = time.perf_counter()
+    hostmem.wait_reserved()
+    reserve_s = time.perf_counter() - t
     done: dict[str, float] = {}
     hand = Handoff(host, layers, bs, cfg.sink, read_kv, on_done=lambda rid, hi, gen: done.setdefault(rid, time.perf_counter()))
     res: dict = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
                  "shape": dict(layers=L, kv_heads=KH, head_dim=D, block_size=bs, dtype=a.dtype, sink=cfg.sink,
                                cluster_size=cfg.cluster_size, segment=cfg.segment, iters=cfg.iters),
-                 "step_gb": a.step_gb, "switch_us": a.switch_us, "step_priority": a.step_priority, "setup_s": time.perf_counter() - t0, "contexts": []}
+                 "step_gb": a.step_gb, "switch_us": a.switch_us, "step_priority": a.step_priority, "setup_s": time.perf_counter() - t0,
+                 "host_reserve": cfg.host_reserve, "host_reserve_wait_s": reserve_s, "host_memory": hostmem.stats(),
+                 "contexts": []}
     res["warm_s"] = 0.0 if a.no_warm else hand.warm(min(cfg.segment, nb * bs))  # as the engine, before serving
     print(f"[handoff] setup {res['setup_s']:.1f} s on {res['device']}, warm {res['warm_s']:.2f} s", flush=True)
     for _ in range(5):
@@ -165,10 +178,12 @@ def main() -> None:
             sync()
             cluster_s["fp32" if sd is not None else "default"] = time.perf_counter() - t
         # the store alone (k-means, the parts' tables, packing, the copy into host memory), device idle
+        mapped = hostmem.stats()["misses"]
         t = time.perf_counter()
         host.put_layers(f"alone{n}_{i}", ks, vs, commit=False)
         sync()
         put_s = time.perf_counter() - t
+        put_mappings = hostmem.stats()["misses"] - mapped  # parts that went into new memory, not the reservation
         host.free(f"alone{n}_{i}")
         del ks, vs, kvs, pos, b, o
         # the move, steps running beside it
@@ -204,7 +219,7 @@ def main() -> None:
         host.free(rid)
         row = {"context": n, "move_s": move_s, "tokens_per_s": (n - cfg.sink) / move_s, "read_s": read_s,
                "cluster_s": cluster_s["default"], "cluster_fp32_s": cluster_s["fp32"], "put_s": put_s,
-               "pack_s": put_s - cluster_s["default"], "bytes": 2 * L * KH * D * (n - cfg.sink) * torch.finfo(dtype).bits // 8,
+               "pack_s": put_s - cluster_s["default"], "put_new_mappings": put_mappings, "bytes": 2 * L * KH * D * (n - cfg.sink) * torch.finfo(dtype).bits // 8,
                "steps_during": {**step_stats([x for _, x, _ in box["s"]]),
                                 "enqueue": step_stats([e for _, _, e in box["s"]])},
                # the slowest steps beside the move: (start - submit, ms, of which enqueue ms), to place them
@@ -213,7 +228,8 @@ def main() -> None:
         res["contexts"].append(row)
         sd = row["steps_during"]
         print(f"[handoff] {n:>7} tokens: move {move_s:.2f} s (alone: read {read_s:.2f}, cluster {cluster_s['default']:.2f} "
-              f"(fp32 {cluster_s['fp32']:.2f}), store {put_s:.2f} = cluster + tables, packing, copy); "
+              f"(fp32 {cluster_s['fp32']:.2f}), store {put_s:.2f} = cluster + tables, packing, copy, "
+              f"{put_mappings} new mappings); "
               f"steps during: {sd['n']} p50 {sd['p50_ms']:.2f} p99 {sd['p99_ms']:.2f} max {sd['max_ms']:.2f} ms "
               f"(enqueue p99 {sd['enqueue']['p99_ms']:.2f} max {sd['enqueue']['max_ms']:.2f} ms)",
               flush=True)

@@ -13,6 +13,9 @@ std::tuple<double, double> block_read(const at::Tensor& buf, int64_t block_bytes
                                       int64_t pf_hint);
 void set_pool(int64_t threads, const std::vector<int64_t>& cores);
 at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype);
+void host_pool_keep(int64_t bytes);
+std::tuple<int64_t, int64_t> host_pool_reserve(int64_t bytes, int64_t threads, int64_t chunk);
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> host_pool_stats();
 }  // namespace nelssa
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -144,6 +147,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(seconds, checksum) to read nblocks random blocks of buf (pf_hint -1: no software prefetch)",
         py::arg("buf"), py::arg("block_bytes"), py::arg("nblocks"), py::arg("seed") = 0, py::arg("pf_hint") = -1);
   m.def("host_empty", &nelssa::host_empty, release(), "uninitialised host-tier tensor on huge pages");
+  m.def("host_pool_keep", &nelssa::host_pool_keep, release(), py::arg("bytes"),
+        "host-tier memory kept mapped when freed, for reuse (csrc/host_pool.cpp, 2)");
+  m.def("host_pool_reserve", &nelssa::host_pool_reserve, release(), py::arg("bytes"), py::arg("threads"),
+        py::arg("chunk"), "map and touch host-tier memory now, handed out as touched (host_pool.cpp, 3) -> (address, bytes)");
+  m.def("host_pool_stats", &nelssa::host_pool_stats, "(used, free, reserved bytes, hits, misses) (host_pool.cpp, 4)");
   m.def("set_pool", &nelssa::set_pool, release(), "threads and optional core pinning for the kernels");
 #if defined(__AVX512F__)
   m.attr("isa") = "avx512";

@@ -3,7 +3,6 @@
 
 #include <omp.h>
 #include <sched.h>
-#include <sys/mman.h>
 
 #include <chrono>
 
@@ -31,28 +30,6 @@ void set_pool(int64_t threads, const std::vector<int64_t>& cores) {
   p.threads = static_cast<int>(threads);
   p.cores.assign(cores.begin(), cores.end());
   ++p.generation;
-}
-
-// Host-tier buffer: anonymous memory, 2 MiB aligned, transparent huge pages requested. Cluster
-// gathers touch a new 4 KiB page per cluster; huge pages keep those walks out of the TLB.
-at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
-  int64_t n = 1;
-  for (int64_t s : sizes) n *= s;
-  const size_t bytes = static_cast<size_t>(n) * c10::elementSize(dtype);
-  constexpr size_t HUGE_PAGE = 2u << 20;
-  if (bytes < HUGE_PAGE) return at::empty(sizes, at::TensorOptions().dtype(dtype));
-  const size_t len = (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-  // over-map by one huge page to align the start
-  void* raw = mmap(nullptr, len + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK(raw != MAP_FAILED, "host_empty: mmap of ", len, " bytes failed (host memory exhausted?)");
-  const uintptr_t a = (reinterpret_cast<uintptr_t>(raw) + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
-  const size_t head = a - reinterpret_cast<uintptr_t>(raw);
-  if (head) munmap(raw, head);
-  if (HUGE_PAGE - head) munmap(reinterpret_cast<char*>(a) + len, HUGE_PAGE - head);
-  madvise(reinterpret_cast<void*>(a), len, MADV_HUGEPAGE);
-  return at::from_blob(
-      reinterpret_cast<void*>(a), sizes, [len](void* ptr) { munmap(ptr, len); },
-      at::TensorOptions().dtype(dtype));
 }
 
 // dst[h, di[h, i], :] = src[h, si[h, i], :] for every kv head h (rows of D elements, any dtype).

@@ -157,6 +157,8 @@ class NelssaConfig:
     pool_threads: int = field(default_factory=_default_threads)
     affinity_cores: tuple[int, ...] = ()
     host_capacity: int = 0        # host-tier bytes (0: 80% of available memory at start)
+    host_reserve: int = 0         # host-tier memory mapped and touched at start in the background and kept
+                                  # for reuse (sparse/hostmem.py); 0: every move writes fresh pages, every free unmaps
     host_timeout_s: float = 30.0  # a host-tier result later than this fails the request
     work_tokens: int = 512        # rows per kernel work item
     prefetch: str = "l1"          # kernel's software prefetch: l1 | l2 | nta | none (benchmark --sweep-prefetch
@@ -205,6 +207,8 @@ class NelssaConfig:
             f"lane_host_wait must be 'flags' or 'hostfn', got {self.lane_host_wait!r}")
         req(self.pool_threads >= 1, f"pool_threads must be >= 1, got {self.pool_threads}")
         req(self.host_capacity >= 0 and self.host_timeout_s > 0, "host_capacity >= 0 and host_timeout_s > 0 required")
+        req(isinstance(self.host_reserve, int) and self.host_reserve >= 0,
+            f"host_reserve must be bytes >= 0, got {self.host_reserve!r}")
         req(self.work_tokens >= 16, f"work_tokens must be >= 16, got {self.work_tokens}")
         req(self.prefetch_rows >= 0, f"prefetch_rows must be >= 0, got {self.prefetch_rows}")
         req(self.prefetch in PREFETCH_HINTS, f"prefetch must be one of {sorted(PREFETCH_HINTS)}, got {self.prefetch!r}")
@@ -264,6 +268,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_POOL_THREADS": ("pool_threads", int),
     "NELSSA_AFFINITY_CORES": ("affinity_cores", parse_cores),
     "NELSSA_HOST_CAPACITY": ("host_capacity", parse_bytes),
+    "NELSSA_HOST_RESERVE": ("host_reserve", parse_bytes),
     "NELSSA_HOST_TIMEOUT_S": ("host_timeout_s", float),
     "NELSSA_PREFETCH_ROWS": ("prefetch_rows", int),
     "NELSSA_PREFETCH": ("prefetch", str),
@@ -272,7 +277,7 @@ ENV: dict[str, tuple[str, Any]] = {
 }
 
 _FIELDS = {f.name for f in dataclasses.fields(NelssaConfig)}
-_CONVERT = {"affinity_cores": parse_cores, "host_capacity": parse_bytes}
+_CONVERT = {"affinity_cores": parse_cores, "host_capacity": parse_bytes, "host_reserve": parse_bytes}
 
 
 def load_config(additional_config: Mapping[str, Any] | None = None,

@@ -19,10 +19,10 @@ def test_hol_cpu_preset_is_well_formed_and_exact(tmp_path, cut_model_dir):
     out = tmp_path / "hol"
     # NELSSA as a variant (on:lane: the preset's NELSSA config with the lane) against the one stock run
     assert main(["--preset", "cpu", "--model", model_dir, "--out", str(out), "--timeout", "900",
-                 "--modes", "off,on:lane", "--variant", 'lane={"lane": true}']) == 0
+                 "--modes", "off,on:lane", "--variant", 'lane={"lane": true, "host_reserve": "64MiB"}']) == 0
     s = json.loads((out / "hol.json").read_text())
     assert os.path.getsize(out / "hol.png") > 10_000
-    assert s["variants"] == {"lane": {"lane": True}} and "on" not in s
+    assert s["variants"] == {"lane": {"lane": True, "host_reserve": "64MiB"}} and "on" not in s
     for key in ("targets", "outputs_equal", "outputs_total", "ratios_on_over_off"):  # per variant
         s[key] = s.pop(key + "_lane")
     s["on"] = s.pop("on:lane")
@@ -48,6 +48,9 @@ def test_hol_cpu_preset_is_well_formed_and_exact(tmp_path, cut_model_dir):
     nel = s["on"]["nelssa"]  # the NELSSA connector's metrics reached the AsyncLLM front end
     assert nel.get("nelssa:moved_tokens_total", 0) >= s["scenario"]["long_len"] - 200, nel
     assert nel.get("nelssa:long_requests_total", 0) == 1, nel
+    # host-tier memory (sparse/hostmem.py) reserved at start: the prompt's parts (~3.7 MiB per layer) went into
+    # it, none into new mappings (without the reservation: one per layer)
+    assert "nelssa:host_memory_free_bytes" in nel and nel.get("nelssa:host_memory_mappings_total", 0) == 0, nel
     # where the moves' time went, by part (read, k-means, packing and copy): together within their total
     mv = s["on"]["move_split_s_per_move"]
     assert set(mv) == {"read", "kmeans", "pack"} and all(v > 0 for v in mv.values()), mv

@@ -217,6 +217,38 @@ def test_metrics_and_lease_expiry_frees_the_clients_kv():
         node.stop()
 
 
+def test_node_host_reserve_serves_stores_from_touched_memory():
+    """--host-reserve: the node reserves host memory at start; stores land in it (hits, no new mappings),
+    a freed request's memory serves the next one, and the results stay exact."""
+    node = Node("--devices", "1", "--device-memory", "256MiB", "--host-reserve", "32MiB", "--metrics-port", "0")
+
+    def pool() -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5).read().decode()
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r'nelssa_node_host_memory\{what="(\w+)"\} (\S+)', text)}
+    try:
+        deadline = time.monotonic() + 60
+        while pool().get("reserved_bytes") != 32 << 20 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pool()["reserved_bytes"] == 32 << 20
+        t = NodeHostTier(_cfg(node, "native"), L)
+        g = torch.Generator().manual_seed(3)
+        for rid in ("a", "b"):                       # 2,048 tokens: 2 MiB per layer on the device
+            keys, values = _kv(2048, ord(rid))
+            t.put_layers(rid, keys, values)
+            q = torch.randn(1, HQ, D, generator=g)
+            out, lse = _attend(t, [rid], 1, q, 1.0)
+            do, dl = dense_attention(q[0], keys[1], values[1], SCALE)
+            torch.testing.assert_close(out[0].double(), do, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse[0].double(), dl, atol=1e-5, rtol=1e-5)
+            p = pool()
+            assert p["misses"] == 0 and p["hits"] >= L * (1 + (rid == "b")) and p["used_bytes"] >= L * (2 << 20), p
+            assert t.free(rid)
+        assert pool()["used_bytes"] == 0 and pool()["free_bytes"] == 32 << 20
+        t.close()
+    finally:
+        node.stop()
+
+
 def test_token_required_off_loopback_and_checked_on_every_call():
     r = subprocess.run([sys.executable, "-m", "nelssa.node", "--host", "0.0.0.0", "--port", "0"],
                        capture_output=True, text=True, timeout=120, env={k: v for k, v in os.environ.items()

@@ -312,6 +312,74 @@ def test_block_read_probe():
         mod.block_read(buf, 100, 4)
 
 
+_POOL_SCRIPT = r"""
+import threading, torch
+from nelssa._ext import ext
+from nelssa.sparse import hostmem
+mod, MiB = ext(), 1 << 20
+st = hostmem.stats
+# keep 0 (the default): a free unmaps, the next allocation maps anew
+a = hostmem.host_empty((4 * MiB,), torch.uint8); del a
+assert st()["free_bytes"] == 0 and st()["misses"] == 1 and st()["used_bytes"] == 0, st()
+assert hostmem.host_empty((1000,), torch.float32).numel() == 1000 and st()["misses"] == 1  # < 2 MiB: torch's
+# kept: a freed range serves the next allocation of its size; a live neighbour is untouched
+mod.host_pool_keep(16 * MiB)
+a, b = hostmem.host_empty((4 * MiB,), torch.uint8), hostmem.host_empty((6 * MiB,), torch.uint8)
+b.fill_(7); pa = a.data_ptr(); del a
+c = hostmem.host_empty((4 * MiB,), torch.uint8)
+assert c.data_ptr() == pa and st()["hits"] == 1, st()
+c.fill_(1)
+assert bool((b == 7).all())
+del b, c
+assert st()["free_bytes"] == 10 * MiB and st()["used_bytes"] == 0, st()
+# pieces of a range given back merge: four 2 MiB pieces of a freed 8 MiB range serve 8 MiB again
+mod.host_pool_keep(0); mod.host_pool_keep(16 * MiB)
+a = hostmem.host_empty((8 * MiB,), torch.uint8); pa = a.data_ptr(); del a
+x = [hostmem.host_empty((2 * MiB,), torch.uint8) for _ in range(4)]
+assert sorted(t.data_ptr() for t in x) == [pa + i * 2 * MiB for i in range(4)], st()
+del x
+m = st()["misses"]
+a = hostmem.host_empty((8 * MiB,), torch.uint8)
+assert a.data_ptr() == pa and st()["misses"] == m, st()
+del a
+big = [hostmem.host_empty((8 * MiB,), torch.uint8) for _ in range(3)]
+del big                                   # 24 MiB freed against a keep of 16: the excess unmapped
+assert 0 < st()["free_bytes"] <= 16 * MiB, st()
+# reserved at start, in the background: then every allocation it holds is a hit
+hostmem.configure(64 * MiB, threads=2)
+assert hostmem.wait_reserved(60)
+assert st()["reserved_bytes"] == 64 * MiB and st()["free_bytes"] >= 64 * MiB, st()
+h0, m0 = st()["hits"], st()["misses"]
+held = [hostmem.host_empty((2, 2 * MiB), torch.float32) for _ in range(3)]  # 16 MiB each
+assert st()["misses"] == m0 and st()["hits"] == h0 + 3, st()
+del held
+mod.host_pool_keep(0)                     # reserved memory is never unmapped
+assert st()["free_bytes"] == 64 * MiB, st()
+mod.host_pool_keep(64 * MiB)
+# two threads allocating, filling, checking and freeing ranges of random sizes: no range is shared
+bad = []
+def work(seed):
+    g = torch.Generator().manual_seed(seed)
+    live = []
+    for i in range(300):
+        n = int(torch.randint(2, 12, (1,), generator=g)) * MiB
+        t = hostmem.host_empty((n,), torch.uint8); t.fill_(seed * 16 + i % 16); live.append((t, seed * 16 + i % 16))
+        if len(live) > 4 or torch.rand(1, generator=g) < 0.5:
+            t, v = live.pop(int(torch.randint(0, len(live), (1,), generator=g)))
+            if not bool((t == v).all()): bad.append(v)
+ts = [threading.Thread(target=work, args=(s,)) for s in (1, 2)]
+[t.start() for t in ts]; [t.join() for t in ts]
+assert not bad and st()["used_bytes"] == 0, (bad, st())
+print("ok", st())
+"""
+
+
+def test_host_pool_reuses_merges_trims_and_reserves():
+    """csrc/host_pool.cpp through sparse/hostmem.py, in a process of its own (the pool is process-wide)."""
+    r = subprocess.run([sys.executable, "-c", _POOL_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
+
+
 def test_touch_only_probe_reads_without_attention(use_cpp):
     """The benchmark's gather probe runs over the same selection on the C++ path and is refused on
     the torch path (it would measure nothing)."""
@@ -364,6 +432,39 @@ def test_layout_is_cluster_contiguous_and_complete():
     h, c = 1, int(torch.argmax(ckv.csize[1]))
     s, n = int(ckv.cstart[h, c]), int(ckv.csize[h, c])
     assert torch.allclose(ckv.centroids[h, c].float(), k[h, ckv.perm[h, s:s + n]].mean(0), atol=1e-5)
+
+
+_REGISTERED_SCRIPT = r"""
+import torch
+from nelssa.sparse import hostmem, pack
+from nelssa.sparse.clustered import to_host
+torch.zeros(1, device="cuda")                       # an engine's worker: CUDA in use before the host tier
+hostmem.configure(64 << 20, threads=2, cuda_device=torch.cuda.current_device())
+assert hostmem.wait_reserved(120)
+st = hostmem.stats()
+assert st["registered_bytes"] == 64 << 20, st
+k, v = (torch.randn(8, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+perm = torch.stack([torch.randperm(4096, device="cuda") for _ in range(8)])
+out = pack(k, v, perm)                              # 16 MiB: from the registered reservation, one DMA
+assert out.is_pinned() and hostmem.stats()["hits"] >= 1
+ref = pack(k.cpu(), v.cpu(), perm.cpu())
+assert torch.equal(out, ref)
+big = torch.randn(20 << 20, device="cuda")         # 80 MiB: more than the reservation, a new pageable mapping
+dst = hostmem.host_empty((20 << 20,), torch.float32)
+assert not dst.is_pinned()
+to_host(big, dst)
+assert torch.equal(dst, big.cpu())
+print("ok", hostmem.stats())
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="registration with CUDA")
+def test_reserved_host_memory_registered_with_cuda_takes_one_dma():
+    """hostmem.py 3 (its own process: the reservation is process-wide): a reservation made by a CUDA process
+    is registered; a move's packed K/V go straight into it (pinned) and equal the CPU reorganisation; memory
+    beyond it still goes through the staging buffers."""
+    r = subprocess.run([sys.executable, "-c", _REGISTERED_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned-staging copy is for CUDA keys")

@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="kernel threads per device (default: --cores-per-device, else 1)")
     p.add_argument("--device-memory", default="",
                    help="capacity per device, e.g. 64GiB (default: 80%% of available memory, split over the devices)")
+    p.add_argument("--host-reserve", default="0",
+                   help="host memory mapped and touched at start (in the background) and kept for stored KV, "
+                        "e.g. 32GiB: stores then copy into memory whose page faults are paid (0: none)")
     p.add_argument("--partition", choices=("head", "cluster"), default="head")
     p.add_argument("--ingest-cores", default="", help="cores for store handling, e.g. '15' (default: not pinned)")
     p.add_argument("--token-file", default="", help="file holding the shared secret (else NELSSA_NODE_TOKEN)")
@@ -97,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                          else int(0.8 * mem_available()) // a.devices, partition=a.partition,
                          ingest_cores=parse_cores(a.ingest_cores), token=token, lease_min_s=a.lease_min_s,
                          lease_max_s=a.lease_max_s, poll_spin_us=a.poll_spin_us, metrics_port=a.metrics_port,
+                         host_reserve=parse_bytes(a.host_reserve),
                          limits=Limits(max_message_bytes=parse_bytes(a.max_message_bytes),
                                        max_store_slot_bytes=parse_bytes(a.max_store_slot)))
     except ValueError as e:

@@ -18,6 +18,7 @@ import torch
 from nelssa._ext import ext
 from nelssa.config import NelssaConfig
 from nelssa.sparse import ClusteredKV, RequestKV, Selection, attend, prepare_attend
+from nelssa.sparse import hostmem
 from nelssa.sparse.clustered import cluster_part, settled
 
 
@@ -156,6 +157,10 @@ class LocalHostTier:
         self.stats = HostStats()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="nelssa-host")
         self._lock = threading.Lock()
+        reserve = min(cfg.host_reserve, cfg.host_capacity) if cfg.host_capacity else cfg.host_reserve
+        # registered with CUDA where this process uses it (an engine's worker has its device by now)
+        dev = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        hostmem.configure(reserve, threads=min(4, cfg.pool_threads), cuda_device=dev)
 
     # -------- KV placement
     def _request(self, req_id: str) -> RequestKV:

@@ -46,7 +46,7 @@ from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
 from nelssa.node.wire import (DTYPE_IDS, DTYPES, ITEMSIZE, MAX_RELEASED_QUERY, TOKEN_HEADER, W_REQ_SEQ, Limits,
                               NativeChannel, ShmChannel, StoreSlot, WireError, centroid_bytes, decode_job, dtype_of,
                               plan_layout, store_bytes, tensor_bytes, valid_handle)
-from nelssa.sparse import KVPart, Selection, attend, host_empty, merge_states, prepare_attend
+from nelssa.sparse import KVPart, Selection, attend, host_empty, hostmem, merge_states, prepare_attend
 
 log = logging.getLogger("nelssa.node")
 
@@ -76,6 +76,7 @@ class NodeSettings:
     shm_dir: str = "/dev/shm"
     grpc_workers: int = 16
     metrics_port: int = -1                           # Prometheus /metrics (-1: off, 0: any port)
+    host_reserve: int = 0                            # bytes of host memory reserved at start for stored KV (hostmem.py)
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -84,8 +85,8 @@ class NodeSettings:
             raise ValueError(f"{len(self.device_cores)} core sets for {self.devices} devices")
         if self.partition not in ("head", "cluster"):
             raise ValueError(f"partition must be 'head' or 'cluster', got {self.partition!r}")
-        if self.threads_per_device < 1 or self.device_memory < 0:
-            raise ValueError("threads_per_device >= 1 and device_memory >= 0 required")
+        if self.threads_per_device < 1 or self.device_memory < 0 or self.host_reserve < 0:
+            raise ValueError("threads_per_device >= 1, device_memory >= 0 and host_reserve >= 0 required")
         if not is_loopback(self.host) and not self.token:
             raise ValueError(f"binding {self.host} (not loopback) requires a token (NELSSA_NODE_TOKEN or --token-file)")
 
@@ -280,6 +281,11 @@ class Metrics:
         self.ingested = Counter("nelssa_node_ingested_bytes", "KV bytes stored", registry=r)
         self.stores = Counter("nelssa_node_stores", "store calls", ["outcome"], registry=r)
         self.expired = Counter("nelssa_node_expired_clients", "clients dropped at lease expiry", registry=r)
+        self.host_memory = Gauge("nelssa_node_host_memory", "host memory of stored KV (sparse/hostmem.py): bytes "
+                                 "used, free (kept mapped), reserved; allocations served from free memory (hits) or new "
+                               "mappings (misses)", ["what"], registry=r)
+        for what in ("used_bytes", "free_bytes", "reserved_bytes", "hits", "misses"):
+            self.host_memory.labels(what=what).set_function(lambda what=what: hostmem.stats()[what])
         self._children: dict = {}
 
     def job(self, plane: str, outcome: str, seconds: float) -> None:
@@ -1157,6 +1163,7 @@ def serve(s: NodeSettings) -> RunningNode:
     # the kernels' OpenMP teams: threads_per_device each; pinning comes from the device threads' masks
     set_config(cfg.replace(pool_threads=s.threads_per_device, affinity_cores=()))
     node = NodeState(s)
+    hostmem.configure(min(s.host_reserve, s.devices * s.device_memory), threads=min(4, s.threads_per_device * s.devices))
     opts = [("grpc.max_receive_message_length", s.limits.max_message_bytes + (1 << 16)),
             ("grpc.max_send_message_length", s.limits.max_message_bytes + (1 << 16))]
     server = grpc.server(futures.ThreadPoolExecutor(s.grpc_workers, thread_name_prefix="nelssa-rpc"),

@@ -1,7 +1,8 @@
 """NELSSA sparse-attention algorithms (no vLLM imports): clustering, centroid search, host attention."""
 
 from nelssa.sparse.attention import attend, dense_attention, merge_states, prepare_attend, sparse_attention
-from nelssa.sparse.clustered import ClusteredKV, KVPart, cluster_kv, host_empty, pack
+from nelssa.sparse.clustered import ClusteredKV, KVPart, cluster_kv, pack
+from nelssa.sparse.hostmem import host_empty
 from nelssa.sparse.kmeans import segmented_kmeans
 from nelssa.sparse.search import Selection, budget_tokens, select_clusters
 from nelssa.sparse.store import CapacityError, KVStore, RequestKV

@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole, KVConnectorWorkerMetadata)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from nelssa.sparse import hostmem
 from nelssa.vllm_plugin import handover, runtime
 
 CONNECTOR = {"kv_connector": "NelssaConnector", "kv_connector_module_path": "nelssa.vllm_plugin.connector",
@@ -215,6 +216,14 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
                                          documentation="Tokens moved to the host tier (prompts and chunks)")),
             "host_bytes": per_engine(g(name="nelssa:host_bytes", labelnames=labelnames, multiprocess_mode="mostrecent",
                                        documentation="Host-tier bytes in use (clustered KV)")),
+            "host_memory_free_bytes": per_engine(g(name="nelssa:host_memory_free_bytes", labelnames=labelnames,
+                                                   multiprocess_mode="mostrecent",
+                                                   documentation="Host-tier memory mapped and touched, free for the "
+                                                                 "next moves (config host_reserve, sparse/hostmem.py)")),
+            "host_memory_mappings": per_engine(c(name="nelssa:host_memory_mappings", labelnames=labelnames,
+                                                 documentation="Host-tier allocations of 2 MiB or more that mapped new "
+                                                               "memory (its page faults paid by the move's copy) "
+                                                               "instead of reusing free touched memory")),
             "reserved_bytes": per_engine(g(name="nelssa:host_reserved_bytes", labelnames=labelnames,
                                            multiprocess_mode="mostrecent",
                                            documentation="Host-tier bytes reserved by admitted long requests")),
@@ -328,6 +337,7 @@ class NelssaConnector(KVConnectorBase_V1):
         self.seeds: dict[str, tuple[int, int, int, list[int]]] = {}  # set by NelssaScheduler (D, lane): not yet sent
         self._alloc_next = 0.0                 # worker: when the allocator's counters are read next
         self._alloc_last: dict[str, int] = {}  # worker: their values at the last read
+        self._mappings = 0                     # worker: hostmem's new mappings at the last report
 
     # ---- scheduler side: nothing to load, nothing to send
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -418,6 +428,9 @@ class NelssaConnector(KVConnectorBase_V1):
             return None
         d = host.stats.take()
         d["host_bytes"] = host.nbytes
+        mem = hostmem.stats()
+        d["host_memory_free_bytes"] = mem["free_bytes"]
+        d["host_memory_mappings"], self._mappings = mem["misses"] - self._mappings, mem["misses"]
         d.update(self._cuda_allocator_events())
         return NelssaStats(d)
 

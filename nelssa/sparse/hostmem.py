@@ -1,0 +1,116 @@
+"""Host-tier memory: the huge-page ranges that hold clustered K/V, kept for reuse (csrc/host_pool.cpp).
+
+  1. ``host_empty(shape, dtype)``: an uninitialised CPU tensor; 2 MiB or more comes from the free ranges
+     (a hit) or a new huge-page mapping (a miss); freeing the tensor gives its range back. Without the
+     C++ extension: ``torch.empty``, no reuse.
+  2. ``configure(reserve_bytes, threads, cuda_device)`` (config ``host_reserve``; the in-process host tier
+     and nelssa-node call it at start): free ranges up to ``reserve_bytes`` stay mapped for the next move
+     instead of being unmapped, and that much is mapped and touched now, on a background thread, so that
+     a move's copy lands in memory whose page faults are paid (fresh memory: 0.3-2.5 GB/s on the 2-vCPU
+     Firecracker box, ~17 GB/s touched). A later call with a larger size reserves the difference; 0
+     (the default) keeps nothing.
+  3. With ``cuda_device`` (an engine on CUDA) the reservation, once touched, is registered with CUDA
+     (page-locked, portable): ``clustered.to_host`` then copies a move's packed K/V from the device
+     straight into it, one DMA, instead of through pinned staging buffers and a host-side copy on the
+     hand-off thread (``is_pinned()`` tells them apart). A registration that fails is logged; the
+     memory is used through the staging buffers.
+  4. ``stats()``: bytes in use / free / reserved, hits and misses; ``wait_reserved()`` for tests and
+     benchmarks that measure with the reservation complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from nelssa._ext import ext
+
+log = logging.getLogger("vllm.nelssa")  # shown in an engine's log (vLLM configures "vllm"), and the node's
+
+RESERVE_CHUNK = 256 << 20  # touched and handed out in pieces of this size (host_pool.cpp, 3)
+
+_lock = threading.Lock()
+_target = 0                 # bytes asked of configure() so far (kept and reserved)
+_threads: list[threading.Thread] = []
+_registered: list[tuple[int, int]] = []  # (address, bytes) of reservations registered with CUDA (3)
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised host-tier tensor (1)."""
+    mod = ext()
+    return mod.host_empty(list(shape), dtype) if mod is not None else torch.empty(shape, dtype=dtype)
+
+
+def configure(reserve_bytes: int, threads: int = 2, cuda_device: int | None = None) -> None:
+    """Keep up to ``reserve_bytes`` of freed host-tier memory mapped, and reserve that much in the
+    background (2), registered with CUDA for ``cuda_device`` (3). Never shrinks what an earlier call
+    asked for."""
+    global _target
+    if reserve_bytes < 0:
+        raise ValueError(f"host_reserve: {reserve_bytes} bytes")
+    mod = ext()
+    with _lock:
+        if mod is None or reserve_bytes <= _target:
+            if mod is None and reserve_bytes:
+                log.warning("nelssa: host_reserve %d B ignored: no C++ extension (nelssa._C)", reserve_bytes)
+            return
+        more, _target = reserve_bytes - _target, reserve_bytes
+        mod.host_pool_keep(reserve_bytes)
+        t = threading.Thread(target=_reserve, args=(mod, more, max(1, threads), cuda_device),
+                             name="nelssa-host-reserve", daemon=True)
+        _threads.append(t)
+    t.start()
+
+
+def _reserve(mod, nbytes: int, threads: int, cuda_device: int | None) -> None:
+    t = time.perf_counter()
+    log.info("nelssa: host memory: reserving %.2f GiB (%d threads)", nbytes / 2**30, threads)
+    try:
+        addr, got = mod.host_pool_reserve(nbytes, threads, RESERVE_CHUNK)
+    except Exception as e:  # a reservation that fails leaves the tier working, on fresh mappings
+        log.error("nelssa: host memory: reserving %d B failed: %s", nbytes, e)
+        return
+    dt = time.perf_counter() - t
+    log.info("nelssa: host memory: %.2f GiB reserved in %.1f s (%.1f GB/s)", got / 2**30, dt, got / max(dt, 1e-9) / 1e9)
+    if cuda_device is not None:
+        _register(addr, got, cuda_device)
+
+
+def _register(addr: int, nbytes: int, device: int) -> None:
+    """3: page-lock a reservation for the device's DMA (cudaHostRegisterPortable: every context sees it as
+    pinned). Never unregistered: reserved memory lives as long as the process."""
+    t = time.perf_counter()
+    torch.cuda.set_device(device)
+    err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 1))
+    if err != 0:
+        log.error("nelssa: host memory: registering %.2f GiB with CUDA failed (cudaError %d): moves copy through "
+                  "the staging buffers", nbytes / 2**30, err)
+        return
+    with _lock:
+        _registered.append((addr, nbytes))
+    log.info("nelssa: host memory: %.2f GiB registered with CUDA in %.1f s", nbytes / 2**30, time.perf_counter() - t)
+
+
+def wait_reserved(timeout: float | None = None) -> bool:
+    """True once every reservation started so far has finished (within ``timeout`` seconds)."""
+    end = None if timeout is None else time.monotonic() + timeout
+    for t in list(_threads):
+        t.join(None if end is None else max(0.0, end - time.monotonic()))
+        if t.is_alive():
+            return False
+    return True
+
+
+def stats() -> dict[str, int]:
+    """Host-tier memory: bytes in use, free (kept mapped), reserved, registered with CUDA; hits (served
+    from free ranges) and misses (new mappings) of allocations of 2 MiB or more (4). Zeros without the
+    extension."""
+    mod = ext()
+    used, free, reserved, hits, misses = mod.host_pool_stats() if mod is not None else (0, 0, 0, 0, 0)
+    with _lock:
+        registered = sum(n for _, n in _registered)
+    return {"used_bytes": used, "free_bytes": free, "reserved_bytes": reserved, "registered_bytes": registered,
+            "hits": hits, "misses": misses}
