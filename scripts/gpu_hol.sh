@@ -10,6 +10,8 @@
 #   bash scripts/gpu_hol.sh check [exact|throughput] # CUDA unit tests + benchmarks/gpu_validate.py (dummy 8B)
 #   bash scripts/gpu_hol.sh select                   # benchmarks/bench_select_gpu.py (centroid search, torch vs kernel)
 #   bash scripts/gpu_hol.sh handoff [args]           # benchmarks/bench_handoff.py (no vLLM needed: no staging) + its report
+#   bash scripts/gpu_hol.sh hostmem [args]           # benchmarks/bench_host_memory.py (a move's copy into fresh vs
+#                                                    # reserved, CUDA-registered host memory; no staging)
 #   bash scripts/gpu_hol.sh node [bench_node args]   # benchmarks/bench_node.py (carry .wheels: grpcio); a node that
 #                                                    # crashes leaves its native frames, resolved, in $OUT/node_crash.txt
 #   PD_MODE=on|off bash scripts/gpu_hol.sh pd [hol-http --set args]
@@ -54,6 +56,10 @@ case "$what" in
     python3 benchmarks/bench_handoff.py --out "$hout" "$@" 2>&1 | grep -v -i warn | tail -n 20
     python3 -m nelssa.cli bench report "$hout" >/dev/null 2>&1 || true
     pack "$hout"
+    exit 0 ;;
+  hostmem)
+    build_ext
+    python3 benchmarks/bench_host_memory.py --out "$OUT/hostmem${HOL_TAG:+_$HOL_TAG}" "$@" 2>&1 | grep -v -i warn | tail -n 8
     exit 0 ;;
   node)
     grpc_wheels

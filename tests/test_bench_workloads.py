@@ -11,7 +11,7 @@ import pytest
 
 from nelssa.bench import trace as tr
 from nelssa.bench import workloads as wl
-from nelssa.bench.common import pct, ratio
+from nelssa.bench.common import pct, ratio, run_metrics
 
 TRACE = [{"input": 1000, "output": 100}, {"input": 50_000, "output": 400}, {"input": 100_000, "output": 2000},
          {"input": 5, "output": 1}, {"input": 20_000, "output": 1000}]
@@ -28,6 +28,17 @@ def test_scale_trace_keeps_each_requests_share():
     assert scaled[3]["input"] == 16                              # the floor
     with pytest.raises(ValueError):
         tr.scale_trace(TRACE, max_model_len=32, max_output=32)
+
+
+def test_run_metrics_counters_grow_gauges_stay_levels():
+    first = {"nelssa:moved_tokens_total": 100.0, "nelssa:move_split_seconds_total{kmeans}": 1.0,
+             "nelssa:clustering_seconds_count": 2.0, "nelssa:host_memory_free_bytes": 64.0, "nelssa:host_bytes": 10.0}
+    last = {"nelssa:moved_tokens_total": 350.0, "nelssa:move_split_seconds_total{kmeans}": 1.5,
+            "nelssa:clustering_seconds_count": 5.0, "nelssa:host_memory_free_bytes": 64.0, "nelssa:host_bytes": 0.0,
+            "vllm:x": 3.0}
+    m = run_metrics(first, last, lambda k: k.startswith("nelssa:"))
+    assert m == {"nelssa:moved_tokens_total": 250.0, "nelssa:move_split_seconds_total{kmeans}": 0.5,
+                 "nelssa:clustering_seconds_count": 3.0, "nelssa:host_memory_free_bytes": 64.0, "nelssa:host_bytes": 0.0}
 
 
 def test_poisson_arrivals_rate_and_seed():

@@ -25,6 +25,15 @@ def metric_key(name: str, labels: dict[str, str]) -> str:
     return f"{name}{{{lab}}}" if lab else name
 
 
+def run_metrics(first: dict[str, float], last: dict[str, float], names=lambda k: True) -> dict[str, float]:
+    """A run's metrics from its first and last scrape (keys as ``metric_key`` makes them): counters and
+    histograms as their growth over the run, gauges (levels: host bytes in use, free host memory) as
+    their last value — a level's growth says nothing."""
+    def grows(k: str) -> bool:
+        return k.split("{", 1)[0].endswith(("_total", "_sum", "_count", "_bucket"))
+    return {k: (v - first.get(k, 0.0)) if grows(k) else v for k, v in last.items() if names(k)}
+
+
 def ratio(a, b):
     """a / b, None where either is missing or b is 0."""
     return a / b if a is not None and b not in (None, 0) else None

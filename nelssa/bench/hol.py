@@ -37,6 +37,7 @@ from typing import Any
 from nelssa.bench.common import metric_key
 from nelssa.bench.common import pct as _pct
 from nelssa.bench.common import prompt_ids
+from nelssa.bench.common import run_metrics
 from nelssa.bench.common import ratio as _ratio
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -205,8 +206,8 @@ async def _run_mode(mode: str, sc: Scenario, model: str, out_dir: str = "") -> d
     await asyncio.sleep(1.5)  # let the last iteration stats reach the registry
     end = _scrape()
     eng.shutdown()
-    delta = {k: v - base.get(k, 0.0) for k, v in end.items()
-             if "_created" not in k and (k.endswith(("_total", "_sum", "_count")) or k.startswith("nelssa:"))}
+    delta = run_metrics(base, end, lambda k: "_created" not in k and (k.endswith(("_total", "_sum", "_count"))
+                                                                       or k.startswith("nelssa:")))
     return {"mode": mode, "wall_s": wall, "t0_perf": t0, "requests": recs, "samples": samples, "metrics": delta}
 
 
@@ -299,10 +300,10 @@ def residency_targets(a: dict) -> dict:
 def from_http(run: dict) -> dict:
     """An endpoint run (nelssa.bench.serving.replay: stamps per streamed chunk, /metrics samples) in the
     shape ``analyse`` reads: a failed request counts as an error, the counters' growth between the first
-    and the last /metrics sample as the run's metrics (summed over the sampled instances: P and D behind
-    a proxy)."""
+    and the last /metrics sample as the run's metrics (gauges: the last sample's; summed over the sampled
+    instances: P and D behind a proxy)."""
     first, last = (run["samples"][0], run["samples"][-1]) if run["samples"] else ({}, {})
-    metrics = {k: v - first.get(k, 0.0) for k, v in last.items() if k.startswith("nelssa:")}
+    metrics = run_metrics(first, last, lambda k: k.startswith("nelssa:"))
     if "preemptions" in last:
         metrics["vllm:num_preemptions_total"] = last["preemptions"] - first.get("preemptions", 0.0)
     reqs = [{**r, "finish_reason": "length" if r["success"] else "error"} for r in run["requests"]]
