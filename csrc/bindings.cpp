@@ -16,6 +16,7 @@ at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype);
 void host_pool_keep(int64_t bytes);
 std::tuple<int64_t, int64_t> host_pool_reserve(int64_t bytes, int64_t threads, int64_t chunk);
 std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> host_pool_stats();
+void copy_bytes(at::Tensor& dst, const at::Tensor& src, int64_t threads);
 }  // namespace nelssa
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -151,6 +152,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "host-tier memory kept mapped when freed, for reuse (csrc/host_pool.cpp, 2)");
   m.def("host_pool_reserve", &nelssa::host_pool_reserve, release(), py::arg("bytes"), py::arg("threads"),
         py::arg("chunk"), "map and touch host-tier memory now, handed out as touched (host_pool.cpp, 3) -> (address, bytes)");
+  m.def("copy_bytes", &nelssa::copy_bytes, release(), py::arg("dst"), py::arg("src"), py::arg("threads"),
+        "dst = src bytewise with `threads` threads (host_pool.cpp, 5)");
   m.def("host_pool_stats", &nelssa::host_pool_stats, "(used, free, reserved bytes, hits, misses) (host_pool.cpp, 4)");
   m.def("set_pool", &nelssa::set_pool, release(), "threads and optional core pinning for the kernels");
 #if defined(__AVX512F__)

@@ -22,6 +22,7 @@
 //      thread at start (the engine loads its weights meanwhile).
 //   4. Served from free ranges: a hit; a new mapping: a miss. stats() = (bytes in use, bytes free,
 //      bytes reserved, hits, misses).
+//   5. copy_bytes: a parallel memcpy for the host side of a staged device-to-host copy.
 #include "common.h"
 
 #include <omp.h>
@@ -223,5 +224,24 @@ std::tuple<int64_t, int64_t> host_pool_reserve(int64_t bytes, int64_t threads, i
 }
 
 std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> host_pool_stats() { return host_pool().stats(); }
+
+// 5. dst = src, bytewise, split over `threads` threads in contiguous slices (1 MiB at least): a staged
+// device-to-host copy's host side, whose single-threaded copy into fresh pages ran at a few GB/s.
+void copy_bytes(at::Tensor& dst, const at::Tensor& src, int64_t threads) {
+  TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu() && dst.is_contiguous() && src.is_contiguous(),
+              "copy_bytes: contiguous CPU tensors");
+  TORCH_CHECK(dst.nbytes() == src.nbytes(), "copy_bytes: ", src.nbytes(), " bytes into ", dst.nbytes());
+  TORCH_CHECK(threads >= 1, "copy_bytes: threads >= 1");
+  const int64_t n = static_cast<int64_t>(src.nbytes());
+  char* d = static_cast<char*>(dst.data_ptr());
+  const char* s = static_cast<const char*>(src.data_ptr());
+  const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, n >> 20));
+  const int64_t per = (n + t - 1) / t;
+#pragma omp parallel for schedule(static) num_threads(static_cast<int>(t))
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t a = i * per, b = std::min(n, a + per);
+    if (a < b) std::memcpy(d + a, s + a, static_cast<size_t>(b - a));
+  }
+}
 
 }  // namespace nelssa

@@ -374,6 +374,19 @@ print("ok", st())
 """
 
 
+def test_copy_bytes_parallel_memcpy():
+    """host_pool.cpp 5 (to_host's host side): equal bytes for any size and thread count, sizes checked."""
+    from nelssa._ext import ext
+    mod = ext()
+    for n, threads in ((1, 4), (3 << 20, 2), ((5 << 20) + 7, 4), (1 << 20, 1)):
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        dst = torch.zeros(n, dtype=torch.uint8)
+        mod.copy_bytes(dst, src, threads)
+        assert torch.equal(dst, src)
+    with pytest.raises(RuntimeError, match="bytes into"):
+        mod.copy_bytes(torch.zeros(10, dtype=torch.uint8), torch.zeros(11, dtype=torch.uint8), 2)
+
+
 def test_host_pool_reuses_merges_trims_and_reserves():
     """csrc/host_pool.cpp through sparse/hostmem.py, in a process of its own (the pool is process-wide)."""
     r = subprocess.run([sys.executable, "-c", _POOL_SCRIPT], capture_output=True, text=True, timeout=300)
