@@ -387,6 +387,15 @@ def test_copy_bytes_parallel_memcpy():
         mod.copy_bytes(torch.zeros(10, dtype=torch.uint8), torch.zeros(11, dtype=torch.uint8), 2)
 
 
+def test_host_reserve_beyond_available_memory_is_refused():
+    from nelssa.config import mem_available
+    from nelssa.sparse import hostmem
+    before, target = hostmem.stats(), hostmem._target
+    with pytest.raises(ValueError, match="memory available"):
+        hostmem.configure(target + 2 * mem_available())
+    assert hostmem.stats() == before and hostmem._target == target  # nothing reserved, nothing asked
+
+
 def test_host_pool_reuses_merges_trims_and_reserves():
     """csrc/host_pool.cpp through sparse/hostmem.py, in a process of its own (the pool is process-wide)."""
     r = subprocess.run([sys.executable, "-c", _POOL_SCRIPT], capture_output=True, text=True, timeout=300)

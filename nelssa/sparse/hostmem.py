@@ -27,6 +27,7 @@ import time
 import torch
 
 from nelssa._ext import ext
+from nelssa.config import mem_available
 
 log = logging.getLogger("vllm.nelssa")  # shown in an engine's log (vLLM configures "vllm"), and the node's
 
@@ -47,7 +48,7 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def configure(reserve_bytes: int, threads: int = 2, cuda_device: int | None = None) -> None:
     """Keep up to ``reserve_bytes`` of freed host-tier memory mapped, and reserve that much in the
     background (2), registered with CUDA for ``cuda_device`` (3). Never shrinks what an earlier call
-    asked for."""
+    asked for. Raises ValueError for more than 90% of the memory available now."""
     global _target
     if reserve_bytes < 0:
         raise ValueError(f"host_reserve: {reserve_bytes} bytes")
@@ -57,7 +58,12 @@ def configure(reserve_bytes: int, threads: int = 2, cuda_device: int | None = No
             if mod is None and reserve_bytes:
                 log.warning("nelssa: host_reserve %d B ignored: no C++ extension (nelssa._C)", reserve_bytes)
             return
-        more, _target = reserve_bytes - _target, reserve_bytes
+        more = reserve_bytes - _target
+        avail = mem_available()
+        if more > 0.9 * avail:  # touching it would bring the OOM killer, not an error
+            raise ValueError(f"host_reserve: {more} more bytes asked, {avail} B of memory available "
+                             f"(at most 90% of it can be reserved)")
+        _target = reserve_bytes
         mod.host_pool_keep(reserve_bytes)
         t = threading.Thread(target=_reserve, args=(mod, more, max(1, threads), cuda_device),
                              name="nelssa-host-reserve", daemon=True)
