@@ -523,7 +523,7 @@ class NodeState:
                                 f"{'no slot' if slot is None else f'a slot of {slot.slot} bytes'} (OpenShm store)")
             if next(chunks, None) is not None:
                 raise WireError("a store from the slot carries no data chunks")
-            reader = _SlotReader(slot.data[:want])
+            reader = _SlotReader(slot.data[:want], threads=len(self.s.ingest_cores) or 2)
         else:
             reader = _ByteReader(chunks, context)
         self.reserve(need)
@@ -968,16 +968,21 @@ class _ByteReader(_StoreReader):
 
 class _SlotReader(_StoreReader):
     """A store's data from the client's store slot, with _ByteReader's interface: ``src`` is exactly the
-    declared bytes (checked against the slot before), read in order; torch's copies release the GIL."""
+    declared bytes (checked against the slot before), read in order; the copies release the GIL and run
+    on ``threads`` threads (the extension's copy_bytes; its threads inherit the store handler's cores)."""
 
-    def __init__(self, src: torch.Tensor):
-        self.src, self.off = src, 0
+    def __init__(self, src: torch.Tensor, threads: int = 1):
+        self.src, self.off, self.threads = src, 0, threads
 
     def into(self, dst: torch.Tensor) -> None:
         k = dst.numel()
         if self.off + k > self.src.numel():
             raise WireError("store slot read past the store's declared bytes")
-        dst.copy_(self.src[self.off:self.off + k])
+        mod = ext()
+        if mod is not None:
+            mod.copy_bytes(dst, self.src[self.off:self.off + k], self.threads)
+        else:
+            dst.copy_(self.src[self.off:self.off + k])
         self.off += k
 
     def end(self) -> None:
