@@ -137,9 +137,11 @@ def main() -> None:
                               impl=SimpleNamespace(nelssa_kv_layout="flash"), num_kv_heads=KH, head_size=D)
               for _ in range(L)]
     steps = Steps(L, a.step_gb, dev, dtype, a.step_priority)
-    host = LocalHostTier(cfg, num_layers=L)  # reserves cfg.host_reserve in the background (registered with CUDA)
+    host = LocalHostTier(cfg, num_layers=L)  # reserves cfg.host_reserve in the background
     t = time.perf_counter()
     hostmem.wait_reserved()
+    if dev.type == "cuda" and cfg.host_reserve:  # as the engine does after its graphs' capture
+        hostmem.register_cuda(dev.index if dev.index is not None else torch.cuda.current_device())
     reserve_s = time.perf_counter() - t
     done: dict[str, float] = {}
     hand = Handoff(host, layers, bs, cfg.sink, read_kv, on_done=lambda rid, hi, gen: done.setdefault(rid, time.perf_counter()))

@@ -86,8 +86,10 @@ def main() -> None:
         raise SystemExit(f"--reserve {a.reserve} is less than one move ({nbytes} B)")
     set_config(get_config().replace(host_reserve=reserve))
     t = time.perf_counter()
-    hostmem.configure(reserve, threads=2, cuda_device=dev.index if dev.type == "cuda" else None)
+    hostmem.configure(reserve, threads=2)
     hostmem.wait_reserved()
+    if dev.type == "cuda":
+        hostmem.register_cuda(dev.index if dev.index is not None else torch.cuda.current_device())
     res["reserve_s"] = time.perf_counter() - t
     res["host_memory"] = hostmem.stats()
     print(f"[host-memory] reserved {reserve / 2**30:.2f} GiB in {res['reserve_s']:.1f} s "

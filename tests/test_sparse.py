@@ -461,8 +461,9 @@ import torch
 from nelssa.sparse import hostmem, pack
 from nelssa.sparse.clustered import to_host
 torch.zeros(1, device="cuda")                       # an engine's worker: CUDA in use before the host tier
-hostmem.configure(64 << 20, threads=2, cuda_device=torch.cuda.current_device())
-assert hostmem.wait_reserved(120)
+hostmem.configure(64 << 20, threads=2)
+assert hostmem.register_cuda(torch.cuda.current_device()) == 64 << 20   # waits for the touching
+assert hostmem.register_cuda(torch.cuda.current_device()) == 0          # each reservation once
 st = hostmem.stats()
 assert st["registered_bytes"] == 64 << 20, st
 k, v = (torch.randn(8, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))

@@ -158,9 +158,7 @@ class LocalHostTier:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="nelssa-host")
         self._lock = threading.Lock()
         reserve = min(cfg.host_reserve, cfg.host_capacity) if cfg.host_capacity else cfg.host_reserve
-        # registered with CUDA where this process uses it (an engine's worker has its device by now)
-        dev = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        hostmem.configure(reserve, threads=min(4, cfg.pool_threads), cuda_device=dev)
+        hostmem.configure(reserve, threads=min(4, cfg.pool_threads))  # an engine on CUDA registers it later
 
     # -------- KV placement
     def _request(self, req_id: str) -> RequestKV:

@@ -3,17 +3,17 @@
   1. ``host_empty(shape, dtype)``: an uninitialised CPU tensor; 2 MiB or more comes from the free ranges
      (a hit) or a new huge-page mapping (a miss); freeing the tensor gives its range back. Without the
      C++ extension: ``torch.empty``, no reuse.
-  2. ``configure(reserve_bytes, threads, cuda_device)`` (config ``host_reserve``; the in-process host tier
-     and nelssa-node call it at start): free ranges up to ``reserve_bytes`` stay mapped for the next move
+  2. ``configure(reserve_bytes, threads)`` (config ``host_reserve``; the in-process host tier and
+     nelssa-node call it at start): free ranges up to ``reserve_bytes`` stay mapped for the next move
      instead of being unmapped, and that much is mapped and touched now, on a background thread, so that
      a move's copy lands in memory whose page faults are paid (fresh memory: 0.3-2.5 GB/s on the 2-vCPU
      Firecracker box, ~17 GB/s touched). A later call with a larger size reserves the difference; 0
      (the default) keeps nothing.
-  3. With ``cuda_device`` (an engine on CUDA) the reservation, once touched, is registered with CUDA
-     (page-locked, portable): ``clustered.to_host`` then copies a move's packed K/V from the device
-     straight into it, one DMA, instead of through pinned staging buffers and a host-side copy on the
-     hand-off thread (``is_pinned()`` tells them apart). A registration that fails is logged; the
-     memory is used through the staging buffers.
+  3. ``register_cuda(device)`` (an engine on CUDA, once vLLM has captured its graphs): the reservation,
+     once touched, is registered with CUDA (page-locked, portable): ``clustered.to_host`` then copies a
+     move's packed K/V from the device straight into it, one DMA, instead of through pinned staging
+     buffers and a host-side copy (``is_pinned()`` tells them apart). A registration that fails is
+     logged; the memory is used through the staging buffers.
   4. ``stats()``: bytes in use / free / reserved, hits and misses; ``wait_reserved()`` for tests and
      benchmarks that measure with the reservation complete.
 """
@@ -36,7 +36,8 @@ RESERVE_CHUNK = 256 << 20  # touched and handed out in pieces of this size (host
 _lock = threading.Lock()
 _target = 0                 # bytes asked of configure() so far (kept and reserved)
 _threads: list[threading.Thread] = []
-_registered: list[tuple[int, int]] = []  # (address, bytes) of reservations registered with CUDA (3)
+_regions: list[tuple[int, int]] = []     # (address, bytes) of each reservation, once touched
+_registered: list[tuple[int, int]] = []  # those registered with CUDA (3)
 
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -45,10 +46,10 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return mod.host_empty(list(shape), dtype) if mod is not None else torch.empty(shape, dtype=dtype)
 
 
-def configure(reserve_bytes: int, threads: int = 2, cuda_device: int | None = None) -> None:
+def configure(reserve_bytes: int, threads: int = 2) -> None:
     """Keep up to ``reserve_bytes`` of freed host-tier memory mapped, and reserve that much in the
-    background (2), registered with CUDA for ``cuda_device`` (3). Never shrinks what an earlier call
-    asked for. Raises ValueError for more than 90% of the memory available now."""
+    background (2; no CUDA call there). Never shrinks what an earlier call asked for. Raises ValueError
+    for more than 90% of the memory available now."""
     global _target
     if reserve_bytes < 0:
         raise ValueError(f"host_reserve: {reserve_bytes} bytes")
@@ -65,13 +66,13 @@ def configure(reserve_bytes: int, threads: int = 2, cuda_device: int | None = No
                              f"(at most 90% of it can be reserved)")
         _target = reserve_bytes
         mod.host_pool_keep(reserve_bytes)
-        t = threading.Thread(target=_reserve, args=(mod, more, max(1, threads), cuda_device),
-                             name="nelssa-host-reserve", daemon=True)
+        t = threading.Thread(target=_reserve, args=(mod, more, max(1, threads)), name="nelssa-host-reserve",
+                             daemon=True)
         _threads.append(t)
     t.start()
 
 
-def _reserve(mod, nbytes: int, threads: int, cuda_device: int | None) -> None:
+def _reserve(mod, nbytes: int, threads: int) -> None:
     t = time.perf_counter()
     log.info("nelssa: host memory: reserving %.2f GiB (%d threads)", nbytes / 2**30, threads)
     try:
@@ -79,25 +80,36 @@ def _reserve(mod, nbytes: int, threads: int, cuda_device: int | None) -> None:
     except Exception as e:  # a reservation that fails leaves the tier working, on fresh mappings
         log.error("nelssa: host memory: reserving %d B failed: %s", nbytes, e)
         return
+    with _lock:
+        _regions.append((addr, got))
     dt = time.perf_counter() - t
     log.info("nelssa: host memory: %.2f GiB reserved in %.1f s (%.1f GB/s)", got / 2**30, dt, got / max(dt, 1e-9) / 1e9)
-    if cuda_device is not None:
-        _register(addr, got, cuda_device)
 
 
-def _register(addr: int, nbytes: int, device: int) -> None:
-    """3: page-lock a reservation for the device's DMA (cudaHostRegisterPortable: every context sees it as
-    pinned). Never unregistered: reserved memory lives as long as the process."""
-    t = time.perf_counter()
-    torch.cuda.set_device(device)
-    err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 1))
-    if err != 0:
-        log.error("nelssa: host memory: registering %.2f GiB with CUDA failed (cudaError %d): moves copy through "
-                  "the staging buffers", nbytes / 2**30, err)
-        return
+def register_cuda(device: int) -> int:
+    """3: page-lock every reservation made so far for the device's DMA (cudaHostRegisterPortable: every
+    context sees it as pinned), after waiting for their touching -> bytes newly registered. Called by the
+    engine once vLLM has captured its CUDA graphs: vLLM captures in the global mode, in which such a call
+    from another thread would break the capture. Never unregistered: reserved memory lives as long as the
+    process. A registration that fails is logged; that memory is used through the staging buffers."""
+    wait_reserved()
     with _lock:
-        _registered.append((addr, nbytes))
-    log.info("nelssa: host memory: %.2f GiB registered with CUDA in %.1f s", nbytes / 2**30, time.perf_counter() - t)
+        todo = [r for r in _regions if r not in _registered]
+    done = 0
+    for addr, nbytes in todo:
+        t = time.perf_counter()
+        torch.cuda.set_device(device)
+        err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 1))
+        if err != 0:
+            log.error("nelssa: host memory: registering %.2f GiB with CUDA failed (cudaError %d): moves copy "
+                      "through the staging buffers", nbytes / 2**30, err)
+            continue
+        with _lock:
+            _registered.append((addr, nbytes))
+        done += nbytes
+        log.info("nelssa: host memory: %.2f GiB registered with CUDA in %.1f s", nbytes / 2**30,
+                 time.perf_counter() - t)
+    return done
 
 
 def wait_reserved(timeout: float | None = None) -> bool:

@@ -121,7 +121,19 @@ class NelssaRunnerMixin:
                                    "~1 GiB) found no device memory beside vLLM's: every move would fail; lower "
                                    "gpu_memory_utilization") from e
             log.info("NELSSA: hand-off warmed (a %d-token move's work, nothing stored) in %.2f s", tokens, secs)
+        self._nelssa_register_host_memory()
         return out
+
+    def _nelssa_register_host_memory(self) -> None:
+        """The host-tier reservation (config host_reserve) registered with CUDA for one-DMA moves
+        (sparse/hostmem.py, 3): after vLLM's CUDA-graph capture (global mode: a registration from another
+        thread would break it), before serving; the engine's start waits for it."""
+        if self.device.type == "cuda" and self.nelssa_cfg is not None and self.nelssa_cfg.host_reserve:
+            from nelssa.sparse import hostmem
+            t = time.perf_counter()
+            n = hostmem.register_cuda(self.device.index if self.device.index is not None else torch.cuda.current_device())
+            log.info("NELSSA: host-tier reservation registered with CUDA: %.2f GiB in %.1f s (touching waited for)",
+                     n / 2**30, time.perf_counter() - t)
 
     def initialize_kv_cache(self, *args, **kwargs):
         super().initialize_kv_cache(*args, **kwargs)
@@ -131,6 +143,8 @@ class NelssaRunnerMixin:
             raise ValueError("NELSSA needs its KV connector: pass kv_transfer_config="
                              '{"kv_connector": "NelssaConnector", "kv_connector_module_path": '
                              '"nelssa.vllm_plugin.connector", "kv_role": "kv_both"} (see nelssa.vllm_plugin.engine_args)')
+        if self.nelssa_cfg is not None and not profiling and self.model_config.enforce_eager:
+            self._nelssa_register_host_memory()  # no CUDA-graph capture follows (capture_model is not called)
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         host = self.nelssa_host
