@@ -220,6 +220,8 @@ def test_metrics_and_lease_expiry_frees_the_clients_kv():
 def test_node_host_reserve_serves_stores_from_touched_memory():
     """--host-reserve: the node reserves host memory at start; stores land in it (hits, no new mappings),
     a freed request's memory serves the next one, and the results stay exact."""
+    with pytest.raises(RuntimeError, match="memory available"):  # refused at start, not left to the OOM killer
+        Node("--devices", "1", "--device-memory", "200TiB", "--host-reserve", "100TiB")
     node = Node("--devices", "1", "--device-memory", "256MiB", "--host-reserve", "32MiB", "--metrics-port", "0")
 
     def pool() -> dict[str, float]:

@@ -105,7 +105,10 @@ def main(argv: list[str] | None = None) -> None:
                                        max_store_slot_bytes=parse_bytes(a.max_store_slot)))
     except ValueError as e:
         raise SystemExit(f"nelssa-node: {e}") from None
-    running = serve(s)
+    try:
+        running = serve(s)
+    except ValueError as e:  # e.g. a --host-reserve beyond the memory available
+        raise SystemExit(f"nelssa-node: {e}") from None
     # one parseable line for scripts and tests
     print(f"nelssa-node listening on {a.host}:{running.port} metrics {running.metrics_port} pid {os.getpid()}",
           flush=True)

@@ -1167,8 +1167,8 @@ def serve(s: NodeSettings) -> RunningNode:
     cfg = get_config()
     # the kernels' OpenMP teams: threads_per_device each; pinning comes from the device threads' masks
     set_config(cfg.replace(pool_threads=s.threads_per_device, affinity_cores=()))
-    node = NodeState(s)
     hostmem.configure(min(s.host_reserve, s.devices * s.device_memory), threads=min(4, s.threads_per_device * s.devices))
+    node = NodeState(s)
     opts = [("grpc.max_receive_message_length", s.limits.max_message_bytes + (1 << 16)),
             ("grpc.max_send_message_length", s.limits.max_message_bytes + (1 << 16))]
     server = grpc.server(futures.ThreadPoolExecutor(s.grpc_workers, thread_name_prefix="nelssa-rpc"),
