@@ -587,6 +587,7 @@ def test_handoff_bench_moves_every_token(tmp_path):
     assert report([str(tmp_path)]) == 0
     md = (tmp_path / "report.md").read_text()
     assert "## Hand-off time vs context (cpu)" in md and "| 1,200 |" in md and "![hand-off](handoff.png)" in md
+    assert "store alone s (parts in new mappings)" in md and "host memory reserved 0.0 GiB" in md
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))

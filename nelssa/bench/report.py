@@ -111,6 +111,11 @@ def hol_md(h: dict, rel: str) -> list[str]:
         if mv:
             out.append(f"\nMoves to the host tier ({mode}), mean s per move (handoff.py): " +
                        ", ".join(f"{p} {_f(v, 3)}" for p, v in mv.items()))
+        nel = h[mode].get("nelssa") or {}
+        if mode != "off" and "nelssa:host_memory_free_bytes" in nel:
+            out.append(f"\nHost-tier memory ({mode}, config host_reserve): "
+                       f"{_f(nel.get('nelssa:host_memory_mappings_total', 0), 0)} parts in new mappings, "
+                       f"{_f(nel['nelssa:host_memory_free_bytes'] / 2**30, 2)} GiB free at the end")
     return out + ["", _img(os.path.join(rel, "hol.png"), "hol"), ""]
 
 
@@ -166,13 +171,17 @@ def handoff_md(r: dict, rel: str) -> list[str]:
     out = [f"## Hand-off time vs context ({r.get('device', '')})", "",
            f"{sh['layers']} layers, {sh['kv_heads']} KV heads of {sh['head_dim']}, {sh['dtype']}, blocks of "
            f"{sh['block_size']}; synthetic steps reading {r.get('step_gb')} GB, stream priority "
-           f"{r.get('step_priority', 0)}, idle p50 / p99 {_f(idle['p50_ms'], 2)} / {_f(idle['p99_ms'], 2)} ms", "",
-           "| context | move s | read alone s | k-means alone s | steps beside it: n, p50 / p99 / max ms |",
-           "|---|---|---|---|---|"]
+           f"{r.get('step_priority', 0)}, idle p50 / p99 {_f(idle['p50_ms'], 2)} / {_f(idle['p99_ms'], 2)} ms; "
+           f"host memory reserved {_f(r.get('host_reserve', 0) / 2**30, 1)} GiB (registered with CUDA "
+           f"{_f((r.get('host_memory') or {}).get('registered_bytes', 0) / 2**30, 1)} GiB)", "",
+           "| context | move s | read alone s | k-means alone s | store alone s (parts in new mappings) | "
+           "steps beside it: n, p50 / p99 / max ms |",
+           "|---|---|---|---|---|---|"]
     for c in r["contexts"]:
         st = c["steps_during"]
+        store = f"{_f(c['put_s'], 2)} ({c.get('put_new_mappings', '-')})" if "put_s" in c else "-"
         out.append(f"| {c['context']:,} | {_f(c['move_s'], 2)} | {_f(c['read_s'], 3)} | {_f(c['cluster_s'], 2)} | "
-                   f"{st['n']}, {_f(st['p50_ms'], 2)} / {_f(st['p99_ms'])} / {_f(st['max_ms'])} |")
+                   f"{store} | {st['n']}, {_f(st['p50_ms'], 2)} / {_f(st['p99_ms'])} / {_f(st['max_ms'])} |")
     return out + ["", _img(os.path.join(rel, "handoff.png"), "hand-off"), ""]
 
 
