@@ -141,7 +141,7 @@ def main() -> None:
     t = time.perf_counter()
     hostmem.wait_reserved()
     if dev.type == "cuda" and cfg.host_reserve:  # as the engine does after its graphs' capture
-        hostmem.register_cuda(dev.index if dev.index is not None else torch.cuda.current_device())
+        hostmem.register_cuda(dev)
     reserve_s = time.perf_counter() - t
     done: dict[str, float] = {}
     hand = Handoff(host, layers, bs, cfg.sink, read_kv, on_done=lambda rid, hi, gen: done.setdefault(rid, time.perf_counter()))

@@ -89,7 +89,7 @@ def main() -> None:
     hostmem.configure(reserve, threads=2)
     hostmem.wait_reserved()
     if dev.type == "cuda":
-        hostmem.register_cuda(dev.index if dev.index is not None else torch.cuda.current_device())
+        hostmem.register_cuda(dev)
     res["reserve_s"] = time.perf_counter() - t
     res["host_memory"] = hostmem.stats()
     print(f"[host-memory] reserved {reserve / 2**30:.2f} GiB in {res['reserve_s']:.1f} s "

@@ -86,19 +86,21 @@ def _reserve(mod, nbytes: int, threads: int) -> None:
     log.info("nelssa: host memory: %.2f GiB reserved in %.1f s (%.1f GB/s)", got / 2**30, dt, got / max(dt, 1e-9) / 1e9)
 
 
-def register_cuda(device: int) -> int:
+def register_cuda(device: torch.device | int) -> int:
     """3: page-lock every reservation made so far for the device's DMA (cudaHostRegisterPortable: every
     context sees it as pinned), after waiting for their touching -> bytes newly registered. Called by the
     engine once vLLM has captured its CUDA graphs: vLLM captures in the global mode, in which such a call
     from another thread would break the capture. Never unregistered: reserved memory lives as long as the
     process. A registration that fails is logged; that memory is used through the staging buffers."""
     wait_reserved()
+    device = torch.device("cuda", device) if isinstance(device, int) else device
+    index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
         todo = [r for r in _regions if r not in _registered]
     done = 0
     for addr, nbytes in todo:
         t = time.perf_counter()
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(index)
         err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 1))
         if err != 0:
             log.error("nelssa: host memory: registering %.2f GiB with CUDA failed (cudaError %d): moves copy "

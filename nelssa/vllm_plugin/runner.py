@@ -131,7 +131,7 @@ class NelssaRunnerMixin:
         if self.device.type == "cuda" and self.nelssa_cfg is not None and self.nelssa_cfg.host_reserve:
             from nelssa.sparse import hostmem
             t = time.perf_counter()
-            n = hostmem.register_cuda(self.device.index if self.device.index is not None else torch.cuda.current_device())
+            n = hostmem.register_cuda(self.device)
             log.info("NELSSA: host-tier reservation registered with CUDA: %.2f GiB in %.1f s (touching waited for)",
                      n / 2**30, time.perf_counter() - t)
 
