@@ -3,9 +3,10 @@
 // A move writes a request's clustered K/V into new host memory (a part of one layer of the
 // Llama-3.1-8B shape, 8,192 tokens: 32 MiB; a 100K prompt: ~13 GB), and the request's end frees it.
 // Memory never touched before costs its page faults at first write: the kernel zeroes each page, and
-// in a VM the hypervisor may have to back it first. Measured on the 2-vCPU Firecracker box: 0.3-2.5
-// GB/s into fresh memory against ~17 GB/s into touched memory (one thread); on the H200 host a move's
-// copy into host memory ran at ~6-8 GB/s. So:
+// in a VM the hypervisor may have to back it first. Measured on the 2-vCPU Firecracker box (one
+// thread): into fresh memory 11 GB/s when the guest still had the pages, 0.3-0.4 GB/s once the
+// hypervisor had taken them back, into touched memory 17-25 GB/s; on the H200 host a move's copy into
+// host memory ran at ~6-8 GB/s. So:
 //
 //   1. Ranges: 2 MiB-aligned multiples of 2 MiB of anonymous private memory, MADV_HUGEPAGE (a cluster
 //      gather touches a new page per cluster; huge pages keep those walks out of the TLB). Requests

@@ -6,8 +6,8 @@
   2. ``configure(reserve_bytes, threads)`` (config ``host_reserve``; the in-process host tier and
      nelssa-node call it at start): free ranges up to ``reserve_bytes`` stay mapped for the next move
      instead of being unmapped, and that much is mapped and touched now, on a background thread, so that
-     a move's copy lands in memory whose page faults are paid (fresh memory: 0.3-2.5 GB/s on the 2-vCPU
-     Firecracker box, ~17 GB/s touched). A later call with a larger size reserves the difference; 0
+     a move's copy lands in memory whose page faults are paid (on the 2-vCPU Firecracker box fresh memory
+     took 0.3-11 GB/s, depending on whether the hypervisor had taken the pages back; touched 17-25). A later call with a larger size reserves the difference; 0
      (the default) keeps nothing.
   3. ``register_cuda(device)`` (an engine on CUDA, once vLLM has captured its graphs): the reservation,
      once touched, is registered with CUDA (page-locked, portable): ``clustered.to_host`` then copies a
