@@ -282,8 +282,8 @@ class Metrics:
         self.stores = Counter("nelssa_node_stores", "store calls", ["outcome"], registry=r)
         self.expired = Counter("nelssa_node_expired_clients", "clients dropped at lease expiry", registry=r)
         self.host_memory = Gauge("nelssa_node_host_memory", "host memory of stored KV (sparse/hostmem.py): bytes "
-                                 "used, free (kept mapped), reserved; allocations served from free memory (hits) or new "
-                               "mappings (misses)", ["what"], registry=r)
+                                 "used, free (kept mapped), reserved; allocations served from free memory (hits) or "
+                                 "new mappings (misses)", ["what"], registry=r)
         for what in ("used_bytes", "free_bytes", "reserved_bytes", "hits", "misses"):
             self.host_memory.labels(what=what).set_function(lambda what=what: hostmem.stats()[what])
         self._children: dict = {}
@@ -969,7 +969,7 @@ class _ByteReader(_StoreReader):
 class _SlotReader(_StoreReader):
     """A store's data from the client's store slot, with _ByteReader's interface: ``src`` is exactly the
     declared bytes (checked against the slot before), read in order; the copies release the GIL and run
-    on ``threads`` threads (the extension's copy_bytes; its threads inherit the store handler's cores)."""
+    on ``threads`` threads (hostmem.copy; its threads inherit the store handler's cores)."""
 
     def __init__(self, src: torch.Tensor, threads: int = 1):
         self.src, self.off, self.threads = src, 0, threads
@@ -978,11 +978,7 @@ class _SlotReader(_StoreReader):
         k = dst.numel()
         if self.off + k > self.src.numel():
             raise WireError("store slot read past the store's declared bytes")
-        mod = ext()
-        if mod is not None:
-            mod.copy_bytes(dst, self.src[self.off:self.off + k], self.threads)
-        else:
-            dst.copy_(self.src[self.off:self.off + k])
+        hostmem.copy(dst, self.src[self.off:self.off + k], self.threads)
         self.off += k
 
     def end(self) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from nelssa._ext import ext
 from nelssa.config import get_config
+from nelssa.sparse import hostmem
 from nelssa.sparse.hostmem import host_empty
 from nelssa.sparse.kmeans import segmented_kmeans
 
@@ -83,7 +84,7 @@ def to_host(src: torch.Tensor, out: torch.Tensor) -> None:
     memory, hostmem.py 3) it takes one DMA. Pageable, a device-to-pageable copy runs at a few GB/s (3.6
     GB/s measured on the H200), so the copy goes through two pinned buffers of the calling thread, chunk
     by chunk: the next chunk's DMA on the current stream overlaps the host copy of the previous one, that
-    copy on ``COPY_THREADS`` threads (the extension's ``copy_bytes``; torch's copy runs on one where vLLM
+    copy on ``COPY_THREADS`` threads (``hostmem.copy``; torch's copy runs on one where vLLM
     sets OMP_NUM_THREADS=1: into fresh pages 11 GB/s against 17 with two threads on the 2-vCPU box).
     Returns when ``out`` holds the data.
     """
@@ -104,7 +105,6 @@ def to_host(src: torch.Tensor, out: torch.Tensor) -> None:
     if bufs is None:
         bufs = _stage.bufs = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     step = bufs[0].numel()
-    mod = ext()
     chunks = [(o, min(step, a.numel() - o)) for o in range(0, a.numel(), step)]
     done = []
 
@@ -120,10 +120,7 @@ def to_host(src: torch.Tensor, out: torch.Tensor) -> None:
         if i + 1 < len(chunks):
             issue(i + 1)  # its buffer's previous chunk (i - 1) was copied out below already
         done[i].synchronize()
-        if mod is not None:
-            mod.copy_bytes(b[o:o + n], bufs[i % 2][:n], COPY_THREADS)
-        else:
-            b[o:o + n].copy_(bufs[i % 2][:n])
+        hostmem.copy(b[o:o + n], bufs[i % 2][:n], COPY_THREADS)
 
 
 @dataclass

@@ -7,8 +7,8 @@
      nelssa-node call it at start): free ranges up to ``reserve_bytes`` stay mapped for the next move
      instead of being unmapped, and that much is mapped and touched now, on a background thread, so that
      a move's copy lands in memory whose page faults are paid (on the 2-vCPU Firecracker box fresh memory
-     took 0.3-11 GB/s, depending on whether the hypervisor had taken the pages back; touched 17-25). A later call with a larger size reserves the difference; 0
-     (the default) keeps nothing.
+     took 0.3-11 GB/s, depending on whether the hypervisor had taken the pages back; touched 17-25). A
+     later call with a larger size reserves the difference; 0 (the default) keeps nothing.
   3. ``register_cuda(device)`` (an engine on CUDA, once vLLM has captured its graphs): the reservation,
      once touched, is registered with CUDA (page-locked, portable): ``clustered.to_host`` then copies a
      move's packed K/V from the device straight into it, one DMA, instead of through pinned staging
@@ -16,6 +16,8 @@
      logged; the memory is used through the staging buffers.
   4. ``stats()``: bytes in use / free / reserved, hits and misses; ``wait_reserved()`` for tests and
      benchmarks that measure with the reservation complete.
+  5. ``copy(dst, src, threads)``: bytes into host memory on several threads (the extension's copy_bytes;
+     torch's copy without it): the host side of a staged device-to-host copy, a store slot's ingest.
 """
 
 from __future__ import annotations
@@ -44,6 +46,15 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Uninitialised host-tier tensor (1)."""
     mod = ext()
     return mod.host_empty(list(shape), dtype) if mod is not None else torch.empty(shape, dtype=dtype)
+
+
+def copy(dst: torch.Tensor, src: torch.Tensor, threads: int) -> None:
+    """dst = src, bytewise, contiguous CPU tensors of equal size (5)."""
+    mod = ext()
+    if mod is not None:
+        mod.copy_bytes(dst, src, threads)
+    else:
+        dst.copy_(src)
 
 
 def configure(reserve_bytes: int, threads: int = 2) -> None:
@@ -97,10 +108,11 @@ def register_cuda(device: torch.device | int) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
         todo = [r for r in _regions if r not in _registered]
+    if todo:
+        torch.cuda.set_device(index)
     done = 0
     for addr, nbytes in todo:
         t = time.perf_counter()
-        torch.cuda.set_device(index)
         err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 1))
         if err != 0:
             log.error("nelssa: host memory: registering %.2f GiB with CUDA failed (cudaError %d): moves copy "

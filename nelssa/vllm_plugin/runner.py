@@ -28,6 +28,7 @@ import torch
 
 from nelssa.config import engine_config, set_config
 from nelssa.node import LocalHostTier, host_tier
+from nelssa.sparse import hostmem
 from nelssa.sparse.kmeans import to_device
 from nelssa.vllm_plugin import runtime
 from nelssa.vllm_plugin.attention import StepPlan, read_kv, set_plan
@@ -129,7 +130,6 @@ class NelssaRunnerMixin:
         (sparse/hostmem.py, 3): after vLLM's CUDA-graph capture (global mode: a registration from another
         thread would break it), before serving; the engine's start waits for it."""
         if self.device.type == "cuda" and self.nelssa_cfg is not None and self.nelssa_cfg.host_reserve:
-            from nelssa.sparse import hostmem
             t = time.perf_counter()
             n = hostmem.register_cuda(self.device)
             log.info("NELSSA: host-tier reservation registered with CUDA: %.2f GiB in %.1f s (touching waited for)",
