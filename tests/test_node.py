@@ -496,6 +496,26 @@ def test_malformed_jobs_get_errors_and_the_node_keeps_serving(nodes):
     assert s.job_errors >= 480 and s.requests == 0
 
 
+def _wait_stopped(pgid: int, timeout: float = 5.0) -> None:
+    """Until every thread of every process in the group is stopped: SIGSTOP is delivered asynchronously."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.getpgid(int(pid)) != pgid:
+                    continue
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                    states.append(stat.rsplit(")", 1)[1].split()[0])
+            except (OSError, ProcessLookupError):
+                continue
+        if states and all(st in "Tt" for st in states):
+            return
+        assert time.monotonic() < deadline, f"node group {pgid} not stopped: {states}"
+        time.sleep(0.01)
+
+
 def test_killed_node_fails_calls_within_the_deadline_and_a_restarted_node_serves():
     node = Node("--devices", "2")
     tiers = {tr: NodeHostTier(_cfg(node, tr, host_timeout_s=8.0, node_lease_s=4.0), L)
@@ -507,6 +527,7 @@ def test_killed_node_fails_calls_within_the_deadline_and_a_restarted_node_serves
             t.put_layers("a", *_kv(200, 1))
             assert torch.isfinite(_attend(t, ["a"], 0, q, 1.0)[0]).all()
         os.killpg(node.proc.pid, signal.SIGSTOP)     # a node that stalls: shared-memory clients see no heartbeat
+        _wait_stopped(node.proc.pid)                 # (a responder not yet stopped could still answer the job)
         for tr in ("native", "shm"):
             t0 = time.monotonic()
             with pytest.raises(HostError, match="heartbeat"):
