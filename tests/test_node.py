@@ -251,6 +251,35 @@ def test_node_host_reserve_serves_stores_from_touched_memory():
         node.stop()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="registration with CUDA")
+def test_device_stores_go_through_the_store_slot_registered_with_cuda(nodes):
+    """Keys on a CUDA device: the client registers its store slot with CUDA once (hostmem.pin), each
+    layer's packed K/V is one DMA into it, the node's results equal dense attention; a larger store
+    replaces the slot (the old one unregistered first), and close unregisters the last one."""
+    from nelssa.sparse import hostmem
+    node = nodes("head1")
+    t = NodeHostTier(_cfg(node, "native"), L)
+    t.SLOT_MIN = 1 << 16  # slots of the stores' size: "c" grows it
+    g = torch.Generator().manual_seed(5)
+    try:
+        sizes = []
+        for rid, n in (("a", 300), ("b", 300), ("c", 1000)):
+            keys, values = _kv(n, ord(rid))
+            t.put_layers(rid, [k.cuda() for k in keys], [v.cuda() for v in values])
+            assert t._slot_pinned and t._slot.data.is_pinned() and len(hostmem._pinned) == 1
+            sizes.append(t._slot.slot)
+            q = torch.randn(1, HQ, D, generator=g)
+            out, lse = _attend(t, [rid], 1, q.cuda(), 1.0)
+            do, dl = dense_attention(q[0], keys[1], values[1], SCALE)
+            torch.testing.assert_close(out[0].double().cpu(), do, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(lse[0].double().cpu(), dl, atol=1e-4, rtol=1e-4)
+            assert t.free(rid)
+        assert sizes[0] == sizes[1] < sizes[2]
+    finally:
+        t.close()
+    assert not hostmem._pinned
+
+
 def test_token_required_off_loopback_and_checked_on_every_call():
     r = subprocess.run([sys.executable, "-m", "nelssa.node", "--host", "0.0.0.0", "--port", "0"],
                        capture_output=True, text=True, timeout=120, env={k: v for k, v in os.environ.items()

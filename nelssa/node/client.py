@@ -8,7 +8,9 @@ or a gRPC bidi stream and returns (output, LSE). On the same host with the C++ e
 the jobs take the native plane (csrc/node_plane.cpp): a plan per job shape, made once over gRPC, then
 each job a round trip of raw arrays done in C++ (``prepare_call`` gives it as a HostCall, so the long
 lane enqueues node jobs as it does local ones). Every failure raises HostError; a result is never
-partial. Failures: a node that stops answering fails the call within ``host_timeout_s`` (a shared-
+partial. Same-host stores go through a store slot (shared memory the node reads); with keys on a CUDA
+device the slot is registered with CUDA (hostmem.pin), so each layer's packed K/V is one DMA into it.
+Failures: a node that stops answering fails the call within ``host_timeout_s`` (a shared-
 memory client sees a dead node's stale heartbeat within ``STALE_S``); a node that lost the client
 (restart, lease expiry) makes the client register again: its old requests fail, new ones are served.
 """
@@ -37,7 +39,7 @@ from nelssa.node.server import is_loopback
 from nelssa.node.wire import (DTYPE_IDS, ITEMSIZE, MAX_RELEASED_QUERY, TOKEN_HEADER, W_BEAT, W_CLOSED, W_REQ_SEQ,
                               W_RESP_SEQ, Limits, NativeChannel, PlanLayout, ShmChannel, StoreSlot, WireError,
                               decode_result, encode_job, plan_layout, store_bytes)
-from nelssa.sparse import Selection, pack
+from nelssa.sparse import Selection, hostmem, pack
 from nelssa.sparse.clustered import cluster_part, part_stats, settled
 
 log = logging.getLogger("nelssa.node.client")
@@ -470,6 +472,8 @@ class NodeHostTier:
         self._plane_lock = threading.Lock()  # the data plane is swapped only between jobs
         self._slot: StoreSlot | None = None   # same-host stores (wire.py "store slot"), made on first use
         self._slot_off = False                # the node could not make one: stores stream over gRPC
+        self._slot_stale = False              # the slot was the last registration's: replaced on next use
+        self._slot_pinned: bool | None = None  # registered with CUDA (hostmem.pin) for device stores; None: not tried
         self._slot_lock = threading.Lock()    # one store at a time through the slot
         self._register()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="nelssa-node-client")
@@ -493,7 +497,7 @@ class NodeHostTier:
         self.client_id, self.lease_s = rep.client_id, rep.lease_s
         self.limits = Limits.from_pb(rep.limits)
         self.node_devices = len(rep.devices)
-        self._slot, self._slot_off = None, False  # a new registration: a new slot when needed
+        self._slot_off, self._slot_stale = False, True  # a new registration: a new slot when needed
         if self._plane is not None:
             self._plane.close()
         tr = self._transport()
@@ -537,12 +541,15 @@ class NodeHostTier:
         """(Under _slot_lock.) The store slot for a store of ``nbytes``, made or grown as needed; None: the
         store streams over gRPC (a remote node, a store over the node's --max-store-slot, or a node
         that could not make one)."""
+        if self._slot_stale:
+            self._drop_slot()
+            self._slot_stale = False
         if self._slot_off or self._transport() == "grpc" or nbytes > self.limits.max_store_slot_bytes:
             return None
         if self._slot is not None and self._slot.slot >= nbytes:
             return self._slot
         size = min(self.limits.max_store_slot_bytes, max(nbytes, self.SLOT_MIN))
-        self._slot = None
+        self._drop_slot()
         try:
             rep = self._rpc("OpenShm", pb.ShmRequest(client_id=self.client_id, slot_bytes=size, store=True))
             slot = StoreSlot.attach(rep.path, rep.slot_bytes)
@@ -553,6 +560,19 @@ class NodeHostTier:
         slot.unlink()  # both sides hold the mapping
         self._slot = slot
         return slot
+
+    def _drop_slot(self) -> None:
+        """(Under _slot_lock, or at close.) Let the store slot go, unregistered from CUDA first."""
+        if self._slot is not None and self._slot_pinned:
+            hostmem.unpin(self._slot.data)
+        self._slot, self._slot_pinned = None, None
+
+    def _pin_slot(self, slot: StoreSlot, device: torch.device) -> None:
+        """(Under _slot_lock.) A store from a CUDA device: the slot registered with CUDA once, so that each
+        layer's packed K/V is one DMA into it (clustered.to_host) instead of a staged copy; a failed
+        registration is logged once and the slot used through the staging buffers."""
+        if device.type == "cuda" and self._slot_pinned is None:
+            self._slot_pinned = hostmem.pin(slot.data, device)
 
     def put_layers(self, req_id: str, keys: list[torch.Tensor], values: list[torch.Tensor],
                    commit: bool = True) -> None:
@@ -582,6 +602,7 @@ class NodeHostTier:
         with self._slot_lock:
             slot = self._store_slot(nbytes)
             if slot is not None:  # same host: the data straight into the shared slot, only the header on gRPC
+                self._pin_slot(slot, keys[0].device)
                 _fill_slot(slot.data, keys, values, stats, self.keep_centroids)
                 t2 = time.perf_counter()
                 header.from_slot = True
@@ -895,6 +916,8 @@ class NodeHostTier:
             self._plane.close()
         if self._native is not None:
             self._native.close()
+        with self._slot_lock:  # after a store in flight
+            self._drop_slot()
         self._channel.close()
 
 

@@ -18,6 +18,11 @@
      benchmarks that measure with the reservation complete.
   5. ``copy(dst, src, threads)``: bytes into host memory on several threads (the extension's copy_bytes;
      torch's copy without it): the host side of a staged device-to-host copy, a store slot's ingest.
+  6. ``pin(t, device)`` / ``unpin(t)``: host memory that is not the tier's own (nelssa-node's store slot,
+     a shared mapping the node client fills from the device) registered with CUDA for as long as its
+     owner keeps it, so ``to_host`` copies into it in one DMA as into the reservation. Unlike 3 the owner
+     unmaps it: ``unpin`` first (a range unmapped while registered stays locked in the driver). Never
+     during vLLM's global-mode graph capture (3); the lane's captures are thread-local.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ _target = 0                 # bytes asked of configure() so far (kept and reserv
 _threads: list[threading.Thread] = []
 _regions: list[tuple[int, int]] = []     # (address, bytes) of each reservation, once touched
 _registered: list[tuple[int, int]] = []  # those registered with CUDA (3)
+_pinned: dict[int, int] = {}             # address -> bytes of other memory registered by pin() (6)
 
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -108,22 +114,54 @@ def register_cuda(device: torch.device | int) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
         todo = [r for r in _regions if r not in _registered]
-    if todo:
-        torch.cuda.set_device(index)
     done = 0
     for addr, nbytes in todo:
-        t = time.perf_counter()
-        err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 1))
-        if err != 0:
-            log.error("nelssa: host memory: registering %.2f GiB with CUDA failed (cudaError %d): moves copy "
-                      "through the staging buffers", nbytes / 2**30, err)
-            continue
-        with _lock:
-            _registered.append((addr, nbytes))
-        done += nbytes
-        log.info("nelssa: host memory: %.2f GiB registered with CUDA in %.1f s", nbytes / 2**30,
-                 time.perf_counter() - t)
+        if _cuda_register(addr, nbytes, index, "host memory"):
+            with _lock:
+                _registered.append((addr, nbytes))
+            done += nbytes
     return done
+
+
+def _cuda_register(addr: int, nbytes: int, index: int, what: str) -> bool:
+    """cudaHostRegister(addr, nbytes, portable) on device ``index``; a failure is logged -> False."""
+    torch.cuda.set_device(index)
+    t = time.perf_counter()
+    err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 1))
+    if err != 0:
+        log.error("nelssa: %s: registering %.2f GiB with CUDA failed (cudaError %d): copies into it go "
+                  "through the staging buffers", what, nbytes / 2**30, err)
+        return False
+    log.info("nelssa: %s: %.2f GiB registered with CUDA in %.2f s", what, nbytes / 2**30, time.perf_counter() - t)
+    return True
+
+
+def pin(t: torch.Tensor, device: torch.device) -> bool:
+    """6: register the CPU memory under ``t`` (its whole storage) with CUDA for ``device`` -> whether it is
+    registered now (already pinned memory: True, nothing done; a failed registration: False, logged)."""
+    if t.device.type != "cpu" or device.type != "cuda":
+        return False
+    if t.is_pinned():
+        return True
+    st = t.untyped_storage()
+    addr, nbytes = st.data_ptr(), st.nbytes()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not _cuda_register(addr, nbytes, index, f"{nbytes} B of shared memory"):
+        return False
+    with _lock:
+        _pinned[addr] = nbytes
+    return True
+
+
+def unpin(t: torch.Tensor) -> None:
+    """6: undo ``pin(t, ...)`` (nothing when it was not pinned by it); before its memory is unmapped."""
+    addr = t.untyped_storage().data_ptr()
+    with _lock:
+        nbytes = _pinned.pop(addr, None)
+    if nbytes is not None:
+        err = int(torch.cuda.cudart().cudaHostUnregister(addr))
+        if err != 0:
+            log.error("nelssa: unregistering %d B of shared memory from CUDA failed (cudaError %d)", nbytes, err)
 
 
 def wait_reserved(timeout: float | None = None) -> bool:
