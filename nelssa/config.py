@@ -111,6 +111,9 @@ class NelssaConfig:
                                   # graph's host waits block their queue, and a step stream sharing it waits
                                   # too (H200 profile, docs/results.md). 0: the environment's. An explicit
                                   # CUDA_DEVICE_MAX_CONNECTIONS in the environment wins
+    lane_sms: int = 0             # CUDA lane: SMs the lane's kernels get to themselves (a green context; the
+                                  # steps keep the rest: vllm_plugin/sm_split.py); 0: every SM shared, the
+                                  # lane ahead by stream priority only. An experiment: unmeasured
     step_priority: int = -1       # CUDA: priority of the engine's step stream (vLLM's current stream, set by
                                   # the worker before its model runner is built; lower = higher priority);
                                   # the lane's streams one above it, the hand-off's side stream at 0 (the
@@ -201,6 +204,8 @@ class NelssaConfig:
             "cluster_size >= 1, segment >= cluster_size and iters >= 1 required")
         req(isinstance(self.lane_connections, int) and 0 <= self.lane_connections <= 32,
             f"lane_connections must be an int in [0, 32], got {self.lane_connections!r}")
+        req(isinstance(self.lane_sms, int) and self.lane_sms >= 0, f"lane_sms must be an int >= 0, got {self.lane_sms!r}")
+        req(self.lane_sms == 0 or self.lane is not False, "lane_sms needs the lane (lane is false)")
         req(isinstance(self.step_priority, int) and -2 <= self.step_priority <= 0,
             f"step_priority must be an int in [-2, 0] (torch has CUDA stream priorities 0 to -3; the lane one above), got {self.step_priority!r}")
         req(self.lane_host_wait in ("flags", "hostfn"),
@@ -249,6 +254,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_LANE_CONNECTIONS": ("lane_connections", int),
     "NELSSA_LANE_CHAIN": ("lane_chain", _bool),
     "NELSSA_STEP_PRIORITY": ("step_priority", int),
+    "NELSSA_LANE_SMS": ("lane_sms", int),
     "NELSSA_LONG_PREFILLS": ("long_prefills", int),
     "NELSSA_LONG_CHUNK": ("long_chunk", int),
     "NELSSA_MIGRATE": ("migrate", _bool),

@@ -331,6 +331,42 @@ def test_step_timer_logs_long_device_spans(caplog):
     assert len(msgs) == 1 and "long" in msgs[0], msgs
 
 
+_SM_SPLIT_SCRIPT = r"""
+import torch
+from nelssa.config import NelssaConfig
+from nelssa.vllm_plugin import sm_split
+from nelssa.vllm_plugin.worker import step_stream
+from vllm.utils.torch_utils import current_stream
+dev = torch.device("cuda", 0)
+cfg = NelssaConfig(lane=True, lane_sms=16, step_priority=-1)
+step_stream(cfg, dev)
+s = current_stream()
+assert isinstance(s, torch.cuda.ExternalStream) and torch.cuda.current_stream() == s, s
+assert s.priority == -1, s.priority
+lane = sm_split.lane_stream(dev, -2)
+assert lane is not None and lane.priority == -2
+x = torch.randn(2048, 2048, device=dev)
+with torch.cuda.stream(lane):
+    y = x @ x
+z = x @ x  # the step stream
+g = torch.cuda.CUDAGraph()  # vLLM captures and replays its graphs on the step stream
+with torch.cuda.graph(g, stream=s):
+    w = x @ x
+g.replay()
+torch.cuda.synchronize()
+assert torch.equal(y, z) and torch.equal(w, z)
+print("ok", sm_split.describe())
+"""
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_lane_sms_splits_the_device_and_both_streams_compute():
+    """config lane_sms (sm_split.py): the step stream and the lane's come from two green contexts (disjoint
+    SMs); work and a captured graph run on them and agree (its own process: the split is process-wide)."""
+    r = subprocess.run([sys.executable, "-c", _SM_SPLIT_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("ok SMs split"), r.stdout + r.stderr
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_step_stream_priority_ranks_steps_above_the_handoff():
     """worker.step_stream makes vLLM's current stream (the engine's steps, its graphs) one of

@@ -193,11 +193,38 @@ def test_config_sources_and_errors():
                      ({"nelssa": {"prefetch": "t0"}}, "prefetch must be one of"),
                      ({"nelssa": {"lane_host_wait": "event"}}, "lane_host_wait must be"),
                      ({"nelssa": {"lane_connections": 33}}, "lane_connections must be"),
-                     ({"nelssa": {"node_spin_us": -2}}, "node_spin_us must be")]:
+                     ({"nelssa": {"node_spin_us": -2}}, "node_spin_us must be"),
+                     ({"nelssa": {"lane_sms": -8}}, "lane_sms must be"),
+                     ({"nelssa": {"lane_sms": 16, "lane": False}}, "lane_sms needs the lane")]:
         with pytest.raises(ValueError, match=msg):
             load_config(bad, env={})
     with pytest.raises(ValueError, match="NELSSA_AFFINITY_CORES"):
         load_config(None, env={"NELSSA_AFFINITY_CORES": "a-b"})
+
+
+def test_sm_split_is_off_by_default_and_refuses_loudly_without_green_contexts(monkeypatch):
+    """config lane_sms (sm_split.py): 0 leaves every SM shared (nothing done, said so); asked for where the
+    driver cannot split (here: no CUDA driver library), it raises rather than run on a shared GPU."""
+    import ctypes
+
+    from nelssa.vllm_plugin import sm_split
+    cfg = load_config({"nelssa": {"lane": True, "lane_sms": 16}}, env={"NELSSA_LANE_SMS": "24"})
+    assert cfg.lane_sms == 24  # the environment maps into the config
+    assert sm_split.setup(load_config({"nelssa": {}}, env={}), torch.device("cpu")) is False
+    assert "no SM split" in sm_split.describe()
+
+    def no_driver(name, *a, **k):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    with pytest.raises(sm_split.SplitError, match="no CUDA driver library"):
+        sm_split.setup(cfg, torch.device("cuda", 0))
+
+    class OldDriver:
+        cuDeviceGet = cuDeviceGetDevResource = object()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: OldDriver())
+    with pytest.raises(sm_split.SplitError, match="cuDevSmResourceSplitByCount"):
+        sm_split.setup(cfg, torch.device("cuda", 0))
+    assert sm_split._split is None and sm_split.lane_stream(torch.device("cuda", 0), -2) is None
 
 
 def test_lane_asks_for_hardware_queues_before_cuda_starts(monkeypatch):

@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nelssa.vllm_plugin import lane_host, lane_inputs, runtime, uva
+from nelssa.vllm_plugin import lane_host, lane_inputs, runtime, sm_split, uva
 from nelssa.vllm_plugin.attention import StepPlan, split_attention
 from nelssa.vllm_plugin.lane_graphs import CaptureFailed, DenseGraphs, call_op, post_attention, pre_attention
 from nelssa.vllm_plugin.lane_spec import Drafts
@@ -111,12 +111,15 @@ class Lane:
         self.dense_lock = threading.RLock() if not self.cuda else contextlib.nullcontext()
         # one priority above the step's stream (cfg.step_priority): the lane's few kernels per layer go ahead
         # of the step's queued blocks, so the host tier gets each layer's queries sooner
+        # (config lane_sms: streams of the lane's own SMs, sm_split.py 2)
         prio = cfg.step_priority - 1
-        self.stream = torch.cuda.Stream(device, priority=prio) if self.cuda else None
+
+        def stream():
+            return sm_split.lane_stream(device, prio) or torch.cuda.Stream(device, priority=prio)
+        self.stream = stream() if self.cuda else None
         # the host tier's calls and their results' copies (lane_host.py, 2); with lane_chain the lane's own
         # stream: a batch is one chain (lane_host.py, 3)
-        self.host_stream = (self.stream if cfg.lane_chain else torch.cuda.Stream(device, priority=prio)) \
-            if self.cuda else None
+        self.host_stream = (self.stream if cfg.lane_chain else stream()) if self.cuda else None
         self._host_buffers: dict = {}   # pinned buffers of lane_host batches, reused across batches
         self._staging: dict = {}        # lane_inputs.Staging of batches not replayed, per shape
         self._batch: lane_host.HostStreamBatch | None = None  # the running batch's, when it runs that way

@@ -30,7 +30,7 @@ from nelssa.config import engine_config, set_config
 from nelssa.node import LocalHostTier, host_tier
 from nelssa.sparse import hostmem
 from nelssa.sparse.kmeans import to_device
-from nelssa.vllm_plugin import runtime
+from nelssa.vllm_plugin import runtime, sm_split
 from nelssa.vllm_plugin.attention import StepPlan, read_kv, set_plan
 from nelssa.vllm_plugin.connector import (step_adoptions, step_anchors, step_handovers, step_host_ends,
                                           step_seeds, step_switching)
@@ -102,8 +102,8 @@ class NelssaRunnerMixin:
             from vllm.utils.torch_utils import current_stream
             prio = current_stream().priority
             (log.info if prio == cfg.step_priority else log.warning)(
-                "NELSSA: steps run on a CUDA stream of priority %d (step_priority %d; the hand-off's 0)",
-                prio, cfg.step_priority)
+                "NELSSA: steps run on a CUDA stream of priority %d (step_priority %d; the hand-off's 0); %s",
+                prio, cfg.step_priority, sm_split.describe())
 
     def capture_model(self, *args, **kwargs):
         """vLLM's CUDA-graph capture, then the lane's (lane.warm): nothing is captured while serving; and the

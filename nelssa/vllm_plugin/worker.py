@@ -13,6 +13,7 @@ import os
 import torch
 
 from nelssa.config import NelssaConfig, engine_config
+from nelssa.vllm_plugin import sm_split
 from nelssa.vllm_plugin.runner import NelssaRunnerMixin
 
 log = logging.getLogger("vllm.nelssa")
@@ -40,6 +41,8 @@ def step_stream(cfg: NelssaConfig | None, device: torch.device) -> None:
     stream" (``vllm.utils.torch_utils.current_stream``, a stream of its own made on first use, priority 0);
     ``torch.cuda.set_stream`` (vLLM keeps track of it) on this thread, before the model runner is built,
     makes ours that stream. The runner logs the priority its steps run at (runner.load_model)."""
+    if sm_split.setup(cfg, device):  # config lane_sms: the step stream of the steps' SMs (sm_split.py, 1)
+        return
     if cfg is None or cfg.step_priority == 0:
         return
     torch.cuda.set_stream(torch.cuda.Stream(device, priority=cfg.step_priority))
