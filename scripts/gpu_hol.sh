@@ -7,7 +7,8 @@
 #                                                    # HOL_TAG=x: results in $OUT/hol_x (several runs per call);
 #                                                    # HOL_NODE="nelssa-node args": the host tier as a node;
 #                                                    # HOL_ENGINE_CORES=0-3: the bench's engines pinned there
-#   bash scripts/gpu_hol.sh check [exact|throughput] # CUDA unit tests + benchmarks/gpu_validate.py (dummy 8B)
+#   bash scripts/gpu_hol.sh check [exact|throughput] # CUDA unit tests + benchmarks/gpu_validate.py (dummy 8B);
+#                                                    # carry .wheels (grpcio: the node's CUDA test)
 #   bash scripts/gpu_hol.sh select                   # benchmarks/bench_select_gpu.py (centroid search, torch vs kernel)
 #   bash scripts/gpu_hol.sh handoff [args]           # benchmarks/bench_handoff.py (no vLLM needed: no staging) + its report
 #   bash scripts/gpu_hol.sh hostmem [args]           # benchmarks/bench_host_memory.py (a move's copy into fresh vs
@@ -162,7 +163,14 @@ PY
       exit 0
     fi
     if [ "$what" = check ]; then
+      grpc_wheels  # the node's tests (the store slot registered with CUDA)
       python3 -m pytest -q -p no:cacheprovider tests/test_cuda_split.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -n 15
+      python3 -m pytest -q -p no:cacheprovider tests/test_node.py -k cuda 2>&1 | tee -a "$OUT/cuda_tests.log" | tail -n 5
+      if python3 -c "import hypothesis" 2>/dev/null; then  # tests/test_sparse.py needs it
+        python3 -m pytest -q -p no:cacheprovider tests/test_sparse.py -k "cuda or pinned" 2>&1 | tee -a "$OUT/cuda_tests.log" | tail -n 5
+      else
+        echo "tests/test_sparse.py not run: no hypothesis on this host" | tee -a "$OUT/cuda_tests.log"
+      fi
       python3 benchmarks/gpu_validate.py --out "$OUT/validate" --model .gpumodel/dummy-llama-3.1-8b \
         ${1:+--only "$1"} 2>&1 | tee "$OUT/validate.log" | grep -vE "^(INFO|WARNING|DEBUG)" | tail -n 60
       exit 0
