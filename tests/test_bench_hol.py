@@ -31,6 +31,8 @@ def test_hol_cpu_preset_is_well_formed_and_exact(tmp_path, cut_model_dir):
         assert r["errors"] == [], r["errors"]
         assert r["before"]["n_short_arrivals"] > 0 and r["before"]["short_itl_p50_ms"] > 0
         assert r["long"][0]["tokens"] == s["scenario"]["long_out"]
+        by_phase = r["long"][0]["itl_ms_by_phase"]  # one long request: all its gaps after its first token
+        assert set(by_phase) == {"long_decode"} and by_phase["long_decode"]["n"] == r["long"][0]["tokens"] - 1
         a, b = r["phases_s"]["long_prefill"]
         assert 0 < a <= b <= r["phases_s"]["long_decode"][1]
         f = {"on": "on_lane", "off": "off"}[mode]
@@ -64,3 +66,18 @@ def test_hol_cpu_preset_is_well_formed_and_exact(tmp_path, cut_model_dir):
     # no step waited for the host tier: the switch step computed the request on the device (lane.py, 0)
     assert nel["nelssa:offload_step_seconds_count"] == 0, nel
     assert set(s["targets"]) >= {"before_tpot_within_5pct", "prefill_max_gap_le_1s", "long_tpot_le_50ms"}
+
+
+def test_long_itl_by_phase_splits_a_long_requests_gaps():
+    """hol.itl_by_phase: each gap counted once, in the phase of its later token; the run's last token (the
+    end of long_decode) in long_decode."""
+    from nelssa.bench.hol import itl_by_phase
+    phases = {"before": (0.0, 1.0), "long_prefill": (1.0, 2.0), "long_decode": (2.0, 3.0)}
+    got = itl_by_phase([1.5, 1.55, 1.65, 2.05, 3.0], phases)
+    assert set(got) == {"long_prefill", "long_decode"}
+    assert got["long_prefill"]["n"] == 2 and abs(got["long_prefill"]["max"] - 100.0) < 1e-6
+    assert got["long_decode"]["n"] == 2 and abs(got["long_decode"]["mean"] - (400.0 + 950.0) / 2) < 1e-6
+    from nelssa.bench.report import hol_md  # the report's table of them
+    ph = {k: {"short_ttft_p99_ms": 1.0, "short_itl_p99_ms": 1.0} for k in phases}
+    md = "\n".join(hol_md({"on": {**ph, "long": [{"id": "long0", "itl_ms_by_phase": got}]}}, "."))
+    assert "| on | long0 | long_prefill | 2 | 75.0 / 75.0 / 100.0 |" in md, md

@@ -219,6 +219,18 @@ def _worker(spec: dict) -> None:
 
 # ------------------------------------------------------------------ analysis
 
+def itl_by_phase(stamps: list[float], phases: dict) -> dict[str, dict]:
+    """A long request's inter-token latency in each phase its tokens fall in (by the later token's time):
+    n, p50, mean, max in ms. A long request's TPOT mixes the tokens it decodes beside the other's prefill
+    with those after; this tells them apart."""
+    out = {}
+    for name, (lo, hi) in phases.items():
+        itl = [1e3 * (b - a) for a, b in zip(stamps, stamps[1:]) if lo <= b < hi or (name == "long_decode" and b == hi)]
+        if itl:
+            out[name] = {"n": len(itl), "p50": _pct(itl, 50), "mean": sum(itl) / len(itl), "max": max(itl)}
+    return out
+
+
 def analyse(run: dict) -> dict:
     recs = run["requests"]
     shorts = [r for r in recs if r["kind"] == "short" and r["stamps"]]
@@ -259,7 +271,8 @@ def analyse(run: dict) -> dict:
     out["t0_perf"] = run.get("t0_perf")
     out["long"] = [{"id": r["id"], "ttft_s": (r["stamps"][0] - r["start"]) if r["stamps"] else None,
                     "tpot_ms": 1e3 * (r["stamps"][-1] - r["stamps"][0]) / max(1, len(r["stamps"]) - 1)
-                    if len(r["stamps"]) > 1 else None, "tokens": len(r["stamps"]), "finish": r["finish_reason"]}
+                    if len(r["stamps"]) > 1 else None, "tokens": len(r["stamps"]), "finish": r["finish_reason"],
+                    "itl_ms_by_phase": itl_by_phase(r["stamps"], phases)}
                    for r in longs]
     toks = sum(len(r["stamps"]) for r in recs)
     last = max((r["stamps"][-1] for r in recs if r["stamps"]), default=run["wall_s"])

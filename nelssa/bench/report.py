@@ -103,6 +103,12 @@ def hol_md(h: dict, rel: str) -> list[str]:
             out.append(f"| {mode} | {ph} | {_f(x['short_ttft_p99_ms'])} | {_f(x['short_itl_p99_ms'])} |")
     if "ratios_on_over_off" in h:
         out.append(f"\nOutput tok/s ratio NELSSA/stock: {_f(h['ratios_on_over_off'].get('output_tok_s'), 2)}")
+    rows = [(mode, x["id"], ph, v) for mode in result_modes(h) for x in h[mode].get("long", [])
+            for ph, v in (x.get("itl_ms_by_phase") or {}).items()]
+    if rows:
+        out += ["", "| mode | long request | phase | tokens | ITL p50 / mean / max ms |", "|---|---|---|---|---|"]
+        out += [f"| {mode} | {rid} | {ph} | {v['n']} | {_f(v['p50'])} / {_f(v['mean'])} / {_f(v['max'])} |"
+                for mode, rid, ph, v in rows]
     for mode, tl in _timelines(h):
         out.append(f"\nLong lane ({mode}), mean ms per batch (lane_host.py, 7): " +
                    ", ".join(f"{p} {_f(tl[p])}" for p in TIMELINE_PARTS) + f"; sum {_f(sum(tl.values()))}")
