@@ -130,6 +130,10 @@ class NelssaConfig:
                                   # shrinks with the context so the step's cost stays flat (0: vLLM's own)
     migrate: bool = True          # a request that grew past T_input moves to the host tier under pressure
     migrate_watermark: float = 0.9  # device KV blocks in use (fraction) from which such requests migrate
+    migrate_lead_steps: int = 0   # also migrate when the free device blocks are fewer than the requests decoding
+                                  # on the device take within this many steps (vLLM about to preempt; a hand-off
+                                  # frees blocks only when done); 0: off. With migrate_watermark 1.0, requests
+                                  # migrate only then, not while the device has headroom
     defer_below: int = 32768      # long prompts shorter than this stay on the device until device KV is under
                                   # pressure, then migrate as grown requests do; longer ones (and all, at 0)
                                   # are host-backed from admission on
@@ -184,6 +188,8 @@ class NelssaConfig:
             f"long_prefills must be an int >= 0, got {self.long_prefills!r}")
         req(isinstance(self.long_chunk, int) and self.long_chunk >= 0,
             f"long_chunk must be an int >= 0, got {self.long_chunk!r}")
+        req(isinstance(self.migrate_lead_steps, int) and self.migrate_lead_steps >= 0,
+            f"migrate_lead_steps must be an int >= 0, got {self.migrate_lead_steps!r}")
         req(isinstance(self.migrate_watermark, (int, float)) and 0 <= self.migrate_watermark <= 1,
             f"migrate_watermark must be in [0, 1], got {self.migrate_watermark!r}")
         req(isinstance(self.defer_below, int) and self.defer_below >= 0,
@@ -259,6 +265,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_LONG_CHUNK": ("long_chunk", int),
     "NELSSA_MIGRATE": ("migrate", _bool),
     "NELSSA_MIGRATE_WATERMARK": ("migrate_watermark", float),
+    "NELSSA_MIGRATE_LEAD_STEPS": ("migrate_lead_steps", int),
     "NELSSA_DEFER_BELOW": ("defer_below", int),
     "NELSSA_ENGINE": ("engine", str),
     "NELSSA_NODE_ADDRESS": ("node_address", str),

@@ -10,7 +10,20 @@ import torch
 from conftest import rel_err
 from nelssa.config import load_config, parse_bytes, parse_cores, vllm_nelssa_config
 from nelssa.sparse import cluster_kv, dense_attention, merge_states, select_clusters, sparse_attention
-from nelssa.vllm_plugin.policy import Policy, attention_balance, host_bytes, prefill_chunk
+from nelssa.vllm_plugin.policy import Policy, attention_balance, blocks_within, host_bytes, prefill_chunk
+
+
+def test_blocks_within_counts_the_blocks_decoding_requests_take():
+    """policy.blocks_within (the migration trigger migrate_lead_steps): a request at n tokens takes the
+    blocks it crosses into within the next steps; none while its current block has room."""
+    assert blocks_within([], 64, 16) == 0
+    assert blocks_within([100], 10, 128) == 0            # 100 -> 110: still block 1
+    assert blocks_within([128], 1, 128) == 1             # a full block: the next token needs another
+    assert blocks_within([2048, 2000, 1950], 200, 128) == 2 + 2 + 1  # blocks 16 -> 18, 16 -> 18, 16 -> 17
+    assert blocks_within([0], 300, 128) == 3
+    assert load_config({"nelssa": {"migrate_lead_steps": 64}}, env={}).migrate_lead_steps == 64
+    with pytest.raises(ValueError, match="migrate_lead_steps must be"):
+        load_config({"nelssa": {"migrate_lead_steps": -1}}, env={})
 
 
 def test_policy_goal_switch_and_freed_blocks():

@@ -134,6 +134,26 @@ def test_no_preemption_under_memory_pressure():
     assert on["host_totals"]["long_requests"] == 3 - len(kept), on["host_totals"]
 
 
+def test_growing_requests_migrate_when_vllm_would_preempt_not_before():
+    """migrate_watermark 1.0 with migrate_lead_steps: three 1,950-token prompts decoding 250 tokens each
+    pass T_input (2,048) while decoding and outgrow a pool of 52 blocks of 128 (each ends at 18). The
+    baseline preempts. NELSSA migrates once the free blocks are fewer than the three take within the
+    lead (policy.blocks_within; its arithmetic: test_plugin_units): grown requests move to the host tier,
+    zero preemptions, the baseline's tokens (budget 1.0, fp32). (With the harness's hand-offs done
+    within a step, the watermark at 1.0 alone avoids the preemption here too; what the lead buys, time
+    for a real hand-off, is measured on the H200.)"""
+    reqs = [{"id": c, "text_tokens": 1950, "offset": 30000 * i, "max_tokens": 250} for i, c in enumerate("abc")]
+    spec = {"model": CUT, "nelssa": {**NELSSA, "migrate_watermark": 1.0, "migrate_lead_steps": 200},
+            "engine": {"num_gpu_blocks_override": 52, "max_num_batched_tokens": 2048, "max_model_len": 4096},
+            "requests": reqs}
+    on, off = both(spec)
+    assert on["block_size"] == 128, on["block_size"]  # the pool's arithmetic above
+    print(f"preemptions: baseline {off['preemptions']}, NELSSA {on['preemptions']}; host {on['host_totals']}")
+    assert off["preemptions"] > 0
+    assert on["preemptions"] == 0 and tokens(on) == tokens(off)
+    assert on["host_totals"].get("long_requests", 0) >= 1, on["host_totals"]  # grown ones migrated
+
+
 def test_long_context_is_not_the_preemption_victim():
     """A 3,000-token request kept on the device (opted out of the host tier) decodes beside four short
     ones in a pool of 35 blocks of 128 that fills when the short ones grow into their third block. vLLM's

@@ -106,6 +106,15 @@ def device_only(sampling_params) -> bool:
     raise ValueError(f"{OPT_OUT_KEY} must be a boolean, 0/1 or one of {_FALSE + _TRUE}, not {v!r}")
 
 
+def blocks_within(contexts: list[int], steps: int, block_size: int) -> int:
+    """Device blocks that requests decoding one token a step, at these contexts, take within ``steps``
+    steps (the scheduler's migration trigger ``migrate_lead_steps``: vLLM preempts once they exceed the
+    free blocks)."""
+    def blocks(n: int) -> int:
+        return -(-n // block_size)
+    return sum(blocks(n + steps) - blocks(n) for n in contexts)
+
+
 def prefill_chunk(budget: int, done: int, l_eq: float, block_size: int) -> int:
     """Tokens of a long prompt to prefill in one step at ``done`` tokens of context so the step costs
     about what ``budget`` tokens cost at context 0: a chunk's work is ~ c * (1 + done / l_eq), where

@@ -39,8 +39,9 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   whose background hand-off moves [sink, G) while it keeps computing from its device blocks; the
   switch and the freeing of its blocks are those of a long prompt. Pressure: device KV use at
   ``migrate_watermark``, or the first held long request not fitting beside what the running
-  requests still need (_device_room). One migration at a time; none without pressure or host
-  room. A preempted migrated request starts over on the device (a grown one's host KV is freed).
+  requests still need (_device_room), or fewer free blocks than the requests decoding on the device
+  take within ``migrate_lead_steps`` steps (vLLM about to preempt). One migration at a time; none
+  without pressure or host room. A preempted migrated request starts over on the device (a grown one's host KV is freed).
   A deferred long prompt (shorter than ``defer_below``, 32K by default) is thus served from the
   device, exactly, as long as the device has room; a longer one is host-backed from admission on
   (the paper's rule): its dense attention would slow every step of the short requests.
@@ -98,7 +99,7 @@ from vllm.v1.request import Request, RequestStatus
 from nelssa.config import engine_config, mem_available
 from nelssa.vllm_plugin import handover, runtime
 from nelssa.vllm_plugin.connector import find_connector, nelssa_worker_meta
-from nelssa.vllm_plugin.policy import attention_balance, device_only, host_bytes, prefill_chunk
+from nelssa.vllm_plugin.policy import attention_balance, blocks_within, device_only, host_bytes, prefill_chunk
 from nelssa.vllm_plugin.spec import NelssaSpec
 
 log = logging.getLogger("vllm.nelssa")
@@ -333,12 +334,21 @@ class NelssaScheduler(Scheduler):
         self._conn.sched_stats[name] = self._conn.sched_stats.get(name, 0) + n
 
     def _pressure(self) -> str:
-        """Why host-backing should grow now ('' when it should not): device KV use at the watermark, or
-        the first held long request not fitting beside what running requests still need."""
+        """Why host-backing should grow now ('' when it should not): device KV use at the watermark; fewer
+        free blocks than the requests decoding on the device take in the next ``migrate_lead_steps``
+        steps (vLLM would preempt before a hand-off started then could free any); or the first held long
+        request not fitting beside what running requests still need."""
         pool = self.kv_cache_manager.block_pool
-        use = 1.0 - pool.get_num_free_blocks() / max(1, pool.num_gpu_blocks - 1)  # block 0: vLLM's null block
+        free = pool.get_num_free_blocks()
+        use = 1.0 - free / max(1, pool.num_gpu_blocks - 1)  # block 0: vLLM's null block
         if use >= self.nelssa.migrate_watermark:
             return f"device KV {100 * use:.0f}% in use"
+        lead = self.nelssa.migrate_lead_steps
+        if lead:
+            need = blocks_within([r.num_computed_tokens for r in self.running if not self._host_end.get(r.request_id)],
+                                 lead, self.block_size)
+            if need > free:
+                return f"{free} free device blocks, {need} taken by the decoding requests within {lead} steps"
         # the first held request that may be admitted now (a hand-over not yet released may not)
         first = next((r for r in self._held if r.request_id not in self._awaiting), None)
         if first is not None and self._need(first) <= self._host_room() and not self._device_room(first):
