@@ -100,7 +100,7 @@ def setup(cfg, device: torch.device) -> bool:
         n_lane = n_rest = None
     elif n_rest < n_lane:
         raise SplitError(f"lane_sms: {cfg.lane_sms} of {total} SMs leaves the steps {n_rest}: fewer than the lane's")
-    ctxs, streams = {}, {}
+    ctxs = {}
     for name, res in (("lane", lane), ("steps", rest)):
         desc, ctx = ctypes.c_void_p(), ctypes.c_void_p()
         _check(lib.cuDevResourceGenerateDesc(ctypes.byref(desc), res, 1), "cuDevResourceGenerateDesc")
@@ -134,5 +134,7 @@ def describe() -> str:
     s = _split
     if s is None:
         return "no SM split (lane_sms 0): the steps and the lane share every SM"
+    if s["lane_sms"] is None:
+        return f"SMs split by green contexts (group sizes unread; {s['total_sms']} in all)"
     return (f"SMs split by green contexts: the lane {s['lane_sms']}, the steps {s['step_sms']} "
             f"(of {s['total_sms']})")
