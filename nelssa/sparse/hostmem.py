@@ -110,8 +110,7 @@ def register_cuda(device: torch.device | int) -> int:
     from another thread would break the capture. Never unregistered: reserved memory lives as long as the
     process. A registration that fails is logged; that memory is used through the staging buffers."""
     wait_reserved()
-    device = torch.device("cuda", device) if isinstance(device, int) else device
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     with _lock:
         todo = [r for r in _regions if r not in _registered]
     done = 0
@@ -121,6 +120,12 @@ def register_cuda(device: torch.device | int) -> int:
                 _registered.append((addr, nbytes))
             done += nbytes
     return done
+
+
+def _index(device: torch.device | int) -> int:
+    if isinstance(device, int):
+        return device
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _cuda_register(addr: int, nbytes: int, index: int, what: str) -> bool:
@@ -145,8 +150,7 @@ def pin(t: torch.Tensor, device: torch.device) -> bool:
         return True
     st = t.untyped_storage()
     addr, nbytes = st.data_ptr(), st.nbytes()
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if not _cuda_register(addr, nbytes, index, f"{nbytes} B of shared memory"):
+    if not _cuda_register(addr, nbytes, _index(device), f"{nbytes} B of shared memory"):
         return False
     with _lock:
         _pinned[addr] = nbytes

@@ -73,10 +73,8 @@ def setup(cfg, device: torch.device) -> bool:
     """1: split the SMs and make the step stream one of the rest's context -> whether a split is in place
     (False: ``lane_sms`` 0, nothing done). Once per process."""
     global _split
-    if cfg is None or cfg.lane_sms == 0:
+    if cfg is None or cfg.lane_sms == 0:  # (lane_sms with the lane off is refused by the config itself)
         return False
-    if cfg.lane is False:
-        raise SplitError("lane_sms needs the lane (config lane is false)")
     if _split is not None:
         return True
     lib = _driver()
@@ -118,7 +116,7 @@ def _stream(name: str, priority: int) -> torch.cuda.ExternalStream:
     raw = ctypes.c_void_p()
     _check(s["lib"].cuGreenCtxStreamCreate(ctypes.byref(raw), s["ctx"][name], _CU_STREAM_NON_BLOCKING,
                                            ctypes.c_int(priority)), "cuGreenCtxStreamCreate")
-    s.setdefault("streams", []).append(raw)  # never destroyed: the contexts live as long as the process
+    # never destroyed: the streams and their contexts live as long as the process
     return torch.cuda.ExternalStream(raw.value, device=torch.device("cuda", s["device"]))
 
 
