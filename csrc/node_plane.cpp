@@ -20,8 +20,9 @@
 //   3. The client's side is a RemoteJob attached to a HostCall (``remote``): HostCall::run does the
 //      round trip instead of the kernel, so a remote call runs wherever a local one does (run() on a
 //      thread, a CUDA host function, the flag poller of flag_wait.cpp). It fails (HostCall state
-//      "failed", NaN outputs) on an error answer, on a closed channel, when the node's heartbeat is
-//      older than stale_s, or past its timeout; after the last three the channel is broken and every
+//      "failed", NaN outputs) on an error answer, on a closed channel, when the node shows no sign of
+//      life for stale_s (its heartbeat and the job's post both older than that: a node that was only
+//      paused gets stale_s from the post, before its threads have run again), or past its timeout; after the last three the channel is broken and every
 //      later job on it fails at once (the Python side opens a new one). One job at a time per
 //      channel (a mutex): the node answers in order. The waiting job polls the answer for 20 us, then
 //      yields its core on every poll until the channel's spin_us, then naps 10 us per poll (a VM's
@@ -29,7 +30,7 @@
 //      delays the very kernel it waits for).
 //   4. The responder polls for spin_us after each job (yielding its core past the first 20 us), then
 //      sleeps sleep_us between polls, and writes
-//      its heartbeat (steady clock ns: CLOCK_MONOTONIC, Python's time.monotonic_ns) at least every
+//      its heartbeat (first when it is made, before its thread runs) (steady clock ns: CLOCK_MONOTONIC, Python's time.monotonic_ns) at least every
 //      millisecond; stop() marks the channel closed (a waiting client fails at once) and joins.
 //   5. Plans live in a PlanTable shared by the client's responders (a reopened channel keeps them);
 //      a running job holds its plan, so dropping one (the request freed) never frees memory a kernel
@@ -190,6 +191,7 @@ ShmResponder::ShmResponder(at::Tensor mem, int64_t slot, std::shared_ptr<DeviceG
   impl->resp = static_cast<uint8_t*>(impl->mem.data_ptr()) + kHeaderBytes + slot;
   impl->slot = slot, impl->spin_us = spin_us, impl->sleep_us = sleep_us;
   impl->group = std::move(group), impl->plans = std::move(plans);
+  impl->w[N_BEAT] = static_cast<uint64_t>(now_ns());  // (4) alive from the start, before its thread first runs
   Impl* p = impl.get();
   impl->thread = std::thread([p] { p->loop(); });
 }
@@ -278,7 +280,7 @@ void RemoteJob::run(HostCall& c) {
       const int64_t t = now_ns();
       if (load(ch.w, N_CLOSED)) ch.broken = "the node closed the channel (lease expired or node stopped)";
       else if (t > deadline) ch.broken = "no answer within " + std::to_string(timeout_s) + " s";
-      else if (t - static_cast<int64_t>(load(ch.w, N_BEAT)) > stale)
+      else if (t - std::max(static_cast<int64_t>(load(ch.w, N_BEAT)), t0) > stale)  // (3) no sign of life since the post
         ch.broken = "the node's heartbeat is older than " + std::to_string(ch.stale_s) + " s (node dead?)";
       if (!ch.broken.empty()) TORCH_CHECK(false, "node data plane (native shared memory): ", ch.broken);
       if (t - t0 > ch.spin_ns) std::this_thread::sleep_for(std::chrono::microseconds(10));  // a nap (VM: ~60 us)

@@ -556,13 +556,16 @@ def test_killed_node_fails_calls_within_the_deadline_and_a_restarted_node_serves
             t.put_layers("a", *_kv(200, 1))
             assert torch.isfinite(_attend(t, ["a"], 0, q, 1.0)[0]).all()
         os.killpg(node.proc.pid, signal.SIGSTOP)     # a node that stalls: shared-memory clients see no heartbeat
+        stopped = time.monotonic()
         _wait_stopped(node.proc.pid)                 # (a responder not yet stopped could still answer the job)
         for tr in ("native", "shm"):
             t0 = time.monotonic()
             with pytest.raises(HostError, match="heartbeat"):
                 _attend(tiers[tr], ["a"], 1, q, 1.0)
             assert time.monotonic() - t0 < 8.0
-        os.killpg(node.proc.pid, signal.SIGCONT)     # back: the next job gets a fresh channel and is served
+        time.sleep(max(0.0, stopped + 4.0 + 1.5 - time.monotonic()))  # stopped longer than the 4 s lease: the
+        os.killpg(node.proc.pid, signal.SIGCONT)     # node's own pause does not expire it; the next job gets a
+        #                                              fresh channel (alive before its responder first runs), served
         for tr in ("native", "shm"):
             assert torch.isfinite(_attend(tiers[tr], ["a"], 1, q, 1.0)[0]).all()
         node.kill()

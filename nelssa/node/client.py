@@ -11,7 +11,7 @@ lane enqueues node jobs as it does local ones). Every failure raises HostError; 
 partial. Same-host stores go through a store slot (shared memory the node reads); with keys on a CUDA
 device the slot is registered with CUDA (hostmem.pin), so each layer's packed K/V is one DMA into it.
 Failures: a node that stops answering fails the call within ``host_timeout_s`` (a shared-
-memory client sees a dead node's stale heartbeat within ``STALE_S``); a node that lost the client
+memory client fails a job after ``STALE_S`` with no heartbeat since it was posted); a node that lost the client
 (restart, lease expiry) makes the client register again: its old requests fail, new ones are served.
 """
 
@@ -199,7 +199,7 @@ class _ShmPlane:
         self.seq += 1
         seq = self.seq
         ch.write("req", seq, payload)
-        t0 = time.monotonic()
+        t0, t0_ns = time.monotonic(), time.monotonic_ns()
         deadline = t0 + timeout
         while int(ch.w[W_RESP_SEQ]) != seq:
             now = time.monotonic()
@@ -207,7 +207,7 @@ class _ShmPlane:
                 self.broken = "the node closed the channel (lease expired or node stopped)"
             elif now > deadline:
                 self.broken = f"no answer within {timeout:.1f}s"
-            elif (time.monotonic_ns() - int(ch.w[W_BEAT])) * 1e-9 > STALE_S:
+            elif (time.monotonic_ns() - max(int(ch.w[W_BEAT]), t0_ns)) * 1e-9 > STALE_S:  # none since the post
                 self.broken = f"the node's heartbeat is older than {STALE_S}s (node dead?)"
             if self.broken:
                 raise HostError(f"node data plane (shared memory): {self.broken}")

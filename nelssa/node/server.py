@@ -18,7 +18,8 @@ over it per decode job (the paper's NelssaHost: KV partitioner, job dispatcher, 
   offsets in a native channel, served by a C++ thread that runs the plan's prepared calls on the
   devices (head-wise partitioning; no Python per job).
 * Leases: every call renews the caller's lease; a client whose lease runs out is dropped with all
-  its KV (and its shared-memory channel).
+  its KV (and its shared-memory channel). Only time the node ran counts: a node that was itself
+  paused (stopped, its VM suspended) extends every lease by the pause, since no client could renew.
 """
 
 from __future__ import annotations
@@ -333,10 +334,21 @@ class NodeState:
             c.last = time.monotonic()
         return c
 
+    PAUSE_S = 1.0  # a reaper tick this much late: the node did not run (no client could renew meanwhile)
+
     def _reap(self) -> None:
-        while not self._stop.wait(min(0.25, self.s.lease_min_s / 2)):
+        tick = min(0.25, self.s.lease_min_s / 2)
+        prev = time.monotonic()
+        while not self._stop.wait(tick):
             now = time.monotonic()
+            paused, prev = now - prev - tick, now
             with self.lock:
+                if paused > self.PAUSE_S:  # leases and hand-over deadlines count the node's running time only
+                    log.warning("the node did not run for %.1fs: leases extended by that", paused)
+                    for c in self.clients.values():
+                        c.last += paused
+                    for h, (r, t) in list(self.released.items()):
+                        self.released[h] = (r, t + paused)
                 dead = [c for c in self.clients.values() if now - c.last > c.lease_s]
                 unadopted = [h for h, (_, t) in self.released.items() if now > t]
                 gone = [self.released.pop(h)[0] for h in unadopted]

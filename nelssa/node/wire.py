@@ -198,6 +198,7 @@ class _ChannelFile:
         """The header's identity written (create) or checked (attach)."""
         if create:
             w[W_MAGIC], w[W_VERSION], w[W_SLOT] = self.MAGIC, self.VERSION, self.slot
+            w[W_BEAT] = time.monotonic_ns()  # alive from the start, before the responder first polls
         elif int(w[W_MAGIC]) != self.MAGIC or int(w[W_VERSION]) != self.VERSION or int(w[W_SLOT]) != self.slot:
             raise WireError(f"{self.path}: not a {self.KIND}nelssa-node channel of slot {self.slot}")
 
