@@ -79,8 +79,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              "when run() returned (s, the same clock); 0: not run")
       .def_property_readonly("node_times", [](const nelssa::HostCall& c) -> py::object {
         if (!c.remote) return py::none();
-        return py::make_tuple(c.remote->node_s, c.remote->kernel_s);
-      }, "a remote call's last answer: (node seconds, slowest kernel seconds); None for a local call")
+        return py::make_tuple(c.remote->node_s, c.remote->kernel_s, c.remote->wait_s);
+      }, "a remote call's last answer: (node seconds, slowest kernel seconds, seconds from its post until the "
+         "answer was seen here); None for a local call")
       .def_static("remote", [](std::shared_ptr<nelssa::NodeChannel> ch, uint64_t plan, uint64_t layer,
                                std::vector<int64_t> dims, std::vector<int64_t> bounds, std::vector<int64_t> q_off,
                                std::vector<int64_t> ids_off, std::vector<int64_t> counts_off,

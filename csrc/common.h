@@ -228,6 +228,7 @@ struct RemoteJob {  // one layer of one plan: the layout of wire.plan_layout
   std::vector<int64_t> bounds, q_off, ids_off, counts_off, out_off, lse_off;
   double timeout_s = 30.0;
   double node_s = 0, kernel_s = 0;  // the last answer's node and kernel time
+  double wait_s = 0;                // the last job's post until its answer was seen (this side)
   void run(HostCall& call);         // throws on any failure (HostCall::run keeps it as its state)
 };
 std::vector<int64_t> native_header_words();

@@ -23,8 +23,10 @@
 //      "failed", NaN outputs) on an error answer, on a closed channel, when the node shows no sign of
 //      life for stale_s (its heartbeat and the job's post both older than that: a node that was only
 //      paused gets stale_s from the post, before its threads have run again), or past its timeout; after the last three the channel is broken and every
-//      later job on it fails at once (the Python side opens a new one). One job at a time per
-//      channel (a mutex): the node answers in order. The waiting job polls the answer for 20 us, then
+//      later job on it fails at once (the Python side opens a new one). It keeps the answer's node and
+//      kernel times and its own wait (post to answer seen): a call's time outside the kernel splits into
+//      this side's copies, the channel's two hand-offs and the node's dispatch (node/local.py). One job
+//      at a time per channel (a mutex): the node answers in order. The waiting job polls the answer for 20 us, then
 //      yields its core on every poll until the channel's spin_us, then naps 10 us per poll (a VM's
 //      nap lasts ~60 us: spin_us is for hosts with cores to spare; on shared cores a spinning waiter
 //      delays the very kernel it waits for).
@@ -288,6 +290,7 @@ void RemoteJob::run(HostCall& c) {
     }
     cpu_relax();
   }
+  wait_s = static_cast<double>(now_ns() - t0) * 1e-9;
   const uint64_t code = load(ch.w, N_RESP_CODE);
   node_s = static_cast<double>(ch.w[N_RESP_NODE_NS]) * 1e-9;
   kernel_s = static_cast<double>(ch.w[N_RESP_KERNEL_NS]) * 1e-9;

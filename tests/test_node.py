@@ -684,8 +684,10 @@ def test_native_plane_refuses_bad_jobs_and_freed_plans_and_keeps_serving(nodes):
         from nelssa.node.local import HostStats, call_results
         st = HostStats()  # a node call's communication: its round trip outside the node's kernels
         assert call_results(st, [c]) is None and len(st.node_comm_s) == 1
-        node_s, kernel_s = c.node_times
-        assert 0 < kernel_s <= node_s <= c.seconds and st.node_comm_s[0] == pytest.approx(c.seconds - kernel_s)
+        node_s, kernel_s, wait_s = c.node_times  # and by part: this side's copies, the channel, the node's dispatch
+        assert 0 < kernel_s <= node_s <= wait_s <= c.seconds and st.node_comm_s[0] == pytest.approx(c.seconds - kernel_s)
+        assert st.node_comm_split_s == pytest.approx({"copy": c.seconds - wait_s, "wire": wait_s - node_s,
+                                                      "dispatch": node_s - kernel_s})
         bad = []
         g = torch.Generator().manual_seed(3)
         C = ckvs[0].num_clusters

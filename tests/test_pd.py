@@ -173,6 +173,11 @@ def test_pd_stack_end_to_end(tmp_path):
             assert _metric_sum(pm, "nelssa:handovers_released_total") == 2
             assert _metric_sum(pm, "nelssa:move_split_seconds_total", part="store") > 0  # P's store calls, timed
             assert _metric_sum(dm, "nelssa:handovers_adopted_total") >= 1  # the second: adopted unless aborted first
+            # D's layer calls went through the node's native plane; their communication by part adds up
+            comm = _metric_sum(dm, "nelssa:node_comm_seconds_sum")
+            split = {p: _metric_sum(dm, "nelssa:node_comm_split_seconds_total", part=p) for p in ("copy", "wire", "dispatch")}
+            assert _metric_sum(dm, "nelssa:node_comm_seconds_count") > 0 and split["wire"] > 0, split
+            assert sum(split.values()) == pytest.approx(comm, rel=0.01, abs=1e-5), (split, comm)
             # a hand-over D could not take in time is clustered by D (nothing lost): on this 2-vCPU box one
             # adoption's RPC once ran out of its 30-s deadline (the answers above were still exact)
             if _metric_sum(dm, "nelssa:handover_fallbacks_total") == 0:

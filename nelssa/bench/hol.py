@@ -56,6 +56,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 MOVE_PARTS = ("read", "kmeans", "pack", "store")  # a move's time by part (vllm_plugin/handoff.py)
+COMM_PARTS = ("copy", "wire", "dispatch")  # a node call's communication by part (node/local.py call_results)
 TIMELINE_PARTS = ("lead", "host", "between", "tail")  # a lane batch's time by part (vllm_plugin/lane_host.py, 7)
 
 
@@ -286,6 +287,10 @@ def analyse(run: dict) -> dict:
     # decode step) spent in communication, i.e. layer calls' round trips outside the node's kernels
     comm, batch = m.get("nelssa:node_comm_seconds_sum"), m.get("nelssa:lane_batch_seconds_sum")
     out["node_comm_share_of_lane_batch"] = comm / batch if comm is not None and batch else None
+    # and by part, mean us per layer call (copy, wire, dispatch: nelssa:node_comm_split_seconds)
+    nc = m.get("nelssa:node_comm_seconds_count")
+    out["node_comm_split_us_per_call"] = {
+        p: 1e6 * m.get(f"nelssa:node_comm_split_seconds_total{{{p}}}", 0.0) / nc for p in COMM_PARTS} if nc else None
     # where a move's time goes (handoff.py): mean seconds per move, by part (on P/D: P's moves)
     nm = m.get("nelssa:clustering_seconds_count")
     out["move_split_s_per_move"] = {

@@ -117,6 +117,11 @@ def hol_md(h: dict, rel: str) -> list[str]:
         if mv:
             out.append(f"\nMoves to the host tier ({mode}), mean s per move (handoff.py): " +
                        ", ".join(f"{p} {_f(v, 3)}" for p, v in mv.items()))
+        cs = h[mode].get("node_comm_split_us_per_call") if mode != "off" else None
+        if cs:
+            out.append(f"\nnelssa-node communication ({mode}), mean us per layer call: " +
+                       ", ".join(f"{p} {_f(v)}" for p, v in cs.items()) + f"; sum {_f(sum(cs.values()))} "
+                       f"({_f(100 * (h[mode].get('node_comm_share_of_lane_batch') or 0))}% of the lane batches' time)")
         nel = h[mode].get("nelssa") or {}
         if mode != "off" and "nelssa:host_memory_free_bytes" in nel:
             out.append(f"\nHost-tier memory ({mode}, config host_reserve): "

@@ -59,6 +59,10 @@ class HostStats:
                                                  # mismatch, stale)
         self.node_comm_s: list[float] = []     # through nelssa-node's native plane, per layer call: its round
                                                # trip minus the slowest device's kernel (issue 10's communication)
+        self.node_comm_split_s: dict[str, float] = {}  # that communication by part (summed): copy (this side's
+                                                       # copies and channel lock), wire (post to answer seen, minus
+                                                       # the node's time: the two hand-offs), dispatch (the node's
+                                                       # time beyond its slowest kernel: its devices' wake-up)
         self.lane_timeline_s: dict[str, float] = {}  # long lane batches with host calls: launch-to-end seconds
                                                      # per part (lead, host, between, tail; lane_host.py, 7)
         self.lane_timeline_batches = 0
@@ -84,7 +88,8 @@ class HostStats:
                  "lane_split_s": self.lane_split_s, "lane_captures": self.lane_captures,
                  "lane_capture_failures": self.lane_capture_failures, "lane_paths": self.lane_paths,
                  "lane_drafts": self.lane_drafts,
-                 "node_comm_s": self.node_comm_s, "lane_timeline_s": self.lane_timeline_s,
+                 "node_comm_s": self.node_comm_s, "node_comm_split_s": self.node_comm_split_s,
+                 "lane_timeline_s": self.lane_timeline_s,
                  "lane_timeline_batches": self.lane_timeline_batches, "handoff_failures": self.handoff_failures,
                  "lane_finish_cancels": self.lane_finish_cancels, "handovers_released": self.handovers_released,
                  "handover_failures": self.handover_failures, "handovers_adopted": self.handovers_adopted,
@@ -139,9 +144,12 @@ def call_results(stats: HostStats, calls: list) -> str | None:
         state = c.state
         if state == "done":
             stats.add(attn_s=c.seconds)
-            nt = c.node_times  # a call nelssa-node did: (node seconds, slowest kernel seconds)
+            nt = c.node_times  # a call nelssa-node did: (node, slowest kernel, post-to-answer seconds)
             if nt is not None:
-                stats.add(node_comm_s=max(0.0, c.seconds - nt[1]))
+                node_s, kernel_s, wait_s = nt
+                stats.add(node_comm_s=max(0.0, c.seconds - kernel_s),
+                          node_comm_split_s={"copy": max(0.0, c.seconds - wait_s), "wire": max(0.0, wait_s - node_s),
+                                             "dispatch": max(0.0, node_s - kernel_s)})
         elif state != "skipped" and err is None:
             err = c.error if state == "failed" else f"host call {state} after its stream passed it"
     if err is not None:

@@ -282,6 +282,11 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
                              documentation="Moves to the host tier (nelssa:clustering_seconds): the hand-off "
                                            "thread's seconds per part (read, kmeans, pack: tables, packing "
                                            "and the copy to host memory, store: nelssa-node's store call)")
+        self._comm_split = c(name="nelssa:node_comm_split_seconds", labelnames=[*labelnames, "part"],
+                             documentation="nelssa:node_comm_seconds by part: copy (this side's copies into and "
+                                           "out of the channel), wire (post to answer seen minus the node's time: "
+                                           "the two hand-offs), dispatch (the node's time beyond its slowest "
+                                           "kernel)")
         self._lane_timeline = c(name="nelssa:lane_timeline_seconds", labelnames=[*labelnames, "part"],
                                 documentation="Long lane batches with host calls, launch to end: lead (until the "
                                               "first host call), host (calls running), between (device work and "
@@ -303,6 +308,8 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
             self._lane_split.labels(*self._labels[engine_idx], part).inc(x)
         for part, x in data.get("move_split_s", {}).items():
             self._move_split.labels(*self._labels[engine_idx], part).inc(x)
+        for part, x in data.get("node_comm_split_s", {}).items():
+            self._comm_split.labels(*self._labels[engine_idx], part).inc(x)
         for part, x in data.get("lane_timeline_s", {}).items():
             self._lane_timeline.labels(*self._labels[engine_idx], part).inc(x)
         for path, x in data.get("lane_paths", {}).items():
