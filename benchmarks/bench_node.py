@@ -311,6 +311,8 @@ def main() -> None:
                          "waiting client never shares a device's core (0: not pinned)")
     ap.add_argument("--gap-us", type=float, default=0.0,
                     help="native plane: microseconds between jobs (the lane's pace; 0: back to back)")
+    ap.add_argument("--margins-us", default="0",
+                    help="native plane: wake margins to compare (config node_margin_us), each case run with each")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
@@ -358,11 +360,18 @@ def main() -> None:
                     tier.put_layers(r, [k], [v])
                 print(f"[bench_node] {nd} device(s), {plane}: {a.batch} x {n} tokens clustered and stored in "
                       f"{time.perf_counter() - t0:.1f} s; {a.iters} jobs per case", file=sys.stderr, flush=True)
+                margins = [int(x) for x in a.margins_us.split(",")] if tier._native is not None else [None]
                 for label, budget in (("empty", None), ("real", a.budget)):
-                    res = timed(tier, rids, q, budget, scale, a.iters, gap_s=a.gap_us * 1e-6)
-                    case = {"devices": nd, "plane": plane, "job": label, **res}
-                    report["cases"].append(case)
-                    print(json.dumps(case), flush=True)
+                    for margin in margins:  # the same jobs with each wake margin, back to back (native plane)
+                        if margin is not None:
+                            tier._native.chan.margin_us = margin
+                        res = timed(tier, rids, q, budget, scale, a.iters, gap_s=a.gap_us * 1e-6)
+                        case = {"devices": nd, "plane": plane, "job": label, **res,
+                                **({"margin_us": margin} if margin is not None else {})}
+                        report["cases"].append(case)
+                        print(json.dumps(case), flush=True)
+                if tier._native is not None:
+                    tier._native.chan.margin_us = cfg.node_margin_us
                 if a.store_tokens and plane == a.planes.split(",")[0]:
                     stop, info = threading.Event(), {}
                     th = threading.Thread(target=_store_loop, args=(port, stop, a.store_tokens, a.store_layers, H, D, info))

@@ -118,8 +118,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<nelssa::NodeChannel, std::shared_ptr<nelssa::NodeChannel>>(
       m, "NodeChannel", "a client's end of a native nelssa-node channel (csrc/node_plane.cpp)")
       .def(py::init(&nelssa::attach_node_channel), py::arg("mem"), py::arg("slot"), py::arg("stale_s"),
-           py::arg("spin_us") = 20,
-           "spin_us: a waiting job polls this long (past 20 us yielding its core) before it naps")
+           py::arg("spin_us") = 20, py::arg("margin_us") = 0,
+           "spin_us: a waiting job polls this long (past 20 us yielding its core) before it naps; margin_us: and "
+           "from this long before its answer is expected (0: naps only)")
+      .def_property("margin_us", [](const nelssa::NodeChannel& c) { return c.margin_ns.load() / 1000; },
+                    [](nelssa::NodeChannel& c, int64_t us) {
+                      TORCH_CHECK(us >= 0, "margin_us must be >= 0");
+                      c.margin_ns.store(us * 1000);
+                    })
+      .def_property_readonly("expect_us", [](const nelssa::NodeChannel& c) { return c.expect_ns.load() / 1000; },
+                             "when the next answer is expected (us after its post): the recent waits' moving average")
       .def_property_readonly("broken", &nelssa::node_channel_broken);
   m.def("install_fatal_trace", &nelssa::install_fatal_trace,
         "on a fatal signal, write the native frames of the crashing thread to stderr (then die as before)");

@@ -214,11 +214,14 @@ struct NodeChannel {  // the client's end
   int64_t slot = 0;
   double stale_s = 5.0;
   int64_t spin_ns = 20000;  // a waiting job polls (yielding past 20 us) this long before it naps
+  std::atomic<int64_t> margin_ns{0};  // and polls again from this long before its answer is expected (0: naps only)
+  std::atomic<int64_t> expect_ns{0};  // when an answer is expected: the recent jobs' waits (moving average)
   std::mutex m;
   uint64_t seq = 0;
   std::string broken;  // set: every later job fails at once
 };
-std::shared_ptr<NodeChannel> attach_node_channel(at::Tensor mem, int64_t slot, double stale_s, int64_t spin_us);
+std::shared_ptr<NodeChannel> attach_node_channel(at::Tensor mem, int64_t slot, double stale_s, int64_t spin_us,
+                                                 int64_t margin_us);
 std::string node_channel_broken(NodeChannel& ch);
 
 struct RemoteJob {  // one layer of one plan: the layout of wire.plan_layout

@@ -29,7 +29,10 @@
 //      at a time per channel (a mutex): the node answers in order. The waiting job polls the answer for 20 us, then
 //      yields its core on every poll until the channel's spin_us, then naps 10 us per poll (a VM's
 //      nap lasts ~60 us: spin_us is for hosts with cores to spare; on shared cores a spinning waiter
-//      delays the very kernel it waits for).
+//      delays the very kernel it waits for) — except around the answer's expected time (the moving
+//      average of the channel's recent waits): from margin_us before it until margin_us (or half the
+//      expected wait) after it the job polls again, yielding, so an answer is seen within a poll
+//      instead of a nap while the core is still given up for most of the kernel.
 //   4. The responder polls for spin_us after each job (yielding its core past the first 20 us), then
 //      sleeps sleep_us between polls, and writes
 //      its heartbeat (first when it is made, before its thread runs) (steady clock ns: CLOCK_MONOTONIC, Python's time.monotonic_ns) at least every
@@ -211,14 +214,16 @@ std::pair<int64_t, int64_t> ShmResponder::counts() const { return {impl->jobs.lo
 
 // ---------------------------------------------------------------- client side
 
-std::shared_ptr<NodeChannel> attach_node_channel(at::Tensor mem, int64_t slot, double stale_s, int64_t spin_us) {
-  TORCH_CHECK(spin_us >= 0, "spin_us must be >= 0");
+std::shared_ptr<NodeChannel> attach_node_channel(at::Tensor mem, int64_t slot, double stale_s, int64_t spin_us,
+                                                 int64_t margin_us) {
+  TORCH_CHECK(spin_us >= 0 && margin_us >= 0, "spin_us and margin_us must be >= 0");
   auto ch = std::make_shared<NodeChannel>();
   ch->w = words_of(mem, slot);
   ch->mem = std::move(mem);
   ch->req = static_cast<uint8_t*>(ch->mem.data_ptr()) + kHeaderBytes;
   ch->resp = ch->req + slot;
   ch->slot = slot, ch->stale_s = stale_s, ch->spin_ns = std::max<int64_t>(spin_us, 20) * 1000;
+  ch->margin_ns.store(margin_us * 1000);
   ch->seq = std::max(load(ch->w, N_REQ_SEQ), load(ch->w, N_RESP_SEQ));
   return ch;
 }
@@ -277,6 +282,8 @@ void RemoteJob::run(HostCall& c) {
   const int64_t t0 = now_ns();
   store(ch.w, N_REQ_SEQ, seq);
   const int64_t deadline = t0 + static_cast<int64_t>(timeout_s * 1e9), stale = static_cast<int64_t>(ch.stale_s * 1e9);
+  const int64_t expect = ch.expect_ns.load(std::memory_order_relaxed), margin = ch.margin_ns.load(std::memory_order_relaxed);
+  const int64_t late = std::max(margin, expect / 2);
   for (int64_t i = 0; load(ch.w, N_RESP_SEQ) != seq; ++i) {
     if ((i & 15) == 15) {
       const int64_t t = now_ns();
@@ -285,12 +292,16 @@ void RemoteJob::run(HostCall& c) {
       else if (t - std::max(static_cast<int64_t>(load(ch.w, N_BEAT)), t0) > stale)  // (3) no sign of life since the post
         ch.broken = "the node's heartbeat is older than " + std::to_string(ch.stale_s) + " s (node dead?)";
       if (!ch.broken.empty()) TORCH_CHECK(false, "node data plane (native shared memory): ", ch.broken);
-      if (t - t0 > ch.spin_ns) std::this_thread::sleep_for(std::chrono::microseconds(10));  // a nap (VM: ~60 us)
-      else if (t - t0 > kPureSpinNs) std::this_thread::yield();  // a kernel call, on a machine with cores to spare
+      const int64_t el = t - t0;
+      const bool near = margin > 0 && el >= expect - margin && el <= expect + late;  // (3) the answer's window
+      if (el > ch.spin_ns && !near) std::this_thread::sleep_for(std::chrono::microseconds(10));  // a nap (VM: ~60 us)
+      else if (el > kPureSpinNs) std::this_thread::yield();  // a kernel call, on a machine with cores to spare
     }
     cpu_relax();
   }
-  wait_s = static_cast<double>(now_ns() - t0) * 1e-9;
+  const int64_t waited = now_ns() - t0;
+  wait_s = static_cast<double>(waited) * 1e-9;
+  ch.expect_ns.store(expect ? (3 * expect + waited) / 4 : waited, std::memory_order_relaxed);
   const uint64_t code = load(ch.w, N_RESP_CODE);
   node_s = static_cast<double>(ch.w[N_RESP_NODE_NS]) * 1e-9;
   kernel_s = static_cast<double>(ch.w[N_RESP_KERNEL_NS]) * 1e-9;

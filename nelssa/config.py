@@ -156,6 +156,10 @@ class NelssaConfig:
                                   # core past 20 us) before it naps ~10 us per poll; -1: 1000 on hosts with 8 or
                                   # more usable cores, else 20 (on shared cores a spinning waiter delays the
                                   # node's kernel: csrc/node_plane.cpp, 3)
+    node_margin_us: int = 0       # engine "node", native plane: a napping job polls again (yielding) from this
+                                  # long before its answer is expected (the channel's recent waits) until as long
+                                  # after (at least half the wait): the answer seen within a poll, not a nap
+                                  # (~60 us on a VM); 0: naps only (csrc/node_plane.cpp, 3)
     cluster_size: int = 8         # mean tokens per cluster (8 measured better than 16 on needles, see README)
     segment: int = 8192           # k-means segment length (tokens)
     iters: int = 10               # k-means iterations
@@ -206,6 +210,8 @@ class NelssaConfig:
         req(self.handover_wait_s > 0, f"handover_wait_s must be > 0, got {self.handover_wait_s!r}")
         req(isinstance(self.node_spin_us, int) and self.node_spin_us >= -1,
             f"node_spin_us must be an int >= -1, got {self.node_spin_us!r}")
+        req(isinstance(self.node_margin_us, int) and self.node_margin_us >= 0,
+            f"node_margin_us must be an int >= 0, got {self.node_margin_us!r}")
         req(self.cluster_size >= 1 and self.segment >= self.cluster_size and self.iters >= 1,
             "cluster_size >= 1, segment >= cluster_size and iters >= 1 required")
         req(isinstance(self.lane_connections, int) and 0 <= self.lane_connections <= 32,
@@ -276,6 +282,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_HANDOVER_WAIT_S": ("handover_wait_s", float),
     "NELSSA_HANDOVER_WINDOW": ("handover_window", _bool),
     "NELSSA_NODE_SPIN_US": ("node_spin_us", int),
+    "NELSSA_NODE_MARGIN_US": ("node_margin_us", int),
     "NELSSA_SEED": ("seed", int),
     "NELSSA_USE_CPP": ("use_cpp", _bool),
     "NELSSA_POOL_THREADS": ("pool_threads", int),

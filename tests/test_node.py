@@ -713,6 +713,16 @@ def test_native_plane_refuses_bad_jobs_and_freed_plans_and_keeps_serving(nodes):
         c, out, _ = run(q, ids, counts)
         torch.testing.assert_close(out, want[0], atol=0, rtol=0)
         assert not plane.chan.broken
+        # the waiting job's wake margin (config node_margin_us): polled around the answer's expected time
+        # (the recent waits' average), the same answers
+        assert plane.chan.margin_us == 0 and plane.chan.expect_us > 0
+        plane.chan.margin_us = 200
+        for _ in range(3):
+            c, out, _ = run(q, ids, counts)
+            torch.testing.assert_close(out, want[0], atol=0, rtol=0)
+        assert plane.chan.margin_us == 200 and c.state == "done"
+        with pytest.raises(RuntimeError, match="margin_us"):
+            plane.chan.margin_us = -1
         # a plan of a freed request: dropped on the node with it
         c = plane.call(ckvs, q, Selection([ids], [counts]), SCALE, 0, torch.empty(1, HQ, D), torch.empty(1, HQ))
         t._free_remote("a")  # the node frees it (the client's own free would also forget its plans)

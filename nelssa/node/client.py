@@ -268,7 +268,7 @@ class _NativePlane:
                                               native=True))
         ch = NativeChannel.attach(rep.path, rep.slot_bytes)
         ch.unlink()  # both sides hold the mapping now
-        self.chan = ext().NodeChannel(ch.mem, rep.slot_bytes, STALE_S, client_spin_us(t.cfg))
+        self.chan = ext().NodeChannel(ch.mem, rep.slot_bytes, STALE_S, client_spin_us(t.cfg), t.cfg.node_margin_us)
 
     def _channel(self):
         """The channel, reopened when a job broke it (timeout, closed, stale heartbeat: the jobs that saw
