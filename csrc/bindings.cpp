@@ -19,6 +19,15 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> host_pool_stats();
 void copy_bytes(at::Tensor& dst, const at::Tensor& src, int64_t threads);
 }  // namespace nelssa
 
+namespace {
+pybind11::dict split_dict(const nelssa::KernelSplit& k) {  // seconds by part (common.h KernelSplit)
+  pybind11::dict d;
+  d["prep"] = k.prep, d["fork"] = k.fork, d["tables"] = k.tables, d["items"] = k.items, d["wait"] = k.wait;
+  d["combine"] = k.combine;
+  return d;
+}
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using release = py::call_guard<py::gil_scoped_release>;
@@ -30,6 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("parts"), py::arg("cpart"), py::arg("cstart"), py::arg("csize"), py::arg("sel"),
         py::arg("nsel"), py::arg("scale"), py::arg("work_tokens"), py::arg("touch_only"), py::arg("prefetch_rows"),
         py::arg("prefetch_hint"), py::arg("pin_out"));  // no defaults: the caller passes the config's (nelssa.sparse.attend)
+  m.def("last_kernel_split", [] { return split_dict(nelssa::last_kernel_split()); },
+        "this thread's last sparse_attention by part (seconds; common.h KernelSplit)");
   py::class_<nelssa::CancelFlag, std::shared_ptr<nelssa::CancelFlag>>(
       m, "CancelFlag", "Shared by the host calls of one batch: set, they return without computing")
       .def(py::init<>())
@@ -77,6 +88,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              "when run() began (s, CLOCK_MONOTONIC: time.perf_counter's clock on Linux); 0: not run")
       .def_property_readonly("ended", [](const nelssa::HostCall& c) { return c.ended; },
                              "when run() returned (s, the same clock); 0: not run")
+      .def_property_readonly("kernel_split", [](const nelssa::HostCall& c) -> py::object {
+        if (c.remote || c.seconds == 0) return py::none();
+        return split_dict(c.split);
+      }, "a local call's last run by part (seconds; common.h KernelSplit); None for a remote or unrun call")
       .def_property_readonly("node_times", [](const nelssa::HostCall& c) -> py::object {
         if (!c.remote) return py::none();
         return py::make_tuple(c.remote->node_s, c.remote->kernel_s, c.remote->wait_s);

@@ -130,6 +130,16 @@ struct CancelFlag {
 
 struct RemoteJob;  // node_plane.cpp: the call's work done by nelssa-node through a native channel
 
+// Where the calling thread's last sparse_attention_into went (seconds; the parts add up to its wall time):
+// prep (checks, queries), fork (until the last pool thread entered the parallel region), tables (the
+// selected clusters' spans and work items, less fork), items (the fused pass: the pool threads' mean busy
+// time), wait (the fused pass's wall time beyond that: imbalance, threads descheduled), combine (the LSE
+// merge and the region's end).
+struct KernelSplit {
+  double prep = 0, fork = 0, tables = 0, items = 0, wait = 0, combine = 0;
+};
+const KernelSplit& last_kernel_split();
+
 struct HostCall {
   at::Tensor q;
   std::vector<std::vector<at::Tensor>> parts;
@@ -143,6 +153,7 @@ struct HostCall {
   std::string error;                    // a failed call's message
   bool value_error = false;             // ... raised as a ValueError (bad input) by the kernel
   double seconds = 0;                   // time in the kernel
+  KernelSplit split;                    // ... by part (a local call's last run)
   double started = 0, ended = 0;        // when run() began and returned (steady clock = CLOCK_MONOTONIC, s):
                                         // the lane's batch timeline (lane_host.timeline)
   int flag_slot = -1;                   // launch_flags: its ready/done flags (flag_wait.cpp), for its lifetime

@@ -58,11 +58,13 @@ void HostCall::run() noexcept {
   int st = DONE;
   try {
     if (!fault.empty()) throw std::runtime_error(fault);
-    if (remote)
+    if (remote) {
       remote->run(*this);  // nelssa-node does the work (node_plane.cpp, 3)
-    else
+    } else {
       sparse_attention_into(q, parts, cpart, cstart, csize, sel, nsel, scale, work_tokens, false, prefetch_rows,
                             prefetch_hint, out, lse);
+      split = last_kernel_split();
+    }
   } catch (const c10::ValueError& e) {  // bad input (e.g. NaN queries): the caller's to report as such
     error = e.what_without_backtrace(), st = FAILED, value_error = true;
   } catch (const c10::Error& e) {

@@ -439,6 +439,10 @@ void run_item(const Ctx& c, const std::vector<Span>& spans, const Work& w, float
   run_work<T, DC, HINT>(c, kr, vr, w, wm, wl, wa, kf.data(), vf.data(), s.data(), p.data());
 }
 
+thread_local KernelSplit tls_split;  // the calling thread's last call, by part (common.h)
+
+inline double secs(int64_t ns) { return static_cast<double>(ns) * 1e-9; }
+
 // Grow-only buffer (no value-initialisation on reuse): per-call scratch that would otherwise be
 // allocated, zeroed and page-faulted on every call.
 template <typename T>
@@ -497,6 +501,8 @@ void sparse_attention_into(
     const std::vector<at::Tensor>& nsel,         // [B] of int64 [Hkv]: valid ids per head
     double scale, int64_t work_tokens, bool touch_only, int64_t prefetch_rows, int64_t prefetch_hint,
     at::Tensor& out, at::Tensor& lse) {
+  const int64_t t_in = now_ns();
+  tls_split = KernelSplit{};
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(),
               "q must be a contiguous CPU [B, Hq, D] tensor (fp32, or the KV dtype)");
   const int B = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), D = static_cast<int>(q.size(2));
@@ -608,8 +614,21 @@ void sparse_attention_into(
   float *pm = nullptr, *pl = nullptr, *pacc = nullptr;
   int64_t nw = 0;
   bool failed = false;
+  // the call's time by part (KernelSplit): the master's stamps after barriers, each thread's entry and busy time
+  const int64_t t_region = now_ns();
+  std::atomic<int64_t> last_entry{t_region}, busy_ns{0};
+  int64_t t_tables = 0, t_items = 0;
+  int team = 1;
 #pragma omp parallel num_threads(pool().threads)
   {
+    {
+      const int64_t e = now_ns();
+      int64_t cur = last_entry.load(std::memory_order_relaxed);
+      while (e > cur && !last_entry.compare_exchange_weak(cur, e, std::memory_order_relaxed)) {
+      }
+    }
+#pragma omp master
+    team = omp_get_num_threads();
     pin_this_thread();
     // Phase 1: spans per (request, kv head): one per selected cluster (validated).
 #pragma omp for schedule(dynamic, 4)
@@ -689,12 +708,20 @@ void sparse_attention_into(
         nw = static_cast<int64_t>(works.size());
         pm = grow(cb.pm, nw * G), pl = grow(cb.pl, nw * G), pacc = grow(cb.pacc, nw * G * D);
       }
+#pragma omp master
+      t_tables = now_ns();
       // Phase 3: the fused pass.
+      int64_t busy = 0;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < nw; ++i) {
         const Work& w = works[i];
+        const int64_t a = now_ns();
         item(c, spans[w.bh], w, pm + i * G, pl + i * G, pacc + i * G * D);
+        busy += now_ns() - a;
       }
+      busy_ns.fetch_add(busy, std::memory_order_relaxed);
+#pragma omp master
+      t_items = now_ns();
       // Phase 4: combine the chunks of each (request, q head) by LSE.
 #pragma omp for
       for (int bh = 0; bh < BH; ++bh) {
@@ -726,6 +753,20 @@ void sparse_attention_into(
       }
     }
   }
+  {
+    const int64_t t_end = now_ns();
+    KernelSplit& k = tls_split;
+    k.prep = secs(t_region - t_in);
+    k.fork = secs(last_entry.load() - t_region);
+    if (t_tables && t_items) {
+      const double mean = secs(busy_ns.load()) / team, wall = secs(t_items - t_tables);
+      k.tables = std::max(0.0, secs(t_tables - t_region) - k.fork);
+      k.items = std::min(mean, wall), k.wait = wall - k.items;
+      k.combine = secs(t_end - t_items);
+    } else {
+      k.tables = std::max(0.0, secs(t_end - t_region) - k.fork);
+    }
+  }
   for (int bh = 0; bh < BH && failed; ++bh)
     TORCH_CHECK_VALUE(!bad[bh], "request ", bh / Hkv, " kv head ", bh % Hkv,
                       ": selection out of range of its cluster table");  // bad input: a ValueError
@@ -736,6 +777,8 @@ void sparse_attention_into(
   for (int64_t i = 0; !touch_only && i < static_cast<int64_t>(B) * Hq && !bad_out; ++i) bad_out = std::isnan(ls[i]);
   TORCH_CHECK_VALUE(!bad_out, "host attention returned non-finite values");
 }
+
+const KernelSplit& last_kernel_split() { return tls_split; }
 
 std::tuple<at::Tensor, at::Tensor> sparse_attention(
     const at::Tensor& q, const std::vector<std::vector<at::Tensor>>& parts, const std::vector<at::Tensor>& cpart,

@@ -60,6 +60,9 @@ def test_hol_cpu_preset_is_well_formed_and_exact(tmp_path, cut_model_dir):
     per_move = nel["nelssa:clustering_seconds_sum"] / nel["nelssa:clustering_seconds_count"]
     assert sum(mv.values()) <= per_move * 1.01, (mv, per_move)
     assert nel.get("nelssa:lane_rows_total", 0) >= 10, nel  # the long request's tokens came from the lane
+    # the lane's host calls by part (csrc/common.h KernelSplit): the fused pass is their bulk
+    ks = s["on"]["host_call_split_us_per_call"]
+    assert ks and set(ks) == {"prep", "fork", "tables", "items", "wait", "combine"} and ks["items"] > 0, ks
     # drafts (lane_spec.py): the lane computed positions before the step sampled their tokens, and the step's
     # tokens confirmed them (greedy requests; every output above is NELSSA_OFF's all the same)
     assert nel.get("nelssa:lane_drafts_total{verified}", 0) >= 5, nel

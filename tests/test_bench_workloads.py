@@ -229,12 +229,16 @@ def test_plots_and_report(tmp_path):
             {"time": "t", "on": {"before": ph, "long_prefill": ph, "long_decode": ph, "lane_timeline_ms_per_batch": tl,
                                  "move_split_s_per_move": {"read": 0.012, "kmeans": 0.25, "pack": 0.2},
                                  "node_comm_split_us_per_call": {"copy": 12.0, "wire": 120.0, "dispatch": 40.0},
+                                 "host_call_split_us_per_call": {"prep": 2.0, "fork": 30.0, "tables": 20.0,
+                                                                 "items": 500.0, "wait": 100.0, "combine": 5.0},
                                  "node_comm_share_of_lane_batch": 0.082,
                                  "nelssa": {"nelssa:host_memory_free_bytes": 32 * 2**30}}}))
     assert report([str(tmp_path)]) == 0
     md = (tmp_path / "report.md").read_text()
     assert "Long lane (on), mean ms per batch" in md
     assert "Moves to the host tier (on), mean s per move (handoff.py): read 0.012, kmeans 0.250, pack 0.200" in md
+    assert ("Host attention calls (on), mean us per call: prep 2.0, fork 30.0, tables 20.0, items 500.0, "
+            "wait 100.0, combine 5.0; sum 657.0") in md
     assert ("nelssa-node communication (on), mean us per layer call: copy 12.0, wire 120.0, dispatch 40.0; "
             "sum 172.0 (8.2% of the lane batches' time)") in md
     assert "lead 14.2, host 26.7, between 22.2, tail 1.1; sum 64.2" in md and "sum 97.7" in md

@@ -149,6 +149,13 @@ def test_prepared_host_call(use_cpp):
     c.run()
     assert c.state == "done" and c.error == "" and c.seconds > 0
     assert torch.equal(out, ref) and torch.equal(lse, rlse)
+    # its kernel's time by part (csrc/common.h KernelSplit): every part, none negative, within the call's time
+    ks = c.kernel_split
+    assert set(ks) == {"prep", "fork", "tables", "items", "wait", "combine"} and min(ks.values()) >= 0, ks
+    assert ks["items"] > 0 and sum(ks.values()) <= c.seconds * 1.001 + 1e-6, (ks, c.seconds)
+    from nelssa.node.local import HostStats, call_results
+    st = HostStats()
+    assert call_results(st, [c]) is None and st.host_call_split_s == pytest.approx(ks)
     with pytest.raises(RuntimeError, match="runs once"):
         c.run()
     c, out, lse = call(fault="injected host-tier fault")

@@ -56,6 +56,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 MOVE_PARTS = ("read", "kmeans", "pack", "store")  # a move's time by part (vllm_plugin/handoff.py)
+CALL_PARTS = ("prep", "fork", "tables", "items", "wait", "combine")  # a local host call by part (KernelSplit)
 COMM_PARTS = ("copy", "wire", "dispatch")  # a node call's communication by part (node/local.py call_results)
 TIMELINE_PARTS = ("lead", "host", "between", "tail")  # a lane batch's time by part (vllm_plugin/lane_host.py, 7)
 
@@ -287,6 +288,11 @@ def analyse(run: dict) -> dict:
     # decode step) spent in communication, i.e. layer calls' round trips outside the node's kernels
     comm, batch = m.get("nelssa:node_comm_seconds_sum"), m.get("nelssa:lane_batch_seconds_sum")
     out["node_comm_share_of_lane_batch"] = comm / batch if comm is not None and batch else None
+    # in-process host calls by part, mean us per call (nelssa:host_call_split_seconds)
+    na = m.get("nelssa:host_attention_seconds_count")
+    split = {p: 1e6 * m[f"nelssa:host_call_split_seconds_total{{{p}}}"] / na for p in CALL_PARTS
+             if f"nelssa:host_call_split_seconds_total{{{p}}}" in m} if na else {}
+    out["host_call_split_us_per_call"] = split or None
     # and by part, mean us per layer call (copy, wire, dispatch: nelssa:node_comm_split_seconds)
     nc = m.get("nelssa:node_comm_seconds_count")
     out["node_comm_split_us_per_call"] = {

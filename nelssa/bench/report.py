@@ -117,6 +117,10 @@ def hol_md(h: dict, rel: str) -> list[str]:
         if mv:
             out.append(f"\nMoves to the host tier ({mode}), mean s per move (handoff.py): " +
                        ", ".join(f"{p} {_f(v, 3)}" for p, v in mv.items()))
+        ks = h[mode].get("host_call_split_us_per_call") if mode != "off" else None
+        if ks:
+            out.append(f"\nHost attention calls ({mode}), mean us per call: " +
+                       ", ".join(f"{p} {_f(v)}" for p, v in ks.items()) + f"; sum {_f(sum(ks.values()))}")
         cs = h[mode].get("node_comm_split_us_per_call") if mode != "off" else None
         if cs:
             out.append(f"\nnelssa-node communication ({mode}), mean us per layer call: " +

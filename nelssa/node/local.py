@@ -59,6 +59,8 @@ class HostStats:
                                                  # mismatch, stale)
         self.node_comm_s: list[float] = []     # through nelssa-node's native plane, per layer call: its round
                                                # trip minus the slowest device's kernel (issue 10's communication)
+        self.host_call_split_s: dict[str, float] = {}  # local host calls (HostCall) by part, summed: prep, fork,
+                                                       # tables, items, wait, combine (csrc/common.h KernelSplit)
         self.node_comm_split_s: dict[str, float] = {}  # that communication by part (summed): copy (this side's
                                                        # copies and channel lock), wire (post to answer seen, minus
                                                        # the node's time: the two hand-offs), dispatch (the node's
@@ -89,6 +91,7 @@ class HostStats:
                  "lane_capture_failures": self.lane_capture_failures, "lane_paths": self.lane_paths,
                  "lane_drafts": self.lane_drafts,
                  "node_comm_s": self.node_comm_s, "node_comm_split_s": self.node_comm_split_s,
+                 "host_call_split_s": self.host_call_split_s,
                  "lane_timeline_s": self.lane_timeline_s,
                  "lane_timeline_batches": self.lane_timeline_batches, "handoff_failures": self.handoff_failures,
                  "lane_finish_cancels": self.lane_finish_cancels, "handovers_released": self.handovers_released,
@@ -144,6 +147,9 @@ def call_results(stats: HostStats, calls: list) -> str | None:
         state = c.state
         if state == "done":
             stats.add(attn_s=c.seconds)
+            ks = c.kernel_split  # a local call: its kernel's time by part
+            if ks is not None:
+                stats.add(host_call_split_s=ks)
             nt = c.node_times  # a call nelssa-node did: (node, slowest kernel, post-to-answer seconds)
             if nt is not None:
                 node_s, kernel_s, wait_s = nt
@@ -256,7 +262,9 @@ class LocalHostTier:
                 out = attend(q_cpu, ckvs, sel, scale, pin=pinned)
             except ValueError as e:
                 raise HostError(f"host attention of layer {layer}: {e}") from None
-            self.stats.add(attn_s=time.perf_counter() - t)
+            mod = ext()  # the kernel's time by part, when it was the C++ one (on this thread)
+            self.stats.add(attn_s=time.perf_counter() - t,
+                           **({"host_call_split_s": mod.last_kernel_split()} if mod is not None else {}))
             return out
 
         return self._pool.submit(run)

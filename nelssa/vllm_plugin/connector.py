@@ -282,6 +282,11 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
                              documentation="Moves to the host tier (nelssa:clustering_seconds): the hand-off "
                                            "thread's seconds per part (read, kmeans, pack: tables, packing "
                                            "and the copy to host memory, store: nelssa-node's store call)")
+        self._call_split = c(name="nelssa:host_call_split_seconds", labelnames=[*labelnames, "part"],
+                             documentation="In-process host attention calls (nelssa:host_attention_seconds) by "
+                                           "part: prep (checks, queries), fork (until the last pool thread "
+                                           "entered), tables (spans and work items), items (the fused pass: the "
+                                           "threads' mean busy time), wait (its wall time beyond that), combine")
         self._comm_split = c(name="nelssa:node_comm_split_seconds", labelnames=[*labelnames, "part"],
                              documentation="nelssa:node_comm_seconds by part: copy (this side's copies into and "
                                            "out of the channel), wire (post to answer seen minus the node's time: "
@@ -308,6 +313,8 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
             self._lane_split.labels(*self._labels[engine_idx], part).inc(x)
         for part, x in data.get("move_split_s", {}).items():
             self._move_split.labels(*self._labels[engine_idx], part).inc(x)
+        for part, x in data.get("host_call_split_s", {}).items():
+            self._call_split.labels(*self._labels[engine_idx], part).inc(x)
         for part, x in data.get("node_comm_split_s", {}).items():
             self._comm_split.labels(*self._labels[engine_idx], part).inc(x)
         for part, x in data.get("lane_timeline_s", {}).items():
