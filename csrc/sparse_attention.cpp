@@ -479,12 +479,10 @@ struct CallBufs {
   std::vector<std::vector<int64_t>> rows;                      // [B][part] KV rows
   std::vector<std::vector<Span>> spans;                        // [B * Hkv]
   std::vector<std::vector<std::pair<int32_t, int32_t>>> wk;    // work ranges per (request, kv head)
+  std::vector<std::vector<float>> rm, rl, racc;                // their results (m, l, acc) per (request, kv head)
   std::vector<int> bad;
-  std::vector<int64_t> nrows, wbeg;
-  std::vector<Work> works;
-  std::vector<float> qs, pm, pl, pacc;
+  std::vector<float> qs;
   std::vector<uint16_t> qb;
-  int64_t work = 0;
 };
 
 }  // namespace
@@ -556,10 +554,9 @@ void sparse_attention_into(
   c.touch_only = touch_only;
   c.pf_rows = prefetch_rows;
   const int BH = B * Hkv;
-  if (cb.spans.size() < static_cast<size_t>(BH)) cb.spans.resize(BH), cb.wk.resize(BH);
+  if (cb.spans.size() < static_cast<size_t>(BH))
+    cb.spans.resize(BH), cb.wk.resize(BH), cb.rm.resize(BH), cb.rl.resize(BH), cb.racc.resize(BH);
   int* bad = grow(cb.bad, BH);
-  int64_t* nrows = grow(cb.nrows, BH);
-  int64_t* wbeg = grow(cb.wbeg, BH + 1);
 
   // q: checked for NaN/Inf; the bf16 fast path takes q as bf16 (given as bf16, or fp32 that is exactly
   // bf16: it is, from a bf16 model), the others as fp32 pre-scaled to log2 units.
@@ -606,14 +603,31 @@ void sparse_attention_into(
   float* o = out.data_ptr<float>();
   float* ls = lse.data_ptr<float>();
 
+  // Work items of <= work rows: at most work_tokens, and small enough for ~16 items per thread (the
+  // dynamic schedule's tail, about half an item per thread, stays a few % of the call). The rows are
+  // estimated here (selected clusters x the request's mean cluster size), so the items are cut in the
+  // same loop that finds the spans.
+  int64_t work;
+  {
+    double est = 0;
+    for (int b = 0; b < B; ++b) {
+      int64_t tokens = 0;
+      for (int64_t r : rows[b]) tokens += r;
+      const double mean = static_cast<double>(tokens) / static_cast<double>(std::max<int64_t>(1, cpart[b].numel()));
+      const int64_t S = sel[b].size(1);
+      const int64_t* ns = nsel[b].data_ptr<int64_t>();
+      for (int h = 0; h < Hkv; ++h) est += mean * static_cast<double>(std::clamp<int64_t>(ns[h], 0, S));
+    }
+    const int64_t threads = pool().threads;
+    const int64_t per = (static_cast<int64_t>(est) + 16 * threads - 1) / (16 * threads);
+    work = std::max<int64_t>(std::min<int64_t>(64, work_tokens), std::min<int64_t>(work_tokens, per));
+  }
+
   // One parallel region for the whole call (fork/join costs tens of microseconds on many-core VMs);
   // nothing in it throws: bad selections are flagged and raised after it.
   auto& spans = cb.spans;
   auto& wk = cb.wk;
-  auto& works = cb.works;
-  float *pm = nullptr, *pl = nullptr, *pacc = nullptr;
-  int64_t nw = 0;
-  bool failed = false;
+  auto &rm = cb.rm, &rl = cb.rl, &racc = cb.racc;
   // the call's time by part (KernelSplit): the master's stamps after barriers, each thread's entry and busy time
   const int64_t t_region = now_ns();
   std::atomic<int64_t> last_entry{t_region}, busy_ns{0};
@@ -630,13 +644,14 @@ void sparse_attention_into(
 #pragma omp master
     team = omp_get_num_threads();
     pin_this_thread();
-    // Phase 1: spans per (request, kv head): one per selected cluster (validated).
+    // Phase 1: per (request, kv head) its spans, one per selected cluster (validated), cut into work items
+    // of <= work rows (one loop: each barrier costs a wake-up where the team's threads sleep).
 #pragma omp for schedule(dynamic, 4)
     for (int bh = 0; bh < BH; ++bh) {
       const int b = bh / Hkv, h = bh % Hkv;
       auto& sv = spans[bh];
       sv.clear(), wk[bh].clear();
-      bad[bh] = 0, nrows[bh] = 0;
+      bad[bh] = 0;
       const int64_t C = cpart[b].numel(), S = sel[b].size(1);
       const int64_t n = nsel[b].data_ptr<int64_t>()[h];
       if (n < 0 || n > S) { bad[bh] = 1; continue; }
@@ -652,7 +667,7 @@ void sparse_attention_into(
         __builtin_prefetch(cs + cid), __builtin_prefetch(cz + cid), __builtin_prefetch(cp + cid);
       };
       for (int64_t i = 0; i < std::min(n, AHEAD); ++i) prefetch_entry(i);
-      int64_t nr = 0;
+      bool big = false;
       for (int64_t i = 0; i < n; ++i) {
         if (i + AHEAD < n) prefetch_entry(i + AHEAD);
         const int64_t cid = ids[i];
@@ -663,78 +678,66 @@ void sparse_attention_into(
             st + sz > rows[b][part]) { bad[bh] = 1; break; }
         const char* head = base[b][part] + 2 * h * rows[b][part] * row_bytes;
         sv.push_back({head + 2 * st * row_bytes, head + (2 * st + 1) * row_bytes, sz});
-        nr += sz;
+        big |= sz > work;
       }
-      nrows[bh] = nr;
+      if (bad[bh]) continue;
+      if (big) {
+        std::vector<Span> split;  // clusters larger than one work item are cut (rare: clusters are small)
+        for (const Span& sp : sv)
+          for (int64_t o = 0; o < sp.n; o += work)
+            split.push_back({sp.k + 2 * o * row_bytes, sp.v + 2 * o * row_bytes, std::min(work, sp.n - o)});
+        sv.swap(split);
+      }
+      int64_t acc = 0;
+      int32_t s0 = 0;
+      for (int32_t i = 0; i < static_cast<int32_t>(sv.size()); ++i) {
+        acc += sv[i].n;
+        if (acc >= work) { wk[bh].push_back({s0, i + 1}); s0 = i + 1; acc = 0; }
+      }
+      if (s0 < static_cast<int32_t>(sv.size())) wk[bh].push_back({s0, static_cast<int32_t>(sv.size())});
+      const int64_t ni = static_cast<int64_t>(wk[bh].size());  // its items' results, in reused buffers
+      grow(rm[bh], ni * G), grow(rl[bh], ni * G), grow(racc[bh], ni * G * D);
     }
-    // Work items of <= work rows: at most work_tokens, and small enough for ~16 items per thread (the
-    // dynamic schedule's tail, about half an item per thread, stays a few % of the call).
-#pragma omp single
-    {
-      int64_t total = 0;
-      for (int bh = 0; bh < BH; ++bh) total += nrows[bh], failed |= bad[bh] != 0;
-      const int64_t per = (total + 16 * pool().threads - 1) / (16 * pool().threads);
-      cb.work = std::max<int64_t>(std::min<int64_t>(64, work_tokens), std::min<int64_t>(work_tokens, per));
-    }
-    const int64_t work = cb.work;
-    if (!failed) {
-#pragma omp for schedule(dynamic, 4)
-      for (int bh = 0; bh < BH; ++bh) {
-        auto& sv = spans[bh];
-        if (std::any_of(sv.begin(), sv.end(), [&](const Span& sp) { return sp.n > work; })) {
-          std::vector<Span> split;  // clusters larger than one work item are cut (rare: clusters are small)
-          for (const Span& sp : sv)
-            for (int64_t o = 0; o < sp.n; o += work)
-              split.push_back({sp.k + 2 * o * row_bytes, sp.v + 2 * o * row_bytes, std::min(work, sp.n - o)});
-          sv.swap(split);
-        }
-        int64_t acc = 0;
-        int32_t s0 = 0;
-        for (int32_t i = 0; i < static_cast<int32_t>(sv.size()); ++i) {
-          acc += sv[i].n;
-          if (acc >= work) { wk[bh].push_back({s0, i + 1}); s0 = i + 1; acc = 0; }
-        }
-        if (s0 < static_cast<int32_t>(sv.size())) wk[bh].push_back({s0, static_cast<int32_t>(sv.size())});
-      }
-      // Phase 2: flat work list; per-item results (m, l, acc) in reused buffers.
-#pragma omp single
-      {
-        works.clear();
-        wbeg[0] = 0;
-        for (int bh = 0; bh < BH; ++bh) {
-          for (auto& r : wk[bh]) works.push_back({bh, r.first, r.second});
-          wbeg[bh + 1] = static_cast<int64_t>(works.size());
-        }
-        nw = static_cast<int64_t>(works.size());
-        pm = grow(cb.pm, nw * G), pl = grow(cb.pl, nw * G), pacc = grow(cb.pacc, nw * G * D);
-      }
+    // Phase 2, on every thread (no serial step, no barrier): whether any selection was bad, and the items'
+    // numbering (item i is item i - pre[bh] of the bh with pre[bh] <= i < pre[bh + 1]).
+    bool fail = false;
+    thread_local std::vector<int64_t> pre;
+    pre.resize(BH + 1);
+    pre[0] = 0;
+    for (int bh = 0; bh < BH; ++bh) fail |= bad[bh] != 0, pre[bh + 1] = pre[bh] + static_cast<int64_t>(wk[bh].size());
+    const int64_t nw = pre[BH];
+    if (!fail) {
 #pragma omp master
       t_tables = now_ns();
       // Phase 3: the fused pass.
       int64_t busy = 0;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < nw; ++i) {
-        const Work& w = works[i];
+        const int bh = static_cast<int>(std::upper_bound(pre.begin(), pre.begin() + BH + 1, i) - pre.begin()) - 1;
+        const int64_t k = i - pre[bh];
+        const Work w{bh, wk[bh][k].first, wk[bh][k].second};
         const int64_t a = now_ns();
-        item(c, spans[w.bh], w, pm + i * G, pl + i * G, pacc + i * G * D);
+        item(c, spans[bh], w, rm[bh].data() + k * G, rl[bh].data() + k * G, racc[bh].data() + k * G * D);
         busy += now_ns() - a;
       }
       busy_ns.fetch_add(busy, std::memory_order_relaxed);
 #pragma omp master
       t_items = now_ns();
-      // Phase 4: combine the chunks of each (request, q head) by LSE.
-#pragma omp for
+      // Phase 4: combine the chunks of each (request, q head) by LSE (the region's end is its barrier).
+#pragma omp for nowait
       for (int bh = 0; bh < BH; ++bh) {
         const int b = bh / Hkv, h = bh % Hkv;
         for (int g = 0; g < G; ++g) {
           const int64_t row = static_cast<int64_t>(b) * Hq + h * G + g;
+          const int64_t ni = static_cast<int64_t>(wk[bh].size());
+          const float *pm = rm[bh].data(), *pl = rl[bh].data(), *pacc = racc[bh].data();
           float M = NEG_INF;
-          for (int64_t w = wbeg[bh]; w < wbeg[bh + 1]; ++w) M = std::max(M, pm[w * G + g]);
+          for (int64_t w = 0; w < ni; ++w) M = std::max(M, pm[w * G + g]);
           float* od = o + row * D;
           std::fill(od, od + D, 0.f);
           float L = 0.f;
           if (M != NEG_INF) {
-            for (int64_t w = wbeg[bh]; w < wbeg[bh + 1]; ++w) {
+            for (int64_t w = 0; w < ni; ++w) {
               const float f = std::exp2(pm[w * G + g] - M);
               L += f * pl[w * G + g];
               const float* a = pacc + (w * G + g) * D;
@@ -767,7 +770,7 @@ void sparse_attention_into(
       k.tables = std::max(0.0, secs(t_end - t_region) - k.fork);
     }
   }
-  for (int bh = 0; bh < BH && failed; ++bh)
+  for (int bh = 0; bh < BH; ++bh)
     TORCH_CHECK_VALUE(!bad[bh], "request ", bh / Hkv, " kv head ", bh % Hkv,
                       ": selection out of range of its cluster table");  // bad input: a ValueError
   // the results are checked here, not by the caller (torch ops on its Python thread cost GIL hand-offs):
