@@ -155,6 +155,40 @@ class NelssaStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+# The stats' per-part dicts (NelssaStats), each a counter labelled by part, path or outcome:
+# key -> (metric name, label, documentation)
+_BY_PART = {
+    "offload_split_s": ("nelssa:offload_split_seconds", "part",
+                        "Steps with offloaded rows: forward-thread seconds per part of the split-batch layers (select, "
+                        "stock, window, wait, merge)"),
+    "lane_split_s": ("nelssa:lane_split_seconds", "part",
+                     "Long lane: its thread's seconds per part of the split attention (select, window, wait, merge)"),
+    "move_split_s": ("nelssa:move_split_seconds", "part",
+                     "Moves to the host tier (nelssa:clustering_seconds): the hand-off thread's seconds per part "
+                     "(read, kmeans, pack: tables, packing and the copy to host memory, store: nelssa-node's store "
+                     "call)"),
+    "host_call_split_s": ("nelssa:host_call_split_seconds", "part",
+                          "In-process host attention calls (nelssa:host_attention_seconds) by part: prep (checks, "
+                          "queries), fork (until the last pool thread entered), tables (spans and work items), items "
+                          "(the fused pass: the threads' mean busy time), wait (its wall time beyond that), combine"),
+    "node_comm_split_s": ("nelssa:node_comm_split_seconds", "part",
+                          "nelssa:node_comm_seconds by part: copy (this side's copies into and out of the channel), "
+                          "wire (post to answer seen minus the node's time: the two hand-offs), dispatch (the node's "
+                          "time beyond its slowest kernel)"),
+    "lane_timeline_s": ("nelssa:lane_timeline_seconds", "part",
+                        "Long lane batches with host calls, launch to end: lead (until the first host call), host "
+                        "(calls running), between (device work and flag latency between two layers' calls), tail "
+                        "(lane_host.py, 7)"),
+    "lane_paths": ("nelssa:lane_batches", "path",
+                   "Long lane: batches by how they ran (replay, captured, or why enqueued: new_key, no_window, broken, "
+                   "capture_failed)"),
+    "lane_drafts": ("nelssa:lane_drafts", "outcome",
+                    "Long lane: drafts (a long request's next position computed before the step sampled its token, "
+                    "lane_spec.py) by outcome: run, verified, mismatch (the step sampled another token: the request "
+                    "fails), stale (its host range moved)"),
+}
+
+
 class NelssaPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -271,58 +305,15 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
                                                   documentation="Worker: torch allocator synchronisations of all "
                                                                 "streams")),
         }
-        # labelled by part as well: per engine, the label values without the part
-        self._split = c(name="nelssa:offload_split_seconds", labelnames=[*labelnames, "part"],
-                        documentation="Steps with offloaded rows: forward-thread seconds per part of the split-batch "
-                                      "layers (select, stock, window, wait, merge)")
-        self._lane_split = c(name="nelssa:lane_split_seconds", labelnames=[*labelnames, "part"],
-                             documentation="Long lane: its thread's seconds per part of the split attention "
-                                           "(select, window, wait, merge)")
-        self._move_split = c(name="nelssa:move_split_seconds", labelnames=[*labelnames, "part"],
-                             documentation="Moves to the host tier (nelssa:clustering_seconds): the hand-off "
-                                           "thread's seconds per part (read, kmeans, pack: tables, packing "
-                                           "and the copy to host memory, store: nelssa-node's store call)")
-        self._call_split = c(name="nelssa:host_call_split_seconds", labelnames=[*labelnames, "part"],
-                             documentation="In-process host attention calls (nelssa:host_attention_seconds) by "
-                                           "part: prep (checks, queries), fork (until the last pool thread "
-                                           "entered), tables (spans and work items), items (the fused pass: the "
-                                           "threads' mean busy time), wait (its wall time beyond that), combine")
-        self._comm_split = c(name="nelssa:node_comm_split_seconds", labelnames=[*labelnames, "part"],
-                             documentation="nelssa:node_comm_seconds by part: copy (this side's copies into and "
-                                           "out of the channel), wire (post to answer seen minus the node's time: "
-                                           "the two hand-offs), dispatch (the node's time beyond its slowest "
-                                           "kernel)")
-        self._lane_timeline = c(name="nelssa:lane_timeline_seconds", labelnames=[*labelnames, "part"],
-                                documentation="Long lane batches with host calls, launch to end: lead (until the "
-                                              "first host call), host (calls running), between (device work and "
-                                              "flag latency between two layers' calls), tail (lane_host.py, 7)")
-        self._lane_paths = c(name="nelssa:lane_batches", labelnames=[*labelnames, "path"],
-                             documentation="Long lane: batches by how they ran (replay, captured, or why enqueued: "
-                                           "new_key, no_window, broken, capture_failed)")
-        self._lane_drafts = c(name="nelssa:lane_drafts", labelnames=[*labelnames, "outcome"],
-                              documentation="Long lane: drafts (a long request's next position computed before the "
-                                            "step sampled its token, lane_spec.py) by outcome: run, verified, "
-                                            "mismatch (the step sampled another token: the request fails), "
-                                            "stale (its host range moved)")
+        # labelled by part (or path, outcome) as well: one counter per stats dict (_BY_PART)
+        self._by_part = {k: c(name=name, labelnames=[*labelnames, label], documentation=doc)
+                         for k, (name, label, doc) in _BY_PART.items()}
         self._labels = per_engine_labelvalues
 
     def observe(self, data: dict[str, Any], engine_idx: int = 0):
-        for part, x in data.get("offload_split_s", {}).items():
-            self._split.labels(*self._labels[engine_idx], part).inc(x)
-        for part, x in data.get("lane_split_s", {}).items():
-            self._lane_split.labels(*self._labels[engine_idx], part).inc(x)
-        for part, x in data.get("move_split_s", {}).items():
-            self._move_split.labels(*self._labels[engine_idx], part).inc(x)
-        for part, x in data.get("host_call_split_s", {}).items():
-            self._call_split.labels(*self._labels[engine_idx], part).inc(x)
-        for part, x in data.get("node_comm_split_s", {}).items():
-            self._comm_split.labels(*self._labels[engine_idx], part).inc(x)
-        for part, x in data.get("lane_timeline_s", {}).items():
-            self._lane_timeline.labels(*self._labels[engine_idx], part).inc(x)
-        for path, x in data.get("lane_paths", {}).items():
-            self._lane_paths.labels(*self._labels[engine_idx], path).inc(x)
-        for outcome, x in data.get("lane_drafts", {}).items():
-            self._lane_drafts.labels(*self._labels[engine_idx], outcome).inc(x)
+        for k, counter in self._by_part.items():
+            for value, x in data.get(k, {}).items():
+                counter.labels(*self._labels[engine_idx], value).inc(x)
         for k, v in data.items():
             m = self.m.get(k)
             if m is None:
