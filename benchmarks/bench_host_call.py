@@ -10,7 +10,12 @@ At the head-of-line scenario's shape (two 100K-token requests, 8 KV heads of 128
 
   paced       the host call run on a thread of its own (as the engine's flag poller runs them: an OpenMP
               team of its own) with ``--gap-us`` between calls (the lane's device work between layers):
-              what a call costs when its team has waited in between, against ``kernel`` back to back.
+              what a call costs when its team has waited in between, against ``kernel`` back to back;
+              with the kernel's time by part (``HostCall.kernel_split``: prep, fork, tables, items, wait,
+              combine; mean us per call).
+
+Without CUDA only ``paced`` runs (the KV clustered on the CPU), e.g. a growth run's call on a CPU box:
+``--length 6144 --batch 3``.
 
 ``overhead`` = per-layer chain time - kernel time. Run it twice to compare the OpenMP pool's waiting
 policy (e.g. ``OMP_WAIT_POLICY=active``), the pool's size (``NELSSA_POOL_THREADS``) or torch's own
@@ -128,6 +133,7 @@ def paced(ckvs, sel, q, calls: int, gap_s: float) -> dict:
     B, Hq, D = q.shape
     out, lse = torch.empty(B, Hq, D), torch.empty(B, Hq)
     ts: list[float] = []
+    parts: list[dict] = []
 
     def run() -> None:
         for i in range(calls + 20):
@@ -137,6 +143,7 @@ def paced(ckvs, sel, q, calls: int, gap_s: float) -> dict:
                 raise RuntimeError(c.error)
             if i >= 20:
                 ts.append(c.seconds * 1e3)
+                parts.append(c.kernel_split)
             t = time.perf_counter()
             while time.perf_counter() - t < gap_s:
                 pass
@@ -145,7 +152,9 @@ def paced(ckvs, sel, q, calls: int, gap_s: float) -> dict:
     th.start()
     th.join()
     ts.sort()
-    return {"median_ms": statistics.median(ts), "p90_ms": ts[int(0.9 * (len(ts) - 1))], "gap_us": gap_s * 1e6}
+    split = {k: 1e6 * statistics.mean(d[k] for d in parts) for k in parts[0]} if parts else None
+    return {"median_ms": statistics.median(ts), "p90_ms": ts[int(0.9 * (len(ts) - 1))], "gap_us": gap_s * 1e6,
+            "split_us": split}
 
 
 def main() -> None:
@@ -155,6 +164,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--gap-us", type=float, default=700.0, help="paced: between calls (the lane's pace)")
+    ap.add_argument("--calls", type=int, default=300, help="paced: calls per case")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch.set_num_threads and one parallel CPU op on the main thread first (0: torch's default)")
     a = ap.parse_args()
@@ -164,18 +174,21 @@ def main() -> None:
     x = torch.randn(1024, 1024)
     (x @ x).sum()  # torch's OpenMP team on the main thread, as an engine process has it
     H, G, D = HOL_HEADS
-    ckvs = hol_shape_kv(a.length, a.batch)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ckvs = hol_shape_kv(a.length, a.batch, dev)
     q = torch.randn(a.batch, H * G, D, dtype=torch.bfloat16)
-    sel = select_clusters(q.cuda(), ckvs, a.budget, D ** -0.5)
+    sel = select_clusters(q.to(dev), ckvs, a.budget, D ** -0.5)
     empty = Selection([i[:, :1].clone() for i in sel.ids], [torch.zeros_like(c) for c in sel.counts])
     res = {"shape": dict(B=a.batch, L=a.length, H=H, G=G, D=D, budget=a.budget, layers=a.layers),
            "selected_tokens": [int(x.sum()) for x in sel.tokens(ckvs)], "pool_threads": get_config().pool_threads,
            "env": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
                    if k in os.environ},
-           "torch_threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)),
-           "real": measure(ckvs, sel, q, a.layers, a.reps), "empty": measure(ckvs, empty, q, a.layers, a.reps)}
-    res["paced"] = {"real": paced(ckvs, sel, q, 300, a.gap_us * 1e-6), "empty": paced(ckvs, empty, q, 300, a.gap_us * 1e-6),
-                    "real_back_to_back": paced(ckvs, sel, q, 300, 0.0)}
+           "torch_threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)), "device": dev}
+    if dev == "cuda":  # the chain through streams and a graph (the lane's shapes)
+        res["real"], res["empty"] = measure(ckvs, sel, q, a.layers, a.reps), measure(ckvs, empty, q, a.layers, a.reps)
+    res["paced"] = {"real": paced(ckvs, sel, q, a.calls, a.gap_us * 1e-6),
+                    "empty": paced(ckvs, empty, q, a.calls, a.gap_us * 1e-6),
+                    "real_back_to_back": paced(ckvs, sel, q, a.calls, 0.0)}
     tag = f"{os.environ.get('OMP_WAIT_POLICY', 'default')}_t{get_config().pool_threads}_tt{torch.get_num_threads()}"
     with open(os.path.join(a.out, f"host_call_{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -630,6 +630,30 @@ def test_handoff_bench_moves_every_token(tmp_path):
     assert "store alone s (parts in new mappings)" in md and "host memory reserved 0.0 GiB" in md
 
 
+def test_host_call_bench_paced_on_cpu(tmp_path):
+    """benchmarks/bench_host_call.py without CUDA: only the paced cases, each with its kernel's time by
+    part (HostCall.kernel_split); an empty selection does no item work."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU-only form of the bench")
+    import json
+    import runpy
+    import sys
+    argv = sys.argv
+    sys.argv = ["bench_host_call.py", "--out", str(tmp_path), "--length", "1024", "--batch", "2", "--calls", "20",
+                "--gap-us", "100"]
+    try:
+        runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_host_call.py"),
+                       run_name="__main__")
+    finally:
+        sys.argv = argv
+    (f,) = tmp_path.glob("host_call_*.json")
+    d = json.loads(f.read_text())
+    assert d["device"] == "cpu" and "real" not in d and set(d["paced"]) == {"real", "empty", "real_back_to_back"}
+    for case, r in d["paced"].items():
+        assert r["median_ms"] > 0 and set(r["split_us"]) == {"prep", "fork", "tables", "items", "wait", "combine"}
+        assert (r["split_us"]["items"] > 0) == (case != "empty"), (case, r)
+
+
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_handoff_warm_stores_nothing(device):
     """Handoff.warm runs a move's work (read, k-means of every layer, packing) on the hand-off thread

@@ -89,13 +89,13 @@ def add_hol_shape_args(ap, length: int = 100_000, batch: int = 2, budget: float 
     ap.add_argument("--budget", type=float, default=budget)
 
 
-def hol_shape_kv(length: int, batch: int) -> list:
-    """``batch`` requests of ``length`` random bf16 tokens, clustered on CUDA (seeded)."""
+def hol_shape_kv(length: int, batch: int, device: str = "cuda") -> list:
+    """``batch`` requests of ``length`` random bf16 tokens, clustered on ``device`` (seeded)."""
     import torch
 
     from nelssa.sparse import cluster_kv
     H, _, D = HOL_HEADS
     torch.manual_seed(0)
-    return [cluster_kv(torch.randn(H, length, D, device="cuda", dtype=torch.bfloat16),
-                       torch.randn(H, length, D, device="cuda", dtype=torch.bfloat16), seed=b, cluster_size=8)
+    return [cluster_kv(torch.randn(H, length, D, device=device, dtype=torch.bfloat16),
+                       torch.randn(H, length, D, device=device, dtype=torch.bfloat16), seed=b, cluster_size=8)
             for b in range(batch)]
