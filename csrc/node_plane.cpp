@@ -22,11 +22,12 @@
 //      thread, a CUDA host function, the flag poller of flag_wait.cpp). It fails (HostCall state
 //      "failed", NaN outputs) on an error answer, on a closed channel, when the node shows no sign of
 //      life for stale_s (its heartbeat and the job's post both older than that: a node that was only
-//      paused gets stale_s from the post, before its threads have run again), or past its timeout; after the last three the channel is broken and every
-//      later job on it fails at once (the Python side opens a new one). It keeps the answer's node and
-//      kernel times and its own wait (post to answer seen): a call's time outside the kernel splits into
-//      this side's copies, the channel's two hand-offs and the node's dispatch (node/local.py). One job
-//      at a time per channel (a mutex): the node answers in order. The waiting job polls the answer for 20 us, then
+//      paused gets stale_s from the post, before its threads have run again), or past its timeout;
+//      after the last three the channel is broken and every later job on it fails at once (the Python
+//      side opens a new one). It keeps the answer's node and kernel times and its own wait (post to
+//      answer seen): a call's time outside the kernel splits into this side's copies, the channel's
+//      two hand-offs and the node's dispatch (node/local.py). One job at a time per channel (a
+//      mutex): the node answers in order. The waiting job polls the answer for 20 us, then
 //      yields its core on every poll until the channel's spin_us, then naps 10 us per poll (a VM's
 //      nap lasts ~60 us: spin_us is for hosts with cores to spare; on shared cores a spinning waiter
 //      delays the very kernel it waits for) — except around the answer's expected time (the moving
@@ -34,8 +35,8 @@
 //      expected wait) after it the job polls again, yielding, so an answer is seen within a poll
 //      instead of a nap while the core is still given up for most of the kernel.
 //   4. The responder polls for spin_us after each job (yielding its core past the first 20 us), then
-//      sleeps sleep_us between polls, and writes
-//      its heartbeat (first when it is made, before its thread runs) (steady clock ns: CLOCK_MONOTONIC, Python's time.monotonic_ns) at least every
+//      sleeps sleep_us between polls, and writes its heartbeat (steady clock ns: CLOCK_MONOTONIC,
+//      Python's time.monotonic_ns) when it is made, before its thread runs, then at least every
 //      millisecond; stop() marks the channel closed (a waiting client fails at once) and joins.
 //   5. Plans live in a PlanTable shared by the client's responders (a reopened channel keeps them);
 //      a running job holds its plan, so dropping one (the request freed) never frees memory a kernel

@@ -233,6 +233,14 @@ def itl_by_phase(stamps: list[float], phases: dict) -> dict[str, dict]:
     return out
 
 
+def _us_per_call(m: dict, name: str, parts: tuple, count: str) -> dict | None:
+    """A per-part counter's growth over the run (``name{part}``) as mean us per call of ``count``; None
+    without calls or without any of the parts."""
+    n = m.get(count)
+    got = {p: 1e6 * m[f"{name}{{{p}}}"] / n for p in parts if f"{name}{{{p}}}" in m} if n else {}
+    return got or None
+
+
 def analyse(run: dict) -> dict:
     recs = run["requests"]
     shorts = [r for r in recs if r["kind"] == "short" and r["stamps"]]
@@ -288,15 +296,11 @@ def analyse(run: dict) -> dict:
     # decode step) spent in communication, i.e. layer calls' round trips outside the node's kernels
     comm, batch = m.get("nelssa:node_comm_seconds_sum"), m.get("nelssa:lane_batch_seconds_sum")
     out["node_comm_share_of_lane_batch"] = comm / batch if comm is not None and batch else None
-    # in-process host calls by part, mean us per call (nelssa:host_call_split_seconds)
-    na = m.get("nelssa:host_attention_seconds_count")
-    split = {p: 1e6 * m[f"nelssa:host_call_split_seconds_total{{{p}}}"] / na for p in CALL_PARTS
-             if f"nelssa:host_call_split_seconds_total{{{p}}}" in m} if na else {}
-    out["host_call_split_us_per_call"] = split or None
-    # and by part, mean us per layer call (copy, wire, dispatch: nelssa:node_comm_split_seconds)
-    nc = m.get("nelssa:node_comm_seconds_count")
-    out["node_comm_split_us_per_call"] = {
-        p: 1e6 * m.get(f"nelssa:node_comm_split_seconds_total{{{p}}}", 0.0) / nc for p in COMM_PARTS} if nc else None
+    # in-process host calls by part, and the node calls' communication by part: mean us per call
+    out["host_call_split_us_per_call"] = _us_per_call(m, "nelssa:host_call_split_seconds_total", CALL_PARTS,
+                                                      "nelssa:host_attention_seconds_count")
+    out["node_comm_split_us_per_call"] = _us_per_call(m, "nelssa:node_comm_split_seconds_total", COMM_PARTS,
+                                                      "nelssa:node_comm_seconds_count")
     # where a move's time goes (handoff.py): mean seconds per move, by part (on P/D: P's moves)
     nm = m.get("nelssa:clustering_seconds_count")
     out["move_split_s_per_move"] = {
