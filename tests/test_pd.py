@@ -5,7 +5,8 @@ usage right; the long request's KV reached D's host tier — with the node (the 
 NELSSA_PD_ENGINE=node) clustered by P and adopted by D (the hand-over: D clustered nothing, and
 allocated and read over NIXL only the window's blocks; with D's long lane, on by default here as on the
 GPU, the lane computed the prompt's last position before its first step, so D ran no split step), with
-NELSSA_PD_ENGINE=local moved there by D; KV came over NIXL; a malformed body is a 400 and the stack
+NELSSA_PD_ENGINE=local moved there by D; KV came over NIXL; a short request that grows past T_input
+migrates on D (issue 13) with stock's tokens and no preemption; a malformed body is a 400 and the stack
 keeps serving; `stop` leaves no process and no listening port."""
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def test_pd_stack_end_to_end(tmp_path):
            # node leases past the stalls of four busy processes on 2 vCPUs (30 s expired there: the node
            # dropped P's stored request, and D clustered the prompt itself)
            "NELSSA_NODE_LEASE_S": "300",
+           # D migrates a request that grew past T_input whatever its KV use (issue 13 on the decode instance)
+           "DECODE_ENV": "NELSSA_MIGRATE_WATERMARK=0",
            "VLLM_EXTRA_ARGS": "--dtype float32 --enforce-eager --max-model-len 1024 --max-num-seqs 8",
            "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("NELSSA_OFF", None)
@@ -157,8 +160,25 @@ def test_pd_stack_end_to_end(tmp_path):
         assert _metric_sum(dm, "vllm:request_success_total", finished_reason="length") == done
         assert _metric_sum(dm, "nelssa:host_bytes") == 0
 
+        # a short prompt growing past T_input on D migrates there in the background and decodes on from its
+        # host tier (D's watermark 0): the same tokens as stock vLLM, no preemption, its host KV freed at its end
+        dm_long = dm  # D's counters of the long requests (the checks below), before this one's moves
+        moved_before = _metric_sum(dm_long, "nelssa:moved_tokens_total")
+        items = " ".join(f"Item {i} is a {c} box." for i, c in zip(range(56), ["red", "blue", "green"] * 20))
+        grow = dict(model=model, prompt=items + " Item 56 is a", max_tokens=160, temperature=0,
+                    extra_body={"ignore_eos": True})
+        grown, ref = client.completions.create(**grow), stock.completions.create(**grow)
+        assert grown.choices[0].text == ref.choices[0].text
+        # routed as short (prompt < T_input); >= 128 of its tokens decoded past T_input
+        assert grown.usage.completion_tokens == 160 and 512 - 32 <= grown.usage.prompt_tokens < 512
+        dm = d_metrics()
+        assert _metric_sum(dm, "nelssa:migrations_completed_total") >= 1, "the grown request did not migrate on D"
+        assert _metric_sum(dm, "nelssa:moved_tokens_total") > moved_before
+        assert _metric_sum(dm, "vllm:num_preemptions_total") == 0
+        assert _metric_sum(dm, "nelssa:host_bytes") == 0
+
         pm = httpx.get(proxy + "/metrics").text
-        assert _metric_sum(pm, "nelssa_proxy_requests_total", route="short", status="200") == 2
+        assert _metric_sum(pm, "nelssa_proxy_requests_total", route="short", status="200") == 3
         assert _metric_sum(pm, "nelssa_proxy_requests_total", route="long", status="200") == 1
         assert _metric_sum(pm, "nelssa_proxy_client_disconnects_total", route="long") == 1
         assert _metric_sum(pm, "nelssa_proxy_requests_total", route="none", status="400") == 1
@@ -181,18 +201,18 @@ def test_pd_stack_end_to_end(tmp_path):
             # a hand-over D could not take in time is clustered by D (nothing lost): on this 2-vCPU box one
             # adoption's RPC once ran out of its 30-s deadline (the answers above were still exact)
             if _metric_sum(dm, "nelssa:handover_fallbacks_total") == 0:
-                assert _metric_sum(dm, "nelssa:moved_tokens_total") == 0, "D clustered a prompt P had handed over"
+                assert moved_before == 0, "D clustered a prompt P had handed over"
                 # admitted with device blocks for the window only, only those read over NIXL (handover.py, 6)
                 assert _metric_sum(dm, "nelssa:handover_windows_total") >= 1
                 assert _metric_sum(dm, "nelssa:handover_window_blocks_spared_total") >= 1
                 if env["NELSSA_LANE"] == "1":  # the lane computed their first positions: no split step on D
                     assert _metric_sum(dm, "nelssa:handover_lane_seeds_total") >= 1
-                    assert _metric_sum(dm, "nelssa:offload_step_seconds_count") == 0
+                    assert _metric_sum(dm_long, "nelssa:offload_step_seconds_count") == 0
             else:
-                assert _metric_sum(dm, "nelssa:moved_tokens_total") > 0
+                assert moved_before > 0
             assert _metric_sum(pm, "nelssa:host_bytes") == 0  # P's node entries went to D (or the node's ttl)
         else:
-            assert _metric_sum(dm, "nelssa:moved_tokens_total") >= 512 - 64 - 128 - 128
+            assert moved_before >= 512 - 64 - 128 - 128
         served = time.monotonic() - t0 - started
     finally:
         stop = subprocess.run(["bash", str(REPO / "run_pd_with_nelssa.sh"), "stop"], cwd=REPO, env=env,
