@@ -173,6 +173,7 @@ def test_pd_stack_end_to_end(tmp_path):
         assert grown.usage.completion_tokens == 160 and 512 - 32 <= grown.usage.prompt_tokens < 512
         dm = d_metrics()
         assert _metric_sum(dm, "nelssa:migrations_completed_total") >= 1, "the grown request did not migrate on D"
+        assert _metric_sum(dm, "nelssa:migration_seconds_count") >= 1 and _metric_sum(dm, "nelssa:moved_bytes_total") > 0
         assert _metric_sum(dm, "nelssa:moved_tokens_total") > moved_before
         assert _metric_sum(dm, "vllm:num_preemptions_total") == 0
         assert _metric_sum(dm, "nelssa:host_bytes") == 0

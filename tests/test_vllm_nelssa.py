@@ -108,6 +108,9 @@ def test_grown_request_migrates_without_recompute(mixed):
     assert on["aborted_migrating"] == ["grows_aborted"], on["aborted_migrating"]
     assert on["final_host_bytes"] == 0 and on["host_requests"] == 0
     assert on["final_free_blocks"] == on["total_blocks"] - 1
+    # every move counted its KV bytes: 8 layers x (K, V) x 3 KV heads x 64 x fp32 per token
+    tot = on["host_totals"]
+    assert tot["moved_tokens"] > 0 and tot["moved_bytes"] == tot["moved_tokens"] * 8 * 2 * 3 * 64 * 4, tot
 
 
 def test_no_preemption_under_memory_pressure():

@@ -42,6 +42,7 @@ class HostStats:
                                                   # kmeans, pack (cluster tables, packing, copy to host memory),
                                                   # store (nelssa-node's store call)
         self.moved_tokens = 0
+        self.moved_bytes = 0                   # those tokens' KV bytes read from the device (all layers, K and V)
         self.failures = 0
         self.handoff_wait_s: list[float] = []  # main-thread waits for a hand-off not done by its switch
         self.offload_step_s: list[float] = []  # wall time of each forward with offloaded rows (launch + waits)
@@ -82,7 +83,7 @@ class HostStats:
         with self._lock:
             d = {"long_requests": self.long_requests, "attn_s": self.attn_s, "cluster_s": self.cluster_s,
                  "move_split_s": self.move_split_s,
-                 "moved_tokens": self.moved_tokens, "failures": self.failures,
+                 "moved_tokens": self.moved_tokens, "moved_bytes": self.moved_bytes, "failures": self.failures,
                  "handoff_wait_s": self.handoff_wait_s, "offload_step_s": self.offload_step_s,
                  "offload_decode_step_s": self.offload_decode_step_s,
                  "host_wait_s": self.host_wait_s, "offload_split_s": self.offload_split_s,

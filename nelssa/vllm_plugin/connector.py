@@ -116,11 +116,15 @@ def step_anchors(meta) -> dict[str, int]:
     return m.anchors if m is not None else {}
 
 
+# The stats' gauges: a report's value replaces the last (the others are counts, lists of seconds or per-part sums)
+_LATEST = frozenset({"host_bytes", "host_memory_free_bytes", "reserved_bytes"})
+
+
 @dataclass
 class NelssaStats(KVConnectorStats):
-    """data: long_requests, failures, moved_tokens (counts); host_bytes, reserved_bytes (latest);
-    attn_s, cluster_s, handoff_wait_s, offload_step_s, host_wait_s (lists of seconds); offload_split_s
-    (seconds per part of the forward thread in steps with offloaded rows, summed)."""
+    """data: long_requests, failures, moved_tokens, moved_bytes (counts); _LATEST (gauges); attn_s,
+    cluster_s, migration_s, handoff_wait_s, offload_step_s, host_wait_s (lists of seconds); _BY_PART
+    (per-part sums, e.g. offload_split_s: the forward thread's seconds per part in steps with offloaded rows)."""
 
     def reset(self) -> None:
         self.data = {}
@@ -133,7 +137,7 @@ class NelssaStats(KVConnectorStats):
                 d[k] = {p: mine.get(p, 0.0) + v.get(p, 0.0) for p in {**mine, **v}}
             elif isinstance(v, list):
                 d[k] = d.get(k, []) + v
-            elif k.endswith("_bytes"):
+            elif k in _LATEST:
                 d[k] = v
             else:
                 d[k] = d.get(k, 0) + v
@@ -247,7 +251,15 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
                                            "the request's end to its release on the node (its moves still "
                                            "running; the decode instance waits that long to adopt it)")),
             "moved_tokens": per_engine(c(name="nelssa:moved_tokens", labelnames=labelnames,
-                                         documentation="Tokens moved to the host tier (prompts and chunks)")),
+                                         documentation="Tokens moved to the host tier (prompts, chunks and "
+                                                       "migrations)")),
+            "moved_bytes": per_engine(c(name="nelssa:moved_bytes", labelnames=labelnames,
+                                        documentation="KV bytes (all layers, keys and values) those moves read "
+                                                      "from device memory")),
+            "migration_s": per_engine(h(name="nelssa:migration_seconds", labelnames=labelnames, buckets=buckets,
+                                        documentation="Migrations: start (under pressure) to the switch to host "
+                                                      "attention, the request decoding on its device blocks "
+                                                      "meanwhile (its moves: nelssa:clustering_seconds)")),
             "host_bytes": per_engine(g(name="nelssa:host_bytes", labelnames=labelnames, multiprocess_mode="mostrecent",
                                        documentation="Host-tier bytes in use (clustered KV)")),
             "host_memory_free_bytes": per_engine(g(name="nelssa:host_memory_free_bytes", labelnames=labelnames,
@@ -321,7 +333,7 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
             if isinstance(v, list):
                 for x in v:
                     m[engine_idx].observe(x)
-            elif k.endswith("_bytes"):
+            elif k in _LATEST:
                 m[engine_idx].set(v)
             elif v:
                 m[engine_idx].inc(v)

@@ -156,7 +156,8 @@ class Handoff:
         ks, vs = self._read(blocks, lo, hi)
         self.host.stats.add(move_split_s={"read": settled(ks[0]) - t})
         self.host.put_layers(rid, ks, vs, commit=False)  # adds its parts (kmeans, pack[, store])
-        self.host.stats.add(cluster_s=time.perf_counter() - t, moved_tokens=hi - lo)
+        self.host.stats.add(cluster_s=time.perf_counter() - t, moved_tokens=hi - lo,
+                            moved_bytes=sum(2 * k.numel() * k.element_size() for k in ks))
 
     def _read(self, blocks: list[int], lo: int, hi: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Tokens [lo, hi) of every layer (nelssa_layer order) from the paged cache: keys, values [H, n, D]."""

@@ -123,6 +123,7 @@ class NelssaScheduler(Scheduler):
         self._switched_at: dict[str, float] = {}  # request -> when its host range came into use (monotonic)
         self._host_end: dict[str, int] = {}  # request -> H in use (shared with the manager and connector)
         self._anchor: dict[str, int] = {}    # migrating/migrated request -> anchor (shared with the connector)
+        self._migrating_at: dict[str, float] = {}  # migrating request -> when it started (monotonic)
         self._busy: set[str] = set()         # lane: requests whose next position the lane computes
         self._switching: dict[str, int] = {}  # lane: request -> first H, sent for its switch step
         self._switched: set[str] = set()     # lane: switching requests scheduled (H in use from next step)
@@ -328,6 +329,9 @@ class NelssaScheduler(Scheduler):
         if not self._host_end.get(rid):
             if rid in self._anchor:
                 self._count("migrations_completed")
+            t = self._migrating_at.pop(rid, None)
+            if t is not None:  # its hand-off time: start to switch, the request decoding on its device blocks
+                self._conn.sched_stats.setdefault("migration_s", []).append(time.monotonic() - t)
             self._switched_at[rid] = time.monotonic()
         self._host_end[rid] = h
 
@@ -385,6 +389,7 @@ class NelssaScheduler(Scheduler):
                 return
             self._reserved[r.request_id] = need
         self._anchor[r.request_id] = anchor
+        self._migrating_at[r.request_id] = time.monotonic()
         self._count("migrations_started")
         log.info("NELSSA: migrating %s request %s (%d tokens) to the host tier: %s",
                  "long" if long else "grown", r.request_id, anchor, why)
@@ -398,6 +403,7 @@ class NelssaScheduler(Scheduler):
         self._host_end.pop(rid, None)
         self._switched_at.pop(rid, None)
         self._window.pop(rid, None)  # it comes back as a prompt prefilled here (its KV came from P)
+        self._migrating_at.pop(rid, None)
         if self._anchor.pop(rid, None) is not None and not self._long(request):  # it comes back as a short one
             self._reserved.pop(rid, None)
         return super()._preempt_request(request, timestamp)
@@ -670,6 +676,7 @@ class NelssaScheduler(Scheduler):
         self._host_end.pop(request.request_id, None)
         self._switched_at.pop(request.request_id, None)
         self._anchor.pop(request.request_id, None)
+        self._migrating_at.pop(request.request_id, None)
         return super()._free_request(request, delay_free_blocks)
 
     def _free_request_blocks(self, request: Request):
