@@ -179,7 +179,8 @@ def test_migration_windows_split_the_inter_token_latency(tmp_path):
     # one migration in flight from ~1.2 s to ~2.1 s (samples every 0.5 s)
     samples = [{"t": 0.5 * i, "point": "g", "running": 2.0, "waiting": 0.0, "kv_usage": 0.5, "preemptions": 0.0,
                 st: float(i >= 3), cp: float(i >= 5), "nelssa:moved_tokens_total": 9000.0 * (i >= 5),
-                "nelssa:clustering_seconds_sum": 0.8 * (i >= 5)} for i in range(9)]
+                "nelssa:clustering_seconds_sum": 0.8 * (i >= 5), "nelssa:migration_seconds_sum": 0.9 * (i >= 5),
+                "nelssa:migration_seconds_count": float(i >= 5)} for i in range(9)]
     assert wl.handoff_windows(samples) == [(1.0, 1.5), (1.5, 2.0), (2.0, 2.5)]
     # tokens every 10 ms, except 60-ms gaps inside the window
     stamps, t = [], 0.1
@@ -195,7 +196,7 @@ def test_migration_windows_split_the_inter_token_latency(tmp_path):
     no = wl.point_stats([rec], [{**x, st: 0.0, cp: 0.0} for x in samples], [0.0, 4.0])
     assert "handoff" not in no  # no migration: no split
     md = "\n".join(workload_md({"workload": "growth", "time": "t", "modes": {"on": {"g": out}}}, "."))
-    assert "| on | g | 1 / 1 | 9,000 | 0.8 | 1.5 | 60.0 / 60.0 / 60.0 | 10.0 / 10.0 |" in md
+    assert "| on | g | 1 / 1 | 9,000 | 0.8 | 0.9 | 1.5 | 60.0 / 60.0 / 60.0 | 10.0 / 10.0 |" in md
 
 
 def test_plots_and_report(tmp_path):

@@ -64,12 +64,15 @@ def workload_md(s: dict, rel: str) -> list[str]:
     if moves:
         out += ["", "Migrations (hand-offs in the background) and the inter-token latency of every request in the "
                 "/metrics intervals where one was in flight vs the rest:", "",
-                "| mode | point | migrations started / completed | moved tokens | clustering s | in-flight s | "
-                "ITL p50 / p99 / max during (ms) | ITL p50 / p99 outside (ms) |", "|---|---|---|---|---|---|---|---|"]
+                "| mode | point | migrations started / completed | moved tokens | clustering s | migration s, mean | "
+                "in-flight s | ITL p50 / p99 / max during (ms) | ITL p50 / p99 outside (ms) |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for mode, name, h, c in moves:
+            n = c.get("nelssa:migration_seconds_count")
+            mig = c.get("nelssa:migration_seconds_sum", 0.0) / n if n else None  # start to switch
             out.append(f"| {mode} | {name} | {_f(c.get('nelssa:migrations_started_total'), 0)} / "
                        f"{_f(c.get('nelssa:migrations_completed_total'), 0)} | {_f(c.get('nelssa:moved_tokens_total'), 0)} | "
-                       f"{_f(c.get('nelssa:clustering_seconds_sum'))} | {_f(h['window_s'])} | "
+                       f"{_f(c.get('nelssa:clustering_seconds_sum'))} | {_f(mig)} | {_f(h['window_s'])} | "
                        f"{_f(h['itl_ms_during_p50'])} / {_f(h['itl_ms_during_p99'])} / {_f(h['itl_ms_during_max'])} | "
                        f"{_f(h['itl_ms_outside_p50'])} / {_f(h['itl_ms_outside_p99'])} |")
     if s.get("ratios_on_over_off"):
