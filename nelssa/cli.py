@@ -37,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--nelssa", default="{}", help='NELSSA config JSON, e.g. \'{"T_input": 2048, "budget": 0.04}\'')
     a, rest = ap.parse_known_args(argv)
     if a.cmd == "serve":
-        return serve(a.model, a.nelssa, rest)
+        try:  # a bad config is a usage error with its reason, before vLLM starts
+            cmd = serve_command(a.model, a.nelssa, rest)
+        except ValueError as e:  # (json.JSONDecodeError is one)
+            sv.error(f"NELSSA config (--nelssa, NELSSA_* variables): {e}")
+        return serve(cmd)
     if a.cmd == "bench":
         if a.name == "report":
             from nelssa.bench.report import main as report
@@ -84,7 +88,11 @@ def serve_command(model: str | None, nelssa_json: str, extra: list[str]) -> list
         from nelssa.cpu import cpu_dtype
         cmd += ["--dtype", cpu_dtype()]
     from nelssa.vllm_plugin.connector import CONNECTOR
-    for k, v in engine_args(json.loads(nelssa_json)).items():
+    try:
+        nelssa = json.loads(nelssa_json)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e}): {nelssa_json!r}") from None
+    for k, v in engine_args(nelssa).items():
         flag = "--" + k.replace("_", "-")
         if k == "kv_transfer_config":
             v = dict(CONNECTOR)
@@ -92,9 +100,8 @@ def serve_command(model: str | None, nelssa_json: str, extra: list[str]) -> list
     return cmd + extra
 
 
-def serve(model: str | None, nelssa_json: str, extra: list[str]) -> int:
+def serve(cmd: list[str]) -> int:
     import os
-    cmd = serve_command(model, nelssa_json, extra)
     print("[nelssa] " + " ".join(cmd), file=sys.stderr, flush=True)
     os.execv(cmd[0], cmd)
 

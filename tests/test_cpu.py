@@ -70,6 +70,20 @@ def test_serve_defaults_to_the_cpu_dtype(monkeypatch):
     assert cmd.count("--dtype") == 1 and cmd[cmd.index("--dtype") + 1] == "float16"
 
 
+@pytest.mark.parametrize("bad, reason", [("{bad", "not JSON"), ("[1, 2]", "must be an object"),
+                                         ('{"T_inptu": 100}', "unknown nelssa config keys ['T_inptu']"),
+                                         ('{"budget": 2}', "budget must be in (0, 1]")])
+def test_serve_refuses_a_bad_config_before_vllm_starts(monkeypatch, capsys, bad, reason):
+    """`nelssa serve` with a bad --nelssa: a usage error (exit 2) with the reason, not a traceback."""
+    from nelssa.cli import main
+    monkeypatch.delenv("NELSSA_OFF", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", "/some/model", "--nelssa", bad])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "nelssa serve: error: NELSSA config" in err and reason in err, err
+
+
 def _session_processes(sid: int) -> list[int]:
     """Live (not zombie) processes of session ``sid``."""
     out = []

@@ -40,6 +40,8 @@ def engine_args(nelssa: dict[str, Any] | None = None, *, cuda: bool | None = Non
     from nelssa.config import _bool, load_config
     if _bool(os.environ.get("NELSSA_OFF", "0")):
         return {}
+    if nelssa is not None and not isinstance(nelssa, dict):
+        raise ValueError(f"the NELSSA config must be an object (a dict), got {type(nelssa).__name__}")
     section = dict(nelssa or {})
     load_config({"nelssa": section})  # validate now, with a clear message
     from nelssa.vllm_plugin.connector import CONNECTOR
