@@ -307,6 +307,24 @@ def test_token_required_off_loopback_and_checked_on_every_call():
         node.stop()
 
 
+def test_bad_arguments_and_a_port_in_use_are_refused_at_start(nodes):
+    """Start-up errors are one line and a non-zero exit: a port in use (gRPC's default SO_REUSEPORT had let
+    a second node listen beside the first, the kernel spreading calls over both), a port out of range (gRPC
+    wrapped 99999 to 34463), bad device counts (a division by zero)."""
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "nelssa.node", *args], capture_output=True, text=True,
+                              timeout=120)
+    busy = nodes("head1")
+    r = run("--port", str(busy.port))
+    assert r.returncode == 1 and f"could not bind 127.0.0.1:{busy.port}" in r.stderr, r.stderr
+    assert busy.stats().devices  # the first one serves on
+    r = run("--port", "99999")
+    assert r.returncode == 1 and "ports must be in [0, 65535]" in r.stderr, r.stderr
+    for args in (["--devices", "0"], ["--devices", "3", "--device-cores", "0;1"]):
+        r = run("--port", "0", *args)
+        assert r.returncode == 2 and "nelssa-node: error: --dev" in r.stderr, r.stderr
+
+
 def test_store_slot_refusals_leave_nothing_and_a_node_without_slots_streams(nodes):
     """Stores from the store slot: no slot, a slot smaller than the declared bytes, one over the node's
     limit, data chunks beside it, bad cluster sizes in it - each refused with its status and nothing

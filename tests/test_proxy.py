@@ -501,6 +501,26 @@ def test_engine_commands():
         engine_command("prefill", 1, model="m", nelssa={"handover": True}, cuda=False, extra=[])
 
 
+@pytest.mark.parametrize("args, needle", [(["--port", "99999"], "--port must be in [0, 65535]"),
+                                          (["--prefill", "localhost:8100"], "must be http(s)://host:port"),
+                                          (["--timeout", "0"], "must be > 0")])
+def test_bad_arguments_are_usage_errors(capsys, args, needle):
+    from nelssa.proxy.server import main
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_a_one_line_error(capsys):
+    from nelssa.proxy.server import main
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(SystemExit) as e:
+            main(["--port", str(s.getsockname()[1])])
+    assert e.value.code == 1 and "cannot listen on 127.0.0.1" in capsys.readouterr().err
+
+
 def test_listening_ports():
     from nelssa.proxy.pd import listening
     with socket.socket() as s:

@@ -19,7 +19,7 @@ def _device_cores(spec: str, devices: int, per_device: int) -> tuple[tuple[int, 
     if spec:
         sets = tuple(parse_cores(s) for s in spec.split(";"))
         if len(sets) != devices:
-            raise SystemExit(f"--device-cores names {len(sets)} core sets for {devices} devices")
+            raise ValueError(f"--device-cores names {len(sets)} core sets for {devices} devices")
         return sets
     if per_device <= 0:
         return ()
@@ -75,12 +75,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if a.devices < 1 or a.cores_per_device < 0 or a.threads_per_device < 0:
+        p.error("--devices must be >= 1, --cores-per-device and --threads-per-device >= 0")
 
     token = get_config().node_token
     if a.token_file:
-        with open(a.token_file) as f:
-            token = f.read().strip()
-    cores = _device_cores(a.device_cores, a.devices, a.cores_per_device)
+        try:
+            with open(a.token_file) as f:
+                token = f.read().strip()
+        except OSError as e:
+            p.error(f"--token-file: {e}")
+    try:
+        cores = _device_cores(a.device_cores, a.devices, a.cores_per_device)
+    except ValueError as e:
+        p.error(str(e))
     threads = a.threads_per_device or (len(cores[0]) if cores else 1)
     _omp_wait_policy(cores)
     import torch
@@ -107,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"nelssa-node: {e}") from None
     try:
         running = serve(s)
-    except ValueError as e:  # e.g. a --host-reserve beyond the memory available
+    except (ValueError, OSError) as e:  # a --host-reserve beyond the memory available, a port in use
         raise SystemExit(f"nelssa-node: {e}") from None
     # one parseable line for scripts and tests
     print(f"nelssa-node listening on {a.host}:{running.port} metrics {running.metrics_port} pid {os.getpid()}",

@@ -82,6 +82,12 @@ class NodeSettings:
     def __post_init__(self) -> None:
         if self.devices < 1:
             raise ValueError(f"devices must be >= 1, got {self.devices}")
+        if not 0 <= self.port <= 65535 or not -1 <= self.metrics_port <= 65535:  # (gRPC wraps 99999 to 34463)
+            raise ValueError(f"ports must be in [0, 65535] (metrics: -1 for off), got {self.port} / {self.metrics_port}")
+        if not 0 < self.lease_min_s <= self.lease_max_s:
+            raise ValueError(f"leases need 0 < min <= max, got {self.lease_min_s} / {self.lease_max_s} s")
+        if self.poll_spin_us < 0 or self.poll_sleep_us < 1 or self.grpc_workers < 1:
+            raise ValueError("poll_spin_us >= 0, poll_sleep_us >= 1 and grpc_workers >= 1 required")
         if self.device_cores and len(self.device_cores) != self.devices:
             raise ValueError(f"{len(self.device_cores)} core sets for {self.devices} devices")
         if self.partition not in ("head", "cluster"):
@@ -1178,16 +1184,22 @@ def serve(s: NodeSettings) -> RunningNode:
     hostmem.configure(min(s.host_reserve, s.devices * s.device_memory), threads=min(4, s.threads_per_device * s.devices))
     node = NodeState(s)
     opts = [("grpc.max_receive_message_length", s.limits.max_message_bytes + (1 << 16)),
-            ("grpc.max_send_message_length", s.limits.max_message_bytes + (1 << 16))]
+            ("grpc.max_send_message_length", s.limits.max_message_bytes + (1 << 16)),
+            # a second node on a port in use fails to bind (gRPC's default SO_REUSEPORT let both listen:
+            # the kernel then spread one client's calls over two nodes)
+            ("grpc.so_reuseport", 0)]
     server = grpc.server(futures.ThreadPoolExecutor(s.grpc_workers, thread_name_prefix="nelssa-rpc"),
                          interceptors=[TokenInterceptor(s.token)] if s.token else [], options=opts,
                          maximum_concurrent_rpcs=4 * s.grpc_workers)
     pb_grpc.add_NelssaNodeServicer_to_server(Servicer(node), server)
     host = f"[{s.host}]" if ":" in s.host and not s.host.startswith("[") else s.host
-    port = server.add_insecure_port(f"{host}:{s.port}")
+    try:
+        port = server.add_insecure_port(f"{host}:{s.port}")
+    except RuntimeError:  # grpcio >= 1.60 raises where older ones returned 0
+        port = 0
     if port == 0:
         node.close()
-        raise OSError(f"nelssa-node could not bind {s.host}:{s.port}")
+        raise OSError(f"could not bind {s.host}:{s.port} (in use, or not an address of this host)")
     server.start()
     mport = None
     if s.metrics_port >= 0:

@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import time
+import urllib.parse
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -547,14 +548,25 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.t_input < 1:
         ap.error("--t-input must be >= 1")
+    if not 0 <= a.port <= 65535:
+        ap.error(f"--port must be in [0, 65535], got {a.port}")
+    if min(a.timeout, a.connect_timeout, a.health_interval) <= 0:
+        ap.error("--timeout, --connect-timeout and --health-interval must be > 0")
+    for url in (a.prefill or []) + (a.decode or []):
+        u = urllib.parse.urlsplit(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            ap.error(f"an instance URL must be http(s)://host:port, got {url!r}")
     proxy = Proxy(a.prefill or ["http://127.0.0.1:8100"], a.decode or ["http://127.0.0.1:8200"],
                   T_input=a.t_input, nelssa=not a.off, tokenizer=a.tokenizer, timeout=a.timeout,
                   connect_timeout=a.connect_timeout, health_interval=a.health_interval)
     log.info("nelssa-proxy on %s:%d: prefill %s, decode %s, T_input %d, %s", a.host, a.port,
              [u.url for u in proxy.P.members], [u.url for u in proxy.D.members], a.t_input,
              "stock P/D (NELSSA off)" if a.off else "NELSSA decision in kv_transfer_params")
-    web.run_app(proxy.app(), host=a.host, port=a.port, handler_cancellation=True, print=None,
-                access_log=None)
+    try:
+        web.run_app(proxy.app(), host=a.host, port=a.port, handler_cancellation=True, print=None,
+                    access_log=None)
+    except OSError as e:  # the port in use, an address not of this host
+        ap.exit(1, f"nelssa-proxy: cannot listen on {a.host}:{a.port}: {e}\n")
     return 0
 
 
