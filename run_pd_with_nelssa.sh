@@ -180,6 +180,9 @@ cd "$repo"
 resolve_python
 off=0
 case "${NELSSA_OFF:-}" in 1|true|yes|on) off=1 ;; esac
+if [ "$off" = 0 ] && ! err=$("$PY" -m nelssa.proxy.pd check-config '{}' 2>&1); then
+  log "$err"; exit 2  # a bad NELSSA_* variable (the instances' own configs are checked below)
+fi
 
 ports="$PREFILL_PORT $DECODE_PORT $PROXY_PORT $PREFILL_NIXL_PORT $DECODE_NIXL_PORT"
 if busy=$("$PY" -m nelssa.proxy.pd listening $ports); then :; else
@@ -285,6 +288,15 @@ for role in PREFILL DECODE; do
     if [ "$role" = PREFILL ]; then p_env+=("$kv"); else d_env+=("$kv"); fi
   done
 done
+
+if [ "$off" = 0 ]; then  # the config each instance will load (JSON and NELSSA_* variables), before anything starts
+  for role in p d; do
+    if [ "$role" = p ]; then envs=("${p_env[@]}"); else envs=("${d_env[@]}"); fi
+    if ! err=$(env "${envs[@]}" "$PY" -m nelssa.proxy.pd check-config "$nelssa_json" 2>&1); then
+      log "$([ "$role" = p ] && echo P || echo D): $err"; exit 2
+    fi
+  done
+fi
 
 on_exit() {  # whatever ends this script (error, Ctrl-C, a process dying) stops what it started
   if [ -f "$STATE" ] && [ ! -f "$LOG_DIR/stopping" ]; then stop_all || true; fi

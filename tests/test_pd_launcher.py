@@ -226,6 +226,25 @@ def test_a_dying_engine_stops_the_stack(tmp_path, model):
         a.cleanup()
 
 
+@pytest.mark.parametrize("env, needle", [({"NELSSA_BUDGET": "abc"}, "NELSSA_BUDGET='abc'"),
+                                         ({"NELSSA_BUDGET": "3"}, "budget must be in (0, 1]"),
+                                         ({"DECODE_ENV": "NELSSA_MIGRATE_WATERMARK=7"}, "D: bad NELSSA config")])
+def test_a_bad_config_is_refused_before_anything_starts(tmp_path, model, env, needle):
+    """A NELSSA config an instance would refuse (a bad NELSSA_* variable, the stack's or one instance's):
+    one line with the reason, exit 2, nothing started (before: both engines started and died, and a bad
+    variable read as 'nelssa-node is not in this checkout')."""
+    a = Launch(tmp_path, model, **env)
+    try:
+        assert a.p.wait(60) == 2
+        a.reader.join(10)
+        out = "".join(a.lines)
+        assert needle in out and "not in this checkout" not in out, out
+        assert not (a.log_dir / "pids").exists() or not (a.log_dir / "pids").read_text().strip()
+        assert _listening(a.ports) == []
+    finally:
+        a.cleanup()
+
+
 def _fake_gpu(tmp: Path) -> str:
     """A PATH whose nvidia-smi lists one GPU: the launcher's shared-GPU branch, with fake engines."""
     b = tmp / "bin"

