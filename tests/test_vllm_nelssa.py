@@ -113,6 +113,21 @@ def test_grown_request_migrates_without_recompute(mixed):
     assert tot["moved_tokens"] > 0 and tot["moved_bytes"] == tot["moved_tokens"] * 8 * 2 * 3 * 64 * 4, tot
 
 
+def test_seeded_sampling_across_prefill_chunks():
+    """A seeded request (the OpenAI ``seed``; temperature 1, top-k 20) whose 1,500-token prompt is
+    prefilled in 512-token chunks: vLLM 0.26 on CPU dies rewinding the discarded chunks' samples ("CPU
+    Generator does not use offset", NELSSA_OFF as well); NELSSA's CPU runner rewinds them by state, so
+    the request samples exactly what it samples with its prompt in one chunk."""
+    req = {"id": "seeded", "text_tokens": 1500, "max_tokens": 24,
+           "sampling": {"temperature": 1.0, "top_k": 20, "seed": 7}}
+    spec = {"model": CUT, "nelssa": NELSSA, "requests": [req], "mode": "on"}
+    chunked = run_harness({**spec, "engine": {"max_num_batched_tokens": 512}})
+    whole = run_harness({**spec, "engine": {"max_num_batched_tokens": 2048}})
+    assert chunked["num_steps"] > whole["num_steps"]  # two more prefill steps, each discarding a sample
+    got, ref = chunked["results"]["seeded"]["token_ids"], whole["results"]["seeded"]["token_ids"]
+    assert len(got) == 24 and got == ref
+
+
 def test_no_preemption_under_memory_pressure():
     """72 blocks of 128: three 2,900-token requests + 1 short decoding 100 tokens. The baseline must
     preempt; NELSSA gives the middle blocks back and runs all with zero preemptions, same tokens.

@@ -12,7 +12,7 @@ switch to host attention comes at deterministic steps (a run of `nelssa bench ho
 asynchronous, as in serving).
 A request: {"id", "prompt_ids" | "text_tokens": n (+ "offset") | "chat": str, "max_tokens",
 "abort_at_step"?, "abort_on_migrate"?, "abort_in_lane"?, "add_at_step"?, "after"?, "extra_args"?,
-"priority"?}. "after":
+"priority"?, "sampling"?}. "sampling": SamplingParams fields over the greedy default (e.g. a seed). "after":
 the id of an earlier request; added in the step after that one finished. "extra_args": the request's
 SamplingParams.extra_args (e.g. {"nelssa_offload": false}). "abort_on_migrate": aborted after
 the first step in which NELSSA's scheduler is migrating it (anchor set, not yet switched); listed in
@@ -103,8 +103,9 @@ def run(spec: dict) -> dict:
         due = [r for r in pending if r.get("add_at_step", 0) <= step and ("after" not in r or r["after"] in results)]
         for r in due:
             pending.remove(r)
-            sp = SamplingParams(temperature=0, max_tokens=r.get("max_tokens", 16), ignore_eos=True,
-                                logprobs=spec.get("logprobs"), extra_args=r.get("extra_args"))
+            sp = SamplingParams(**{"temperature": 0, "max_tokens": r.get("max_tokens", 16), "ignore_eos": True,
+                                   "logprobs": spec.get("logprobs"), "extra_args": r.get("extra_args"),
+                                   **r.get("sampling", {})})
             internal[r["id"]] = eng.add_request(r["id"], {"prompt_token_ids": ids[r["id"]]}, sp,
                                                 priority=r.get("priority", 0))
         for r in reqs:

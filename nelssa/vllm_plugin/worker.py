@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import torch
 
 from nelssa.config import NelssaConfig, engine_config
@@ -53,7 +54,29 @@ def _cpu_classes():
     from vllm.v1.worker.cpu_worker import CPUWorker
 
     class NelssaCPUModelRunner(NelssaRunnerMixin, CPUModelRunner):
-        pass
+        """A seeded request (SamplingParams.seed, the OpenAI ``seed``) whose sampled token a step discards
+        (a prefill chunk that is not its last): vLLM 0.26 rewinds its generator by 4 Philox offsets, which a
+        CPU generator does not have ("CPU Generator does not use offset": the engine dies, NELSSA_OFF
+        too). Here such a generator's state is kept before the sampling and restored after it, the same
+        rewind (the sampled token never happened); vLLM's own loop does not see these generators."""
+
+        def _sample(self, *args, **kwargs):
+            n = self.input_batch.num_reqs
+            gens = self.input_batch.generators
+            self._nelssa_rewind = {i: gens[i].get_state() for i in np.nonzero(self.discard_request_mask.np[:n])[0].tolist()
+                                   if i in gens and gens[i].device.type == "cpu"}
+            return super()._sample(*args, **kwargs)
+
+        def _bookkeeping_sync(self, *args, **kwargs):
+            rewind, self._nelssa_rewind = getattr(self, "_nelssa_rewind", {}), {}
+            gens = self.input_batch.generators
+            held = {i: gens.pop(i) for i in rewind}
+            try:
+                return super()._bookkeeping_sync(*args, **kwargs)
+            finally:
+                for i, g in held.items():
+                    g.set_state(rewind[i])
+                    gens[i] = g
 
     class NelssaCPUWorker(CPUWorker):
         def init_device(self):
