@@ -114,18 +114,18 @@ def test_grown_request_migrates_without_recompute(mixed):
 
 
 def test_seeded_sampling_across_prefill_chunks():
-    """A seeded request (the OpenAI ``seed``; temperature 1, top-k 20) whose 1,500-token prompt is
-    prefilled in 512-token chunks: vLLM 0.26 on CPU dies rewinding the discarded chunks' samples ("CPU
+    """A seeded request (the OpenAI ``seed``; temperature 1, top-k 20) whose 600-token prompt is
+    prefilled in 256-token chunks: vLLM 0.26 on CPU dies rewinding the discarded chunks' samples ("CPU
     Generator does not use offset", NELSSA_OFF as well); NELSSA's CPU runner rewinds them by state, so
     the request samples exactly what it samples with its prompt in one chunk."""
-    req = {"id": "seeded", "text_tokens": 1500, "max_tokens": 24,
+    req = {"id": "seeded", "text_tokens": 600, "max_tokens": 16,
            "sampling": {"temperature": 1.0, "top_k": 20, "seed": 7}}
-    spec = {"model": CUT, "nelssa": NELSSA, "requests": [req], "mode": "on"}
-    chunked = run_harness({**spec, "engine": {"max_num_batched_tokens": 512}})
-    whole = run_harness({**spec, "engine": {"max_num_batched_tokens": 2048}})
+    spec = {"model": CUT, "nelssa": NELSSA, "requests": [req], "mode": "on", "max_model_len": 1024}
+    chunked = run_harness({**spec, "engine": {"max_num_batched_tokens": 256}})
+    whole = run_harness({**spec, "engine": {"max_num_batched_tokens": 1024}})
     assert chunked["num_steps"] > whole["num_steps"]  # two more prefill steps, each discarding a sample
     got, ref = chunked["results"]["seeded"]["token_ids"], whole["results"]["seeded"]["token_ids"]
-    assert len(got) == 24 and got == ref
+    assert len(got) == 16 and got == ref
 
 
 def test_no_preemption_under_memory_pressure():
