@@ -246,8 +246,9 @@ def test_plots_and_report(tmp_path):
     assert "Host-tier memory (on, config host_reserve): 0 parts in new mappings, 32.00 GiB free at the end" in md
     assert "![lane timeline](lane_timeline.png)" in md and os.path.getsize(tmp_path / "lane_timeline.png") > 5_000
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(SystemExit) as e:  # a usage error naming what is missing
         report([str(tmp_path / "empty")])
+    assert e.value.code == 2
 
 
 def test_hol_modes_and_variants():
@@ -485,3 +486,29 @@ def test_point_counters_are_differenced_between_points():
     b = wl.point_stats([_rec(1, "short", "b", 3.9, 0.1, [0.05] * 15)], samples, [3.9, 5.0])
     assert b["generation_tokens"] == 16 and b["prompt_tokens"] == 100 and b["preemptions"] == 0
 
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["growth", "--set", "growth.n=0"], "growth.n: an integer >= 1"),
+    (["mixed", "--set", "mixed.rates=[]"], "mixed.rates: a non-empty list"),
+    (["mixed", "--set", "mixed.long_fractions=[2]"], "fractions in [0, 1]"),
+    (["multi-long", "--set", "multi-long.n=abc"], "multi-long.n: an integer"),
+    (["hol-http", "--set", "hol-http.rate=0"], "scenario field rate: a number > 0"),
+    (["single-long", "--set", 'nelssa={"budget": 5}'], "budget must be in (0, 1]"),
+    (["hol", "--preset", "cpu", "--set", "n_long=1.5"], "scenario field n_long: an integer >= 0"),
+    (["hol", "--preset", "cpu", "--set", "prompts=foo"], "scenario field prompts"),
+    (["hol", "--preset", "cpu", "--variant", 't={"pool_threadz": 2}', "--modes", "off,on:t"], "pool_threadz"),
+    (["report", "/nonexistent-results"], "not a folder")])
+def test_bad_benchmark_settings_are_refused_before_any_server_starts(capsys, args, needle):
+    """`nelssa bench` checks its settings first: a usage error naming the value (exit 2), not a server
+    started for minutes and a traceback (growth.n=0 had failed with an IndexError after starting one)."""
+    from nelssa.cli import main as cli
+    with pytest.raises(SystemExit) as e:
+        cli(["bench", *args, "--out", "/nonexistent-out"] if args[0] != "report" else ["bench", *args])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_every_preset_passes_its_checks():
+    for p in wl.PRESETS.values():
+        for w in wl.WORKLOADS:
+            wl.check_workload(w, p)

@@ -92,6 +92,36 @@ class Scenario:
     profile_at: float | None = None
     profile_s: float = 1.0
 
+    def __post_init__(self) -> None:
+        """Bad values are refused here, before any engine starts (ValueError naming the field)."""
+        def num(name, lo, *, integer=False, none=False, strict=False):
+            v = getattr(self, name)
+            if v is None and none:
+                return
+            kind = int if integer else (int, float)
+            if not isinstance(v, kind) or isinstance(v, bool) or v < lo or (strict and v == lo):
+                raise ValueError(f"scenario field {name}: {'an integer' if integer else 'a number'} "
+                                 f"{'>' if strict else '>='} {lo} expected, got {v!r}")
+        for name in ("rate", "duration", "profile_s"):
+            num(name, 0, strict=True)
+        num("long_at", 0)
+        num("profile_at", 0, none=True)
+        for name in ("short_in", "short_out", "long_len", "long_out", "max_model_len", "max_num_seqs",
+                     "max_num_batched_tokens", "long_prefill_token_threshold"):
+            num(name, 1, integer=True)
+        num("n_long", 0, integer=True)
+        num("seed", 0, integer=True)
+        num("kv_blocks", 1, integer=True, none=True)
+        num("util", 0, none=True, strict=True)
+        if self.util is not None and self.util > 1:
+            raise ValueError(f"scenario field util: at most 1, got {self.util!r}")
+        if self.prompts not in ("random", "text"):
+            raise ValueError(f"scenario field prompts: 'random' or 'text', got {self.prompts!r}")
+        if not isinstance(self.nelssa, dict):
+            raise ValueError(f"scenario field nelssa: a JSON object expected, got {self.nelssa!r}")
+        from nelssa.config import load_config
+        load_config({"nelssa": self.nelssa}, env={})  # its own checks (unknown keys, ranges)
+
 
 # ------------------------------------------------------------------ one mode (subprocess)
 
@@ -408,6 +438,7 @@ def mode_specs(sc: Scenario, modes: list[str], variants: dict[str, dict] | None 
         d = asdict(sc)
         if name:
             d["nelssa"] = {**sc.nelssa, **variants[name]}
+            Scenario(**d)  # the variant's config checked as the scenario's was
         out.append((m, base, d))
     if len({label for label, _, _ in out}) != len(out):
         raise ValueError(f"a mode is repeated: {modes}")
@@ -532,7 +563,10 @@ def main(argv: list[str] | None = None) -> int:
             kw[k] = json.loads(v)
         except json.JSONDecodeError:
             kw[k] = v
-    sc = Scenario(**kw)
+    try:
+        sc = Scenario(**kw)
+    except ValueError as e:
+        ap.error(str(e))
     if a.model:
         model = a.model
     elif a.dummy:

@@ -235,7 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("folder")
     ap.add_argument("--out", default=None, help="Markdown file (default FOLDER/report.md)")
     a = ap.parse_args(argv)
-    md = render(a.folder)
+    if not os.path.isdir(a.folder):
+        ap.error(f"{a.folder}: not a folder")
+    try:
+        md = render(a.folder)
+    except FileNotFoundError as e:
+        ap.error(str(e))
     out = a.out or os.path.join(a.folder, "report.md")
     with open(out, "w") as f:
         f.write(md)

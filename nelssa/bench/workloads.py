@@ -577,6 +577,42 @@ def _override(d: dict, items: list[str]) -> dict:
     return d
 
 
+def check_workload(workload: str, p: dict) -> None:
+    """A preset's section of ``workload`` (after --set) and its NELSSA config: ValueError naming the bad
+    value, before any server starts."""
+    w = p[workload]
+
+    def num(key, lo, *, integer=True, strict=False, v=None):
+        v = w.get(key) if v is None else v
+        kind = int if integer else (int, float)
+        if not isinstance(v, kind) or isinstance(v, bool) or v < lo or (strict and v == lo):
+            raise ValueError(f"{workload}.{key}: {'an integer' if integer else 'a number'} "
+                             f"{'>' if strict else '>='} {lo} expected, got {v!r}")
+
+    if workload in ("single-long", "multi-long"):
+        for k in ("n_in", "n_out") + (("n",) if workload == "multi-long" else ()):
+            num(k, 1)
+    elif workload == "growth":
+        num("n", 1), num("n_in", 1), num("T_input", 1), num("rate", 0, integer=False)
+    elif workload == "mixed":
+        num("n", 1), num("min_output", 1), num("max_output", w.get("min_output", 1))
+        for key, ok in (("rates", lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0),
+                        ("long_fractions", lambda x: x is None or (isinstance(x, (int, float))
+                                                                    and not isinstance(x, bool) and 0 <= x <= 1))):
+            v = w.get(key)
+            if not isinstance(v, list) or not v or not all(ok(x) for x in v):
+                raise ValueError(f"mixed.{key}: a non-empty list of "
+                                 f"{'rates > 0' if key == 'rates' else 'fractions in [0, 1] or null'}, got {v!r}")
+    elif workload == "hol-http":
+        from nelssa.bench.hol import Scenario
+        Scenario(**w)  # its own checks
+    num("max_model_len", 1, v=p.get("max_model_len"))
+    if not isinstance(p.get("nelssa"), dict):
+        raise ValueError(f"nelssa: a JSON object expected, got {p.get('nelssa')!r}")
+    from nelssa.config import load_config
+    load_config({"nelssa": p["nelssa"]}, env={})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="nelssa bench <workload>", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -600,6 +636,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=0.5, help="seconds between /metrics samples")
     a = ap.parse_args(argv)
     preset = _override(PRESETS[a.preset], a.set)
+    try:
+        check_workload(a.workload, preset)
+    except (TypeError, ValueError) as e:  # (TypeError: a hol-http field Scenario does not have)
+        ap.error(str(e))
     preset["server"] = list(preset["server"]) + a.server_arg
     endpoints = dict(x.split("=", 1) for x in a.endpoints.split(",")) if a.endpoints else None
     serve = [m.strip() for m in a.serve.split(",")] if a.serve else (None if endpoints else ["on", "off"])
