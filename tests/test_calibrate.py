@@ -97,3 +97,15 @@ def test_tiny_real_calibration_run(tmp_path, capsys):
     again = json.loads((out2 / "calibration.json").read_text())
     assert again["model"] == pytest.approx(doc["model"]) and again["T_input"] == doc["T_input"]
     assert os.path.getsize(out2 / "calibration.png") > 10_000
+
+
+@pytest.mark.parametrize("args, needle", [(["--contexts", "abc"], "an integer expected"),
+                                         (["--batches", "4,0"], "an integer >= 1"),
+                                         (["--budget", "2"], "--budget must be in (0, 1]"),
+                                         (["--refit", "/nonexistent.json"], "no such file")])
+def test_bad_arguments_are_usage_errors(capsys, args, needle):
+    """Before: a traceback after the measurements started (a ZeroDivisionError for --contexts 0), or a
+    calibration measured at budget 2."""
+    with pytest.raises(SystemExit) as e:
+        cal.main([*args, "--out", "/nonexistent-out"])
+    assert e.value.code == 2 and needle in capsys.readouterr().err

@@ -483,40 +483,63 @@ def _refit(a, argv) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer expected, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"an integer >= 1 expected, got {text!r}")
+    return v
+
+
+def _positive_ints(text: str) -> list[int]:
+    """argparse type: '1024,2048' -> [1024, 2048], each an integer >= 1."""
+    return [_positive_int(x) for x in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="nelssa calibrate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="output folder (default results/<UTC time>-calibrate)")
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
-    ap.add_argument("--contexts", default=None, help="comma-separated L (default: 1K..32K on CPU, 1K..128K on CUDA)")
-    ap.add_argument("--batches", default="1,4")
-    ap.add_argument("--devices", default=None, help="emulated device counts N (default: powers of 2 up to the cores)")
-    ap.add_argument("--threads-per-device", type=int, default=1)
+    ap.add_argument("--contexts", type=_positive_ints, default=None,
+                    help="comma-separated L (default: 1K..32K on CPU, 1K..128K on CUDA)")
+    ap.add_argument("--batches", type=_positive_ints, default=[1, 4])
+    ap.add_argument("--devices", type=_positive_ints, default=None,
+                    help="emulated device counts N (default: powers of 2 up to the cores)")
+    ap.add_argument("--threads-per-device", type=_positive_int, default=1)
     ap.add_argument("--budget", type=float, default=None, help="selection budget (default: the config's)")
-    ap.add_argument("--dtype", default=None, help="KV dtype (default: bf16 on CUDA, nelssa.cpu's decision on CPU)")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--target-mb", type=int, default=256, help="bytes rotated per measurement (defeats caches)")
-    ap.add_argument("--N", type=int, default=None, help="device count T_input is chosen at (default: largest)")
-    ap.add_argument("--batch", type=int, default=1, help="batch T_input is chosen at")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                    help="KV dtype (default: bf16 on CUDA, nelssa.cpu's decision on CPU)")
+    ap.add_argument("--reps", type=_positive_int, default=10)
+    ap.add_argument("--target-mb", type=_positive_int, default=256, help="bytes rotated per measurement (defeats caches)")
+    ap.add_argument("--N", type=_positive_int, default=None, help="device count T_input is chosen at (default: largest)")
+    ap.add_argument("--batch", type=_positive_int, default=1, help="batch T_input is chosen at")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke run, seconds)")
     ap.add_argument("--refit", default=None, metavar="JSON",
                     help="no measuring: fit an existing calibration's measurements again (e.g. another --N/--batch), "
                          "write the JSON and plot to --out")
     a = ap.parse_args(argv)
+    if a.budget is not None and not 0 < a.budget <= 1:
+        ap.error(f"--budget must be in (0, 1], got {a.budget}")
     if a.refit:
+        if not os.path.isfile(a.refit):
+            ap.error(f"--refit {a.refit}: no such file")
         return _refit(a, argv)
     import torch
     cuda = torch.cuda.is_available()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if a.contexts:
-        contexts = [int(x) for x in a.contexts.split(",")]
+        contexts = a.contexts
     elif a.quick:
         contexts = [512, 1024, 2048, 4096]
     else:
         contexts = [1024 << i for i in range(8 if cuda else 6)]
-    batches = [int(x) for x in a.batches.split(",")] if not a.quick else [1]
+    batches = a.batches if not a.quick else [1]
     if a.devices:
-        Ns = [int(x) for x in a.devices.split(",")]
+        Ns = a.devices
     else:
         Ns = [1 << i for i in range(8) if (1 << i) * a.threads_per_device <= cores] or [1]
     N = a.N or max(Ns)
