@@ -8,9 +8,13 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["calibrate"]:  # all its options are its own (argparse would split them around REMAINDER)
+    # all their options are their own (argparse would split them around a leading REMAINDER)
+    if argv[:1] == ["calibrate"]:
         from nelssa.bench.calibrate import main as calibrate
         return calibrate(argv[1:])
+    if argv[:1] == ["bench-sparse"]:
+        from nelssa.bench.sparse_attention import main as bench_sparse
+        return bench_sparse(argv[1:], prog="nelssa bench-sparse") or 0
     ap = argparse.ArgumentParser(prog="nelssa")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare-model", help="SmolLM2-135M-Instruct as an HF bf16 folder (cached); prints its path")
@@ -18,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("make-dummy-model", help="model-shaped config + tokenizer for vLLM load_format=dummy")
     d.add_argument("--shape", default="llama-3.1-8b")
     d.add_argument("--out", default=None)
-    b = sub.add_parser("bench-sparse", help="host sparse-attention benchmark (see nelssa.bench.sparse_attention)")
-    b.add_argument("args", nargs=argparse.REMAINDER)
+    sub.add_parser("bench-sparse", help="host sparse-attention benchmark (see nelssa.bench.sparse_attention)",
+                   add_help=False)
     bh = sub.add_parser("bench", help="benchmarks: hol (head-of-line scenario, NELSSA vs NELSSA_OFF); serving "
                                       "workloads single-long, multi-long, mixed, growth (nelssa.bench.workloads); "
                                       "accuracy (needles at several budgets, dense vs NELSSA); report DIR "
@@ -65,9 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     elif a.cmd == "make-dummy-model":
         from nelssa.models import make_dummy_model
         print(make_dummy_model(a.shape, a.out))
-    elif a.cmd == "bench-sparse":
-        from nelssa.bench.sparse_attention import main as bench
-        bench(a.args)
     return 0
 
 

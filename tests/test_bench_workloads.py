@@ -498,13 +498,27 @@ def test_point_counters_are_differenced_between_points():
     (["hol", "--preset", "cpu", "--set", "n_long=1.5"], "scenario field n_long: an integer >= 0"),
     (["hol", "--preset", "cpu", "--set", "prompts=foo"], "scenario field prompts"),
     (["hol", "--preset", "cpu", "--variant", 't={"pool_threadz": 2}', "--modes", "off,on:t"], "pool_threadz"),
-    (["report", "/nonexistent-results"], "not a folder")])
+    (["report", "/nonexistent-results"], "not a folder"),
+    (["accuracy", "--budgets", "0.04,2"], "budgets in (0, 1]"),
+    (["accuracy", "--lengths", "0"], "an integer >= 1")])
 def test_bad_benchmark_settings_are_refused_before_any_server_starts(capsys, args, needle):
     """`nelssa bench` checks its settings first: a usage error naming the value (exit 2), not a server
     started for minutes and a traceback (growth.n=0 had failed with an IndexError after starting one)."""
     from nelssa.cli import main as cli
     with pytest.raises(SystemExit) as e:
         cli(["bench", *args, "--out", "/nonexistent-out"] if args[0] != "report" else ["bench", *args])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, needle", [(["calibrate", "--contexts", "0"], "nelssa calibrate: error"),
+                                         (["bench-sparse", "--contexts", "0"], "nelssa bench-sparse: error"),
+                                         (["bench-sparse", "--budget", "3"], "must be in (0, 1]")])
+def test_commands_with_their_own_options_report_bad_ones(capsys, args, needle):
+    """calibrate and bench-sparse take all their options themselves (bench-sparse took none through
+    `nelssa` before: argparse split them around its leading REMAINDER)."""
+    from nelssa.cli import main as cli
+    with pytest.raises(SystemExit) as e:
+        cli(args)
     assert e.value.code == 2 and needle in capsys.readouterr().err
 
 

@@ -20,6 +20,8 @@ import os
 import sys
 import time
 
+from nelssa.bench.common import positive_int, positive_ints
+
 
 def sweep(model_dir: str, lengths, depths, seed: int, budgets: list[float], *, dtype: str | None = None,
           nelssa: dict | None = None, timeout: float | None = None, max_tokens: int = 12,
@@ -98,21 +100,33 @@ def table(res: dict) -> str:
     return "\n".join(rows)
 
 
+def _budgets(text: str) -> list[float]:
+    """argparse type: '0.02,0.04' -> [0.02, 0.04], each in (0, 1]."""
+    try:
+        vals = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated numbers expected, got {text!r}") from None
+    if not all(0 < v <= 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"budgets in (0, 1] expected, got {text!r}")
+    return vals
+
+
 def main(argv: list[str] | None = None) -> int:
     from nelssa.bench.accuracy import SETS
     ap = argparse.ArgumentParser(prog="nelssa bench accuracy", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", choices=sorted(SETS), default="ci")
-    ap.add_argument("--lengths", default=None, help="comma-separated prompt lengths (overrides the set's)")
-    ap.add_argument("--budgets", default="0.01,0.02,0.04,0.1")
-    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--lengths", type=positive_ints, default=None,
+                    help="comma-separated prompt lengths (overrides the set's)")
+    ap.add_argument("--budgets", type=_budgets, default=[0.01, 0.02, 0.04, 0.1])
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=None, help="results folder (default results/<UTC time>-accuracy)")
-    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--timeout", type=positive_int, default=3600)
     a = ap.parse_args(argv)
     s = dict(SETS[a.set])
     if a.lengths:
-        s["lengths"] = tuple(int(x) for x in a.lengths.split(","))
+        s["lengths"] = tuple(a.lengths)
     if a.model:
         model = a.model
     else:
@@ -120,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         model = str(prepare_smollm2())
     out = a.out or os.path.join("results", time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-accuracy")
     os.makedirs(out, exist_ok=True)
-    res = sweep(model, s["lengths"], s["depths"], s["seed"], [float(x) for x in a.budgets.split(",")], dtype=a.dtype,
+    res = sweep(model, s["lengths"], s["depths"], s["seed"], a.budgets, dtype=a.dtype,
                 timeout=a.timeout, **{k: s[k] for k in ("per_haystack", "T_input") if k in s})
     res.update(command="nelssa bench accuracy " + " ".join(argv if argv is not None else sys.argv[1:]),
                time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), model=model)

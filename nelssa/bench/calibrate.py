@@ -57,6 +57,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from nelssa.bench.common import positive_int, positive_ints
+
 GiB = 1 << 30
 KIND = "nelssa-calibration"
 VERSION = 1
@@ -483,40 +485,24 @@ def _refit(a, argv) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"an integer expected, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"an integer >= 1 expected, got {text!r}")
-    return v
-
-
-def _positive_ints(text: str) -> list[int]:
-    """argparse type: '1024,2048' -> [1024, 2048], each an integer >= 1."""
-    return [_positive_int(x) for x in text.split(",")]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="nelssa calibrate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="output folder (default results/<UTC time>-calibrate)")
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
-    ap.add_argument("--contexts", type=_positive_ints, default=None,
+    ap.add_argument("--contexts", type=positive_ints, default=None,
                     help="comma-separated L (default: 1K..32K on CPU, 1K..128K on CUDA)")
-    ap.add_argument("--batches", type=_positive_ints, default=[1, 4])
-    ap.add_argument("--devices", type=_positive_ints, default=None,
+    ap.add_argument("--batches", type=positive_ints, default=[1, 4])
+    ap.add_argument("--devices", type=positive_ints, default=None,
                     help="emulated device counts N (default: powers of 2 up to the cores)")
-    ap.add_argument("--threads-per-device", type=_positive_int, default=1)
+    ap.add_argument("--threads-per-device", type=positive_int, default=1)
     ap.add_argument("--budget", type=float, default=None, help="selection budget (default: the config's)")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                     help="KV dtype (default: bf16 on CUDA, nelssa.cpu's decision on CPU)")
-    ap.add_argument("--reps", type=_positive_int, default=10)
-    ap.add_argument("--target-mb", type=_positive_int, default=256, help="bytes rotated per measurement (defeats caches)")
-    ap.add_argument("--N", type=_positive_int, default=None, help="device count T_input is chosen at (default: largest)")
-    ap.add_argument("--batch", type=_positive_int, default=1, help="batch T_input is chosen at")
+    ap.add_argument("--reps", type=positive_int, default=10)
+    ap.add_argument("--target-mb", type=positive_int, default=256, help="bytes rotated per measurement (defeats caches)")
+    ap.add_argument("--N", type=positive_int, default=None, help="device count T_input is chosen at (default: largest)")
+    ap.add_argument("--batch", type=positive_int, default=1, help="batch T_input is chosen at")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke run, seconds)")
     ap.add_argument("--refit", default=None, metavar="JSON",
                     help="no measuring: fit an existing calibration's measurements again (e.g. another --N/--batch), "

@@ -3,6 +3,7 @@ exact-length prompts, the progress line."""
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 import time
@@ -99,3 +100,19 @@ def hol_shape_kv(length: int, batch: int, device: str = "cuda") -> list:
     return [cluster_kv(torch.randn(H, length, D, device=device, dtype=torch.bfloat16),
                        torch.randn(H, length, D, device=device, dtype=torch.bfloat16), seed=b, cluster_size=8)
             for b in range(batch)]
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer expected, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"an integer >= 1 expected, got {text!r}")
+    return v
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse type: '1024,2048' -> [1024, 2048], each an integer >= 1."""
+    return [positive_int(x) for x in text.split(",")]

@@ -27,6 +27,7 @@ import time
 import torch
 
 from nelssa._ext import ext
+from nelssa.bench.common import positive_int, positive_ints
 from nelssa.config import PREFETCH_HINTS, get_config, mem_available, set_config
 from nelssa.cpu import cpu_model
 from nelssa.sparse import ClusteredKV, KVPart, attend, select_clusters
@@ -219,22 +220,24 @@ def run(contexts, batches, budget: float, steps: int, target_bytes: int, mem_fra
     }
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/bench_sparse_attention.json")
-    ap.add_argument("--contexts", default="32768,131072")
-    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--contexts", type=positive_ints, default=[32768, 131072])
+    ap.add_argument("--batches", type=positive_ints, default=[1, 4, 16])
     ap.add_argument("--budget", type=float, default=0.04)
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per rotated layer")
-    ap.add_argument("--target-mb", type=int, default=1024, help="selected bytes per rotation (defeats caches)")
+    ap.add_argument("--steps", type=positive_int, default=10, help="timed steps per rotated layer")
+    ap.add_argument("--target-mb", type=positive_int, default=1024, help="selected bytes per rotation (defeats caches)")
     ap.add_argument("--mem-frac", type=float, default=0.6, help="fraction of available memory to use")
     ap.add_argument("--quick", action="store_true", help="32K only, batches 1/4 (smoke run)")
     ap.add_argument("--sweep-prefetch", action="store_true",
                     help="first time the kernel per software-prefetch setting (32K and 128K, batch 4), then "
                          "run the table at the best one")
     a = ap.parse_args(argv)
-    contexts = [32768] if a.quick else [int(x) for x in a.contexts.split(",")]
-    batches = [1, 4] if a.quick else [int(x) for x in a.batches.split(",")]
+    if not 0 < a.budget <= 1 or not 0 < a.mem_frac <= 1:
+        ap.error(f"--budget and --mem-frac must be in (0, 1], got {a.budget} / {a.mem_frac}")
+    contexts = [32768] if a.quick else a.contexts
+    batches = [1, 4] if a.quick else a.batches
     res = run(contexts, batches, a.budget, a.steps, a.target_mb << 20, a.mem_frac,
               PREFETCH_SWEEP if a.sweep_prefetch else None)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
