@@ -202,8 +202,9 @@ class NelssaConfig:
         req(self.engine in ("local", "node"), f"engine must be 'local' or 'node', got {self.engine!r}")
         req(self.node_transport in ("auto", "native", "shm", "grpc"),
             f"node_transport must be auto, native, shm or grpc, got {self.node_transport!r}")
-        req(isinstance(self.node_address, str) and ":" in self.node_address,
-            f"node_address must be host:port, got {self.node_address!r}")
+        host, _, port = self.node_address.rpartition(":") if isinstance(self.node_address, str) else ("", "", "")
+        req(bool(host) and port.isdigit() and 0 < int(port) <= 65535,
+            f"node_address must be host:port with a port in [1, 65535], got {self.node_address!r}")
         req(self.node_lease_s > 0, f"node_lease_s must be > 0, got {self.node_lease_s!r}")
         req(not self.handover or self.engine == "node",
             "handover (a prefill instance releasing long prompts to its decode instance) needs engine 'node'")

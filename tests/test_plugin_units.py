@@ -208,7 +208,9 @@ def test_config_sources_and_errors():
                      ({"nelssa": {"lane_connections": 33}}, "lane_connections must be"),
                      ({"nelssa": {"node_spin_us": -2}}, "node_spin_us must be"),
                      ({"nelssa": {"lane_sms": -8}}, "lane_sms must be"),
-                     ({"nelssa": {"lane_sms": 16, "lane": False}}, "lane_sms needs the lane")]:
+                     ({"nelssa": {"lane_sms": 16, "lane": False}}, "lane_sms needs the lane"),
+                     ({"nelssa": {"node_address": "127.0.0.1:99999"}}, "port in"),  # (gRPC wraps it to 34463)
+                     ({"nelssa": {"node_address": "localhost"}}, "host:port")]:
         with pytest.raises(ValueError, match=msg):
             load_config(bad, env={})
     with pytest.raises(ValueError, match="NELSSA_AFFINITY_CORES"):
