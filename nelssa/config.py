@@ -224,6 +224,9 @@ class NelssaConfig:
         req(self.lane_host_wait in ("flags", "hostfn"),
             f"lane_host_wait must be 'flags' or 'hostfn', got {self.lane_host_wait!r}")
         req(self.pool_threads >= 1, f"pool_threads must be >= 1, got {self.pool_threads}")
+        ncpu = os.cpu_count() or 1  # a pool thread pinned to a core this machine lacks would run unpinned, silently
+        req(all(0 <= c < ncpu for c in self.affinity_cores),
+            f"affinity_cores must be cores of this machine (0-{ncpu - 1}), got {list(self.affinity_cores)}")
         req(self.host_capacity >= 0 and self.host_timeout_s > 0, "host_capacity >= 0 and host_timeout_s > 0 required")
         req(isinstance(self.host_reserve, int) and self.host_reserve >= 0,
             f"host_reserve must be bytes >= 0, got {self.host_reserve!r}")

@@ -171,8 +171,9 @@ def test_cpu_paged_cache_reader_matches_vllm_write(block_size, dtype, d, isa):
 
 def test_config_sources_and_errors():
     cfg = load_config({"nelssa": {"T_input": 4096, "budget": 0.02}}, env={"NELSSA_POOL_THREADS": "3",
-                                                                           "NELSSA_AFFINITY_CORES": "0-1,4"})
-    assert (cfg.T_input, cfg.budget, cfg.pool_threads, cfg.affinity_cores) == (4096, 0.02, 3, (0, 1, 4))
+                                                                           "NELSSA_AFFINITY_CORES": "0-1"})
+    assert (cfg.T_input, cfg.budget, cfg.pool_threads, cfg.affinity_cores) == (4096, 0.02, 3, (0, 1))
+    assert parse_cores("0-1,4") == (0, 1, 4)
     assert load_config({"nelssa": {"budget": 0.5}}, env={"NELSSA_BUDGET": "0.1"}).budget == 0.1  # env wins
     # deferral needs migration: with migrate off, long prompts are host-backed from admission
     assert load_config({"nelssa": {}}, env={}).defer_limit == 32768
@@ -210,7 +211,8 @@ def test_config_sources_and_errors():
                      ({"nelssa": {"lane_sms": -8}}, "lane_sms must be"),
                      ({"nelssa": {"lane_sms": 16, "lane": False}}, "lane_sms needs the lane"),
                      ({"nelssa": {"node_address": "127.0.0.1:99999"}}, "port in"),  # (gRPC wraps it to 34463)
-                     ({"nelssa": {"node_address": "localhost"}}, "host:port")]:
+                     ({"nelssa": {"node_address": "localhost"}}, "host:port"),
+                     ({"nelssa": {"affinity_cores": "0-100000"}}, "cores of this machine")]:
         with pytest.raises(ValueError, match=msg):
             load_config(bad, env={})
     with pytest.raises(ValueError, match="NELSSA_AFFINITY_CORES"):
