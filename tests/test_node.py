@@ -320,9 +320,10 @@ def test_bad_arguments_and_a_port_in_use_are_refused_at_start(nodes):
     assert busy.stats().devices  # the first one serves on
     r = run("--port", "99999")
     assert r.returncode == 1 and "ports must be in [0, 65535]" in r.stderr, r.stderr
-    for args in (["--devices", "0"], ["--devices", "3", "--device-cores", "0;1"]):
+    for args in (["--devices", "0"], ["--devices", "3", "--device-cores", "0;1"], ["--device-cores", "100000"],
+                 ["--ingest-cores", "100000"]):
         r = run("--port", "0", *args)
-        assert r.returncode == 2 and "nelssa-node: error: --dev" in r.stderr, r.stderr
+        assert r.returncode == 2 and "nelssa-node: error: --" in r.stderr, r.stderr
 
 
 def test_store_slot_refusals_leave_nothing_and_a_node_without_slots_streams(nodes):

@@ -87,6 +87,11 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--token-file: {e}")
     try:
         cores = _device_cores(a.device_cores, a.devices, a.cores_per_device)
+        ncpu = os.cpu_count() or 1  # a pin to a missing core fails and the thread runs unpinned, silently
+        for name, cs in (("--device-cores", [c for d in cores for c in d]),
+                         ("--ingest-cores", parse_cores(a.ingest_cores))):
+            if any(not 0 <= c < ncpu for c in cs):
+                raise ValueError(f"{name}: cores of this machine (0-{ncpu - 1}) expected, got {sorted(set(cs))}")
     except ValueError as e:
         p.error(str(e))
     threads = a.threads_per_device or (len(cores[0]) if cores else 1)
