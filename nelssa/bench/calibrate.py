@@ -500,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                     help="KV dtype (default: bf16 on CUDA, nelssa.cpu's decision on CPU)")
     ap.add_argument("--reps", type=positive_int, default=10)
-    ap.add_argument("--target-mb", type=positive_int, default=256, help="bytes rotated per measurement (defeats caches)")
+    ap.add_argument("--target-mb", type=positive_int, default=256,
+                    help="bytes rotated per measurement (defeats caches)")
     ap.add_argument("--N", type=positive_int, default=None, help="device count T_input is chosen at (default: largest)")
     ap.add_argument("--batch", type=positive_int, default=1, help="batch T_input is chosen at")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke run, seconds)")
