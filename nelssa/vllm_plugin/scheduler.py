@@ -175,6 +175,9 @@ class NelssaScheduler(Scheduler):
             self.host_capacity = cfg.host_capacity or int(0.8 * mem_available())
         log.info("NELSSA scheduler: T_input=%d, host capacity %.2f GiB%s", cfg.T_input, self.host_capacity / 2**30,
                  f" (nelssa-node at {cfg.node_address})" if self._node_room is not None else "")
+        if cfg.T_input >= self.max_model_len:
+            log.warning("NELSSA: T_input %d >= max_model_len %d: no request can become long, the host tier stays "
+                        "unused", cfg.T_input, self.max_model_len)
 
     # ------------------------------------------------------------ admission
     def _need(self, request: Request) -> int:
