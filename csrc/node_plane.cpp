@@ -34,7 +34,9 @@
 //      average of the channel's recent waits): from margin_us before it until margin_us (or half the
 //      expected wait) after it the job polls again, yielding, so an answer is seen within a poll
 //      instead of a nap while the core is still given up for most of the kernel.
-//   4. The responder polls for spin_us after each job (yielding its core past the first 20 us), then
+//   4. The responder answers every job posted after it was made (the sequence is read in its constructor,
+//      not when its thread first runs, which may be after the client's first post), polls for spin_us
+//      after each job (yielding its core past the first 20 us), then
 //      sleeps sleep_us between polls, and writes its heartbeat (steady clock ns: CLOCK_MONOTONIC,
 //      Python's time.monotonic_ns) when it is made, before its thread runs, then at least every
 //      millisecond; stop() marks the channel closed (a waiting client fails at once) and joins.
@@ -163,8 +165,10 @@ struct ShmResponder::Impl {
     answer(seq, C_OK, "", t0, kernel);
   }
 
+  uint64_t first = 0;  // the channel's job sequence when the responder was made (4)
+
   void loop() {
-    uint64_t last = load(w, N_REQ_SEQ);
+    uint64_t last = first;
     int64_t idle = now_ns(), beat = 0;
     while (!stop.load(std::memory_order_acquire)) {
       const int64_t t = now_ns();
@@ -198,6 +202,7 @@ ShmResponder::ShmResponder(at::Tensor mem, int64_t slot, std::shared_ptr<DeviceG
   impl->slot = slot, impl->spin_us = spin_us, impl->sleep_us = sleep_us;
   impl->group = std::move(group), impl->plans = std::move(plans);
   impl->w[N_BEAT] = static_cast<uint64_t>(now_ns());  // (4) alive from the start, before its thread first runs
+  impl->first = load(impl->w, N_REQ_SEQ);  // (4) a job posted before the thread first runs is still answered
   Impl* p = impl.get();
   impl->thread = std::thread([p] { p->loop(); });
 }

@@ -949,7 +949,8 @@ def test_property_arbitrary_jobs_are_refused_in_process():
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from nelssa.node.server import NodeSettings, NodeState
+    from nelssa.node.server import NodeSettings
+    from nelssa.node.state import NodeState
     node = NodeState(NodeSettings(devices=2))
     cid = node.register("prop", 60).id
     sizes = torch.full((H, 8), 8, dtype=torch.int32).numpy().tobytes()

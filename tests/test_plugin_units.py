@@ -115,7 +115,7 @@ def test_host_bytes_bounds_the_store():
 def test_host_bytes_bounds_a_kept_store_on_the_node():
     """A hand-over's parts (centroid state kept, node/wire.py centroid_bytes): what the node reserves for
     them (K/V rows, tables, centroids and value means) stays within host_bytes(.., keep_cluster_size)."""
-    from nelssa.node.server import table_bytes
+    from nelssa.node.storage import table_bytes
     from nelssa.node.wire import centroid_bytes
     from nelssa.sparse.clustered import cluster_layers
     H, D, es, cs = 3, 64, 2, 8

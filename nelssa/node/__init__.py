@@ -1,7 +1,8 @@
 """The host tier: owns long requests' clustered KV and runs sparse attention over it.
 
 ``engine: local`` keeps it in this process (LocalHostTier); ``engine: node`` uses a nelssa-node service
-(NodeHostTier, nelssa.node.client; the service is nelssa.node.server, ``nelssa-node``).
+(NodeHostTier, nelssa.node.client; the service is ``nelssa-node``: nelssa.node.server, the gRPC service over
+nelssa.node.state, the node's requests, devices, jobs and leases, which keeps nelssa.node.storage).
 Names are loaded on first use, so ``python -m nelssa.node`` can set up OpenMP before torch loads."""
 
 __all__ = ["HostError", "LocalHostTier", "host_tier"]
