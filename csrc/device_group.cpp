@@ -1,4 +1,4 @@
-// nelssa-node's emulated PNM devices as native worker threads (nelssa/node/server.py, "Devices").
+// nelssa-node's emulated PNM devices as native worker threads (nelssa/node/storage.py, "Devices").
 //
 // The contract:
 //   1. DeviceGroup(cores): one worker thread per device, pinned to that device's cores (an empty list:

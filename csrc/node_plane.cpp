@@ -1,5 +1,5 @@
 // nelssa-node's native data plane: per-layer decode jobs through shared memory with no Python on
-// either side (nelssa/node/wire.py "native channel" has the layout; server.py and client.py the
+// either side (nelssa/node/wire.py "native channel" has the layout; state.py and client.py the
 // control side).
 //
 // The contract:
