@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "serve":
         try:  # a bad config is a usage error with its reason, before vLLM starts
             cmd = serve_command(a.model, a.nelssa, rest)
-        except ValueError as e:  # (json.JSONDecodeError is one)
+        except ValueError as e:  # not JSON, not an object, or refused by the config's checks
             sv.error(f"NELSSA config (--nelssa, NELSSA_* variables): {e}")
         return serve(cmd)
     if a.cmd == "bench":
@@ -89,11 +89,8 @@ def serve_command(model: str | None, nelssa_json: str, extra: list[str]) -> list
         from nelssa.cpu import cpu_dtype
         cmd += ["--dtype", cpu_dtype()]
     from nelssa.vllm_plugin.connector import CONNECTOR
-    try:
-        nelssa = json.loads(nelssa_json)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not JSON ({e}): {nelssa_json!r}") from None
-    for k, v in engine_args(nelssa).items():
+    from nelssa.config import config_json
+    for k, v in engine_args(config_json(nelssa_json)).items():
         flag = "--" + k.replace("_", "-")
         if k == "kv_transfer_config":
             v = dict(CONNECTOR)

@@ -7,6 +7,7 @@ Sources, later ones win: defaults < ``additional_config["nelssa"]`` (vLLM's ``--
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -39,6 +40,28 @@ def parse_cores(s: str | list | tuple | None) -> tuple[int, ...]:
             raise ValueError(f"bad core range {part!r}")
         out.extend(range(lo, hi + 1))
     return tuple(out)
+
+
+def check_cores(label: str, cores) -> None:
+    """ValueError unless every core of ``cores`` exists on this machine: a thread pinned to a missing
+    core fails its pin and runs unpinned, silently."""
+    n = os.cpu_count() or 1
+    missing = sorted(c for c in set(cores) if not 0 <= c < n)
+    if missing:
+        shown = ", ".join(map(str, missing[:8])) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        raise ValueError(f"{label} must be cores of this machine (0-{n - 1}); not: {shown}")
+
+
+def config_json(text: str) -> dict:
+    """A NELSSA config given as JSON text (``nelssa serve --nelssa``, the P/D launcher) -> dict, or
+    ValueError saying why not."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"the NELSSA config must be an object, got {text!r}")
+    return d
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
@@ -224,9 +247,10 @@ class NelssaConfig:
         req(self.lane_host_wait in ("flags", "hostfn"),
             f"lane_host_wait must be 'flags' or 'hostfn', got {self.lane_host_wait!r}")
         req(self.pool_threads >= 1, f"pool_threads must be >= 1, got {self.pool_threads}")
-        ncpu = os.cpu_count() or 1  # a pool thread pinned to a core this machine lacks would run unpinned, silently
-        req(all(0 <= c < ncpu for c in self.affinity_cores),
-            f"affinity_cores must be cores of this machine (0-{ncpu - 1}), got {list(self.affinity_cores)}")
+        try:
+            check_cores("affinity_cores", self.affinity_cores)
+        except ValueError as e:
+            req(False, str(e))
         req(self.host_capacity >= 0 and self.host_timeout_s > 0, "host_capacity >= 0 and host_timeout_s > 0 required")
         req(isinstance(self.host_reserve, int) and self.host_reserve >= 0,
             f"host_reserve must be bytes >= 0, got {self.host_reserve!r}")
@@ -331,7 +355,6 @@ def load_config(additional_config: Mapping[str, Any] | None = None,
 
 def calibrated_t_input(path: str) -> int:
     """T_input of a `nelssa calibrate` JSON (its crossover L*(N) at the N and batch it names)."""
-    import json
     try:
         with open(path) as f:
             doc = json.load(f)

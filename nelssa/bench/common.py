@@ -116,3 +116,15 @@ def positive_int(text: str) -> int:
 def positive_ints(text: str) -> list[int]:
     """argparse type: '1024,2048' -> [1024, 2048], each an integer >= 1."""
     return [positive_int(x) for x in text.split(",")]
+
+
+def require_number(label: str, v, lo: float, *, integer: bool = False, strict: bool = False,
+                   none: bool = False) -> None:
+    """A benchmark setting checked before anything starts: ValueError naming ``label`` unless ``v`` is a
+    number (an integer with ``integer``) >= ``lo`` (> with ``strict``), or None with ``none``."""
+    if v is None and none:
+        return
+    kind = int if integer else (int, float)
+    if not isinstance(v, kind) or isinstance(v, bool) or v < lo or (strict and v == lo):
+        raise ValueError(f"{label}: {'an integer' if integer else 'a number'} {'>' if strict else '>='} {lo} "
+                         f"expected, got {v!r}")

@@ -37,7 +37,7 @@ from typing import Any
 from nelssa.bench.common import metric_key
 from nelssa.bench.common import pct as _pct
 from nelssa.bench.common import prompt_ids
-from nelssa.bench.common import run_metrics
+from nelssa.bench.common import require_number, run_metrics
 from nelssa.bench.common import ratio as _ratio
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -94,14 +94,8 @@ class Scenario:
 
     def __post_init__(self) -> None:
         """Bad values are refused here, before any engine starts (ValueError naming the field)."""
-        def num(name, lo, *, integer=False, none=False, strict=False):
-            v = getattr(self, name)
-            if v is None and none:
-                return
-            kind = int if integer else (int, float)
-            if not isinstance(v, kind) or isinstance(v, bool) or v < lo or (strict and v == lo):
-                raise ValueError(f"scenario field {name}: {'an integer' if integer else 'a number'} "
-                                 f"{'>' if strict else '>='} {lo} expected, got {v!r}")
+        def num(name, lo, **kw):
+            require_number(f"scenario field {name}", getattr(self, name), lo, **kw)
         for name in ("rate", "duration", "profile_s"):
             num(name, 0, strict=True)
         num("long_at", 0)

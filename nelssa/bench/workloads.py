@@ -42,7 +42,7 @@ from functools import partial
 from typing import Any
 
 from nelssa.bench import trace as tr
-from nelssa.bench.common import pct, prompt_ids, ratio
+from nelssa.bench.common import pct, prompt_ids, ratio, require_number
 
 WORKLOADS = ("single-long", "multi-long", "mixed", "growth", "hol-http")
 
@@ -582,12 +582,8 @@ def check_workload(workload: str, p: dict) -> None:
     value, before any server starts."""
     w = p[workload]
 
-    def num(key, lo, *, integer=True, strict=False, v=None):
-        v = w.get(key) if v is None else v
-        kind = int if integer else (int, float)
-        if not isinstance(v, kind) or isinstance(v, bool) or v < lo or (strict and v == lo):
-            raise ValueError(f"{workload}.{key}: {'an integer' if integer else 'a number'} "
-                             f"{'>' if strict else '>='} {lo} expected, got {v!r}")
+    def num(key, lo, integer=True):
+        require_number(f"{workload}.{key}", w.get(key), lo, integer=integer)
 
     if workload in ("single-long", "multi-long"):
         for k in ("n_in", "n_out") + (("n",) if workload == "multi-long" else ()):
@@ -606,7 +602,7 @@ def check_workload(workload: str, p: dict) -> None:
     elif workload == "hol-http":
         from nelssa.bench.hol import Scenario
         Scenario(**w)  # its own checks
-    num("max_model_len", 1, v=p.get("max_model_len"))
+    require_number("max_model_len", p.get("max_model_len"), 1, integer=True)
     if not isinstance(p.get("nelssa"), dict):
         raise ValueError(f"nelssa: a JSON object expected, got {p.get('nelssa')!r}")
     from nelssa.config import load_config

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from nelssa.config import get_config, mem_available, parse_bytes, parse_cores
+from nelssa.config import check_cores, get_config, mem_available, parse_bytes, parse_cores
 
 
 def _device_cores(spec: str, devices: int, per_device: int) -> tuple[tuple[int, ...], ...]:
@@ -87,11 +87,8 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--token-file: {e}")
     try:
         cores = _device_cores(a.device_cores, a.devices, a.cores_per_device)
-        ncpu = os.cpu_count() or 1  # a pin to a missing core fails and the thread runs unpinned, silently
-        for name, cs in (("--device-cores", [c for d in cores for c in d]),
-                         ("--ingest-cores", parse_cores(a.ingest_cores))):
-            if any(not 0 <= c < ncpu for c in cs):
-                raise ValueError(f"{name}: cores of this machine (0-{ncpu - 1}) expected, got {sorted(set(cs))}")
+        check_cores("--device-cores", [c for d in cores for c in d])
+        check_cores("--ingest-cores", parse_cores(a.ingest_cores))
     except ValueError as e:
         p.error(str(e))
     threads = a.threads_per_device or (len(cores[0]) if cores else 1)

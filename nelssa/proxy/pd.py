@@ -199,17 +199,6 @@ def listening(ports: list[int]) -> list[int]:
     return sorted(found)
 
 
-def _config_json(text: str) -> dict:
-    """The --nelssa JSON as a dict, or ValueError saying why not."""
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not JSON ({e}): {text!r}") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"must be a JSON object, got {text!r}")
-    return d
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra: list[str] = []
@@ -248,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     cc.add_argument("json")
     a = ap.parse_args(argv)
     if a.cmd == "check-config":
-        from nelssa.config import load_config
+        from nelssa.config import config_json, load_config
         try:
-            load_config({"nelssa": _config_json(a.json)})
+            load_config({"nelssa": config_json(a.json)})
         except ValueError as e:
             print(f"bad NELSSA config: {e}", file=sys.stderr)
             return 2
@@ -265,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             from nelssa.models import prepare_smollm2
             model = str(prepare_smollm2())
         try:
-            nelssa = None if a.off else _config_json(a.nelssa)
+            from nelssa.config import config_json
+            nelssa = None if a.off else config_json(a.nelssa)
             cmd, env = engine_command(a.role, a.port, model=model, nelssa=nelssa, cuda=cuda, extra=extra,
                                       lease_s=a.kv_lease, nixl_connector=a.nixl_connector)
         except ValueError as err:

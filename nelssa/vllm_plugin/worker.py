@@ -61,9 +61,9 @@ def _cpu_classes():
         rewind (the sampled token never happened); vLLM's own loop does not see these generators."""
 
         def _sample(self, *args, **kwargs):
-            n = self.input_batch.num_reqs
             gens = self.input_batch.generators
-            self._nelssa_rewind = {i: gens[i].get_state() for i in np.nonzero(self.discard_request_mask.np[:n])[0].tolist()
+            discarded = np.nonzero(self.discard_request_mask.np[:self.input_batch.num_reqs])[0].tolist()
+            self._nelssa_rewind = {i: gens[i].get_state() for i in discarded
                                    if i in gens and gens[i].device.type == "cpu"}
             return super()._sample(*args, **kwargs)
 
