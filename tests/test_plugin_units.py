@@ -105,6 +105,24 @@ def test_long_prefill_chunk_keeps_step_cost_flat():
     assert prefill_chunk(64, 10**7, leq, 16) == 16  # never below one block
 
 
+def test_step_plan_gives_every_decode_its_token_and_caps_the_prompts():
+    from nelssa.vllm_plugin.policy import step_plan
+    kinds = ["prompt", "decode", "long", "spared", "decode", "prompt"]
+    new = [600, 1, 224, 1, 3, 1000]  # a decode with two drafts takes 3
+    order, budget = step_plan(kinds, new, 1024)
+    assert order == [3, 1, 4, 2, 0, 5]
+    assert budget == 1 + 1 + 3 + 1024
+    # vLLM's loop over the running list in this order: decodes whole, the long chunk, then the rest of the cap
+    left, got = budget, {}
+    for i in order:
+        got[i] = min(new[i], left)
+        left -= got[i]
+    assert all(got[i] == new[i] for i in (1, 3, 4, 2, 0)) and got[5] == 1024 - 224 - 600
+    assert step_plan([], [], 1024) == ([], 1024)
+    with pytest.raises(ValueError, match="unknown kind"):
+        step_plan(["waiting"], [1], 8)
+
+
 def test_host_bytes_bounds_the_store():
     k, v = torch.randn(3, 3000, 64).bfloat16(), torch.randn(3, 3000, 64).bfloat16()
     ckv = cluster_kv(k, v)

@@ -148,11 +148,12 @@ def run(spec: dict) -> dict:
         row: dict = {"step": step, "free_blocks": kvm.block_pool.get_num_free_blocks(), "rss_mb": _rss_mb(),
                      "host_bytes": host.nbytes if host is not None else 0, "running": len(sched.running),
                      "t": time.time() - t0,
-                     "blocks": {}}
+                     "blocks": {}, "computed": {}}
         for ours, rid in internal.items():
             if rid in sched.requests:
                 b = kvm.get_block_ids(rid)[0]
                 row["blocks"][ours] = sum(1 for x in b if x != 0)
+                row["computed"][ours] = sched.requests[rid].num_computed_tokens
         steps.append(row)
         for o in outs:
             if o.finished:
