@@ -84,3 +84,16 @@ def test_long_itl_by_phase_splits_a_long_requests_gaps():
     ph = {k: {"short_ttft_p99_ms": 1.0, "short_itl_p99_ms": 1.0} for k in phases}
     md = "\n".join(hol_md({"on": {**ph, "long": [{"id": "long0", "itl_ms_by_phase": got}]}}, "."))
     assert "| on | long0 | long_prefill | 2 | 75.0 / 75.0 / 100.0 |" in md, md
+
+
+def test_p99_from_counts_a_phase_from_later_on():
+    """hol.p99_from: the phase's TTFT p99 of arrivals and ITL p99 of gaps from ``skip`` seconds into it
+    on (a diagnostic of where a phase's p99 comes from; the targets keep the whole phase)."""
+    from nelssa.bench.hol import p99_from
+    slow = {"start": 10.0, "stamps": [10.2, 10.3, 10.45]}        # arrives at the phase's start: TTFT 200 ms
+    late = {"start": 10.6, "stamps": [10.62, 10.63, 10.64, 11.5]}  # TTFT 20 ms; gaps 10, 10, 860 (at 11.5)
+    got = p99_from([slow, late], 10.0, 11.2, skips=(0.0, 0.5))
+    assert got["0"]["n_arrivals"] == 2 and got["0"]["n_gaps"] == 4  # 10.3, 10.45, 10.63, 10.64 (11.5 is past hi)
+    assert got["0.5"]["n_arrivals"] == 1 and abs(got["0.5"]["short_ttft_p99_ms"] - 20.0) < 1e-6
+    assert got["0.5"]["n_gaps"] == 2 and abs(got["0.5"]["short_itl_p99_ms"] - 10.0) < 1e-6
+    assert got["0"]["short_itl_p99_ms"] > 140  # the 150-ms gap at 10.45 counts from 0 s on
