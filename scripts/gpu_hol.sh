@@ -27,7 +27,8 @@
 #                                                    # profiled, D after P); PD_START_S [360] bound on the start;
 #                                                    # the launcher's knobs pass through (e.g. NIXL_PROGRESS_THREAD=0,
 #                                                    # NELSSA_HANDOVER_WINDOW=0 on D via DECODE_ENV)
-# Carried folders: .bundle/N (../shared/gpu/make-vllm-bundle.sh .bundle), .gpumodel/dummy-llama-3.1-8b
+# Carried folders: .bundle/N (../shared/gpu/make-vllm-bundle.sh .bundle), .ninja (optional, with the last
+# bundle part: the ninja wheel, for a parallel build of the extension), .gpumodel/dummy-llama-3.1-8b
 # (`nelssa make-dummy-model --out .gpumodel/dummy-llama-3.1-8b`: config + tokenizer). Results: $OUT.
 set -euo pipefail
 what=${1:?usage: gpu_hol.sh stage DIR... | bench [args]}
@@ -39,7 +40,18 @@ grpc_wheels() {  # once per machine: .wheels carried by a call before (or this o
   [ -d /tmp/wheels/grpc ] || pip install -q --no-deps --target /tmp/wheels .wheels/*.whl
   export PYTHONPATH=/tmp/wheels:$PYTHONPATH
 }
-build_ext() { [ -f nelssa/_C*.so ] || python3 setup.py -q build_ext --inplace >/dev/null; }
+# the extension once per machine; with .ninja carried (the ninja wheel: pip download ninja), torch builds
+# its files in parallel (without ninja it compiles them one by one: 103 s on the H100 host)
+build_ext() {
+  [ -f nelssa/_C*.so ] && return 0
+  if ! command -v ninja >/dev/null && ls .ninja/ninja-*.whl >/dev/null 2>&1; then
+    [ -x /tmp/ninja/bin/ninja ] || pip install -q --no-deps --target /tmp/ninja .ninja/ninja-*.whl >/dev/null
+  fi
+  [ -x /tmp/ninja/bin/ninja ] && export PATH=/tmp/ninja/bin:$PATH MAX_JOBS=${MAX_JOBS:-16}
+  local t=$SECONDS
+  python3 setup.py -q build_ext --inplace >/dev/null
+  echo "nelssa._C built in $((SECONDS - t)) s ($(command -v ninja >/dev/null && echo ninja || echo 'no ninja'))"
+}
 staged_vllm() {  # the staged vLLM bundle, and the plugin's entry point as an installed distribution declares it
   [ -d /tmp/site/vllm ] || { echo "vLLM is not installed: stage all bundle parts first" >&2; exit 2; }
   mkdir -p /tmp/site/nelssa-0.1.0.dist-info
