@@ -5,7 +5,7 @@
 #   bash scripts/gpu_bench.sh calibrate [args]         # nelssa calibrate (needs no vLLM)
 #   bash scripts/gpu_bench.sh mixed|single-long|multi-long|growth|hol-http [args]   # NELSSA, then NELSSA_OFF
 #                                                      # (BENCH_TIMEOUT=s: the bench stopped there, its files kept)
-# Carried folders as for gpu_hol.sh: .bundle/N, .gpumodel/dummy-llama-3.1-8b. Results come back as
+# Carried folders as for gpu_hol.sh: .bundle/N, .ninja, .gpumodel/dummy-llama-3.1-8b. Results come back as
 # $OUT/<what>.tgz (the whole results folder) plus its summary/calibration JSON and report.md.
 set -euo pipefail
 what=${1:?usage: gpu_bench.sh stage DIR... | calibrate [args] | WORKLOAD [args]}
@@ -13,7 +13,7 @@ shift
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ATTENTION_BACKEND=FLASH_ATTN
 export NELSSA_CACHE=/tmp/nelssa-cache PYTHONUNBUFFERED=1
 [ "$what" = stage ] && exec bash scripts/gpu_hol.sh stage "$@"
-[ -f nelssa/_C*.so ] || python3 setup.py -q build_ext --inplace >/dev/null
+bash scripts/gpu_hol.sh build  # once per machine (with .ninja carried: in parallel)
 { lscpu | grep -E "Model name|^CPU\(s\)"; nvidia-smi --query-gpu=name,memory.total --format=csv; } > "$OUT/machine.txt"
 res=/tmp/nelssa-results/$what-$(date -u +%Y%m%d-%H%M%S)
 rc=0

@@ -2,6 +2,7 @@
 # The head-of-line benchmark on the lent H200 host (no network there; /tmp survives while the machine
 # stays warm), in back-to-back calls:
 #   bash scripts/gpu_hol.sh stage .bundle/N          # once per vLLM bundle part (the last one installs)
+#   bash scripts/gpu_hol.sh build                    # nelssa._C once per machine (each command below builds it too)
 #   bash scripts/gpu_hol.sh bench [hol args ...]     # build nelssa._C, run `nelssa bench hol` (both modes;
 #                                                    # bench and handoff results come back as $OUT/<run>.tgz);
 #                                                    # HOL_TAG=x: results in $OUT/hol_x (several runs per call);
@@ -63,6 +64,8 @@ pack() { local d=$1; shift; tar czf "$d.tgz" -C "$(dirname "$d")" "$(basename "$
 case "$what" in
   stage)
     for d in "$@"; do bash "$d/install-vllm-bundle.sh" "$d"; done ;;
+  build)  # the extension alone (gpu_bench.sh's too)
+    build_ext ;;
   handoff)
     build_ext
     hout="$OUT/handoff${HOL_TAG:+_$HOL_TAG}"  # HOL_TAG=x: several runs per call
