@@ -4,7 +4,8 @@
 #   bash scripts/gpu_bench.sh stage .bundle/N ...      # once per vLLM bundle part (scripts/gpu_hol.sh stage)
 #   bash scripts/gpu_bench.sh calibrate [args]         # nelssa calibrate (needs no vLLM)
 #   bash scripts/gpu_bench.sh mixed|single-long|multi-long|growth|hol-http [args]   # NELSSA, then NELSSA_OFF
-#                                                      # (BENCH_TIMEOUT=s: the bench stopped there, its files kept)
+#                                                      # (BENCH_TIMEOUT=s: the bench stopped there, its files kept;
+#                                                      # BENCH_PRESET=h100 on an 80-GB GPU: the same KV)
 # Carried folders as for gpu_hol.sh: .bundle/N, .ninja, .gpumodel/dummy-llama-3.1-8b. Results come back as
 # $OUT/<what>.tgz (the whole results folder) plus its summary/calibration JSON and report.md.
 set -euo pipefail
@@ -27,7 +28,7 @@ else
   printf 'Metadata-Version: 2.1\nName: nelssa\nVersion: 0.1.0\n' > /tmp/site/nelssa-0.1.0.dist-info/METADATA
   printf '[vllm.general_plugins]\nnelssa = nelssa.vllm_plugin:register\n' > /tmp/site/nelssa-0.1.0.dist-info/entry_points.txt
   # BENCH_TIMEOUT (seconds): stop the bench there, so what it wrote still comes back (the device call's limit)
-  ${BENCH_TIMEOUT:+timeout "$BENCH_TIMEOUT"} python3 -m nelssa.cli bench "$what" --preset h200 --model .gpumodel/dummy-llama-3.1-8b --out "$res" "$@" 2>&1 \
+  ${BENCH_TIMEOUT:+timeout "$BENCH_TIMEOUT"} python3 -m nelssa.cli bench "$what" --preset "${BENCH_PRESET:-h200}" --model .gpumodel/dummy-llama-3.1-8b --out "$res" "$@" 2>&1 \
     | tee "$OUT/$what.log" | grep -v "left \[" || rc=$?
   python3 -m nelssa.cli bench report "$res" || true
   cp "$res/summary.json" "$res/report.md" "$OUT/" 2>/dev/null || true

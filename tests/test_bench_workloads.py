@@ -526,3 +526,20 @@ def test_every_preset_passes_its_checks():
     for p in wl.PRESETS.values():
         for w in wl.WORKLOADS:
             wl.check_workload(w, p)
+
+
+def test_h100_presets_fix_the_h200_scenarios_kv():
+    """On an 80-GB GPU the H200 presets' memory share (0.27) leaves ~3 GB of KV; the h100 presets fix it at
+    11,700 blocks of 16 (187,200 tokens, both modes) and change nothing else."""
+    from nelssa.bench import hol
+    sc = hol.Scenario(**hol.PRESETS["h100"])
+    assert sc.kv_blocks * 16 == 187_200 and sc.util == 0.6
+    assert {k: v for k, v in vars(sc).items() if k not in ("util", "kv_blocks")} == \
+        {k: v for k, v in vars(hol.Scenario()).items() if k not in ("util", "kv_blocks")}
+    h100, h200 = wl.PRESETS["h100"], wl.PRESETS["h200"]
+    assert {k: v for k, v in h100.items() if k != "server"} == {k: v for k, v in h200.items() if k != "server"}
+    s = h100["server"]
+    assert s[s.index("--num-gpu-blocks-override") + 1] == "11700"
+    assert s[s.index("--gpu-memory-utilization") + 1] == "0.6" and "0.27" not in s
+    assert [a for a in s if a not in ("0.6", "--num-gpu-blocks-override", "11700")] == \
+        [a for a in h200["server"] if a != "0.27"]

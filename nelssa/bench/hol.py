@@ -42,6 +42,9 @@ from nelssa.bench.common import ratio as _ratio
 
 PRESETS: dict[str, dict[str, Any]] = {
     "h200": {},
+    # the H200 scenario's KV on an 80-GB GPU (H100): 11,700 blocks of 16 (187,200 tokens, both modes);
+    # util 0.27 would leave ~3 GB of KV there (H100 runs of 2026-12-05)
+    "h100": dict(util=0.6, kv_blocks=11700),
     # SmolLM2 on 2 CPU cores: a few short requests around one long prompt that does not fit beside
     # the others' KV in stock vLLM's way of admitting it; budget 1.0 so outputs must be equal. The long
     # request decodes from its device blocks until its prompt's hand-off completes (about as long as 24
@@ -76,7 +79,7 @@ class Scenario:
     # engine (both modes alike)
     dtype: str = "bfloat16"
     util: float | None = 0.27          # gpu_memory_utilization (None: leave vLLM's default)
-    kv_blocks: int | None = None       # num_gpu_blocks_override (CPU runs)
+    kv_blocks: int | None = None       # num_gpu_blocks_override (CPU runs; the h100 preset)
     max_model_len: int = 131072
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 8192

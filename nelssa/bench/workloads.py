@@ -1,6 +1,6 @@
 """Serving workloads against an OpenAI-compatible endpoint, NELSSA vs NELSSA_OFF side by side:
 
-    nelssa bench single-long | multi-long | mixed | growth | hol-http  [--preset cpu|h200]
+    nelssa bench single-long | multi-long | mixed | growth | hol-http  [--preset cpu|h200|h100]
                  [--serve on,off | --endpoints on=URL,...]
 
 * ``single-long`` / ``multi-long``: one / N concurrent long requests: TTFT, TPOT, decode tok/s.
@@ -82,6 +82,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "hol-http": {},  # nelssa bench hol's H200 defaults
     },
 }
+
+
+def _on_80gb(server: list[str]) -> list[str]:
+    """The h200 preset's server arguments with the same KV on an 80-GB GPU: 11,700 blocks (187,200
+    tokens, as ``nelssa bench hol --preset h100``) instead of a memory share that leaves ~3 GB of KV."""
+    i = server.index("--gpu-memory-utilization")
+    return server[:i] + ["--gpu-memory-utilization", "0.6", "--num-gpu-blocks-override", "11700"] + server[i + 2:]
+
+
+PRESETS["h100"] = {**PRESETS["h200"], "server": _on_80gb(PRESETS["h200"]["server"])}
 
 
 # ------------------------------------------------------------------ plans
