@@ -107,17 +107,18 @@ def test_long_prefill_chunk_keeps_step_cost_flat():
 
 def test_step_plan_gives_every_decode_its_token_and_caps_the_prompts():
     from nelssa.vllm_plugin.policy import step_plan
-    kinds = ["prompt", "decode", "long", "spared", "decode", "prompt"]
-    new = [600, 1, 224, 1, 3, 1000]  # a decode with two drafts takes 3
+    kinds = ["prompt", "decode", "long", "spared", "decode", "prompt", "long"]
+    new = [600, 1, 224, 1, 3, 1000, 640]  # a decode with two drafts takes 3; two long prompts' chunks
     order, budget = step_plan(kinds, new, 1024)
-    assert order == [3, 1, 4, 2, 0, 5]
-    assert budget == 1 + 1 + 3 + 1024
-    # vLLM's loop over the running list in this order: decodes whole, the long chunk, then the rest of the cap
+    assert order == [3, 1, 4, 2, 6, 0, 5]
+    assert budget == 1 + 1 + 3 + 224 + 640 + 1024
+    # vLLM's loop over the running list in this order: decodes and long chunks whole, the short prompts
+    # within the cap
     left, got = budget, {}
     for i in order:
         got[i] = min(new[i], left)
         left -= got[i]
-    assert all(got[i] == new[i] for i in (1, 3, 4, 2, 0)) and got[5] == 1024 - 224 - 600
+    assert all(got[i] == new[i] for i in (1, 3, 4, 2, 6, 0)) and got[5] == 1024 - 600 and left == 0
     assert step_plan([], [], 1024) == ([], 1024)
     with pytest.raises(ValueError, match="unknown kind"):
         step_plan(["waiting"], [1], 8)

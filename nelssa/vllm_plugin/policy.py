@@ -126,20 +126,22 @@ def prefill_chunk(budget: int, done: int, l_eq: float, block_size: int) -> int:
 
 def step_plan(kinds: list[str], new_tokens: list[int], cap: int) -> tuple[list[int], int]:
     """The order in which vLLM is to schedule running requests, and its token budget, for a step that
-    may add at most ``cap`` prompt tokens to its decodes (the scheduler, while a long request is
-    resident and short requests decode). ``kinds[i]``: "spared" (policy.Policy.spared: first, as
-    always), "decode", "long" (a long prompt still prefilling) or "prompt" (any other prefill);
-    ``new_tokens[i]``: the tokens vLLM would schedule for it (its chunk, or 1 + drafts when decoding).
-    Returns the indices in order (spared, decodes, long prompts, prompts; each in its own order) and the
-    budget: every spared request's and decode's tokens plus ``cap``. vLLM schedules running requests
-    in list order until the budget is spent, then waiting ones: so every decode gets its token, a long
-    prompt's chunk comes before short prompts' and a step's prompt tokens stay within ``cap``."""
+    may add at most ``cap`` tokens of short prompts to its decodes and long-prompt chunks (the
+    scheduler, while a long request is resident and short requests decode). ``kinds[i]``: "spared"
+    (policy.Policy.spared: first, as always), "decode", "long" (a long prompt still prefilling: its
+    chunk is already sized by ``prefill_chunk``) or "prompt" (any other prefill); ``new_tokens[i]``: the
+    tokens vLLM would schedule for it (its chunk, or 1 + drafts when decoding). Returns the indices in
+    order (spared, decodes, long prompts, prompts; each in its own order) and the budget: every spared
+    request's, decode's and long chunk's tokens plus ``cap``. vLLM schedules running requests in list
+    order until the budget is spent, then waiting ones: so every decode gets its token, every long
+    prompt its chunk as before, and the short prompts of a step stay within ``cap`` (waiting ones
+    included)."""
     rank = {"spared": 0, "decode": 1, "long": 2, "prompt": 3}
     for k in kinds:
         if k not in rank:
             raise ValueError(f"step_plan: unknown kind {k!r}")
     order = sorted(range(len(kinds)), key=lambda i: (rank[kinds[i]], i))
-    first = sum(n for k, n in zip(kinds, new_tokens) if rank[k] < 2)
+    first = sum(n for k, n in zip(kinds, new_tokens) if rank[k] < 3)
     return order, first + max(0, cap)
 
 
