@@ -263,6 +263,33 @@ def test_prompts_after_a_long_prefill_do_not_all_prefill_in_one_step():
     assert tokens(on) == tokens(off) and set(tokens(on)) == {"L", "s0", "p0", "p1", "p2"}
 
 
+def test_step_budget_leaves_long_prompt_chunks_alone():
+    """The step budget bounds short prompts only: two deferred long prompts (served from the device)
+    prefilling beside a decoding short request each keep their own chunk per step (policy.prefill_chunk of
+    ``long_chunk``), together more than ``long_chunk`` (a first version made them share it; the H200's
+    no-pressure check prefills four deferred 16K prompts at once). Each chunk, the first included (it
+    had vLLM's threshold alone: 1,023 tokens here), within ``long_chunk``. Same tokens as NELSSA_OFF."""
+    spec = {"model": CUT, "nelssa": {**NELSSA, "long_chunk": 512, "defer_below": 8000},
+            "engine": {"num_gpu_blocks_override": 80, "max_num_batched_tokens": 1024},
+            "requests": [{"id": "s", "text_tokens": 100, "offset": 40000, "max_tokens": 40},
+                         {"id": "D1", "text_tokens": 2300, "max_tokens": 4, "add_at_step": 2},
+                         {"id": "D2", "text_tokens": 2300, "offset": 20000, "max_tokens": 4, "add_at_step": 2}]}
+    on, off = both(spec)
+    lens = {k: r["prompt_len"] for k, r in on["results"].items()}
+    per_step, before = [], {}
+    for st in on["steps"]:
+        c = st["computed"]
+        if before.get("s", 0) >= lens["s"]:  # s decodes in this step
+            per_step.append({k: min(c[k], lens[k]) - min(before.get(k, 0), lens[k]) for k in ("D1", "D2") if k in c})
+        before = c
+    print(f"deferred prompts' tokens per step while s decodes: {per_step}")
+    both_steps = [d for d in per_step if d.get("D1", 0) > 0 and d.get("D2", 0) > 0]
+    assert both_steps and max(sum(d.values()) for d in both_steps) > 512, per_step
+    assert all(v <= 512 for d in per_step for v in d.values()), per_step  # each within its own chunk
+    assert on["host_totals"].get("long_requests", 0) == 0  # both deferred: device only
+    assert tokens(on) == tokens(off) and set(tokens(on)) == {"s", "D1", "D2"}
+
+
 def test_preempting_an_offloaded_request():
     """An offloaded long request (low priority) is preempted when two shorts grow; its host KV is
     freed, it is recomputed and offloaded again (its prompt staged again in 1,024-token segments),

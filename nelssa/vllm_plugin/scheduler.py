@@ -693,6 +693,10 @@ class NelssaScheduler(Scheduler):
                     done = max(done or 0, r.num_computed_tokens)
             elif r.num_computed_tokens >= r.num_prompt_tokens:
                 short_decoding = True
+        # a long prompt vLLM may admit in this step: its first chunk too (it had vLLM's threshold alone)
+        for r in self.waiting:
+            if self._long(r):
+                done = max(done or 0, r.num_computed_tokens)
         if done is None or not short_decoding:
             return thr
         c = prefill_chunk(budget, done, self._l_eq, self.block_size)
