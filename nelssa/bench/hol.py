@@ -260,6 +260,14 @@ def itl_by_phase(stamps: list[float], phases: dict) -> dict[str, dict]:
     return out
 
 
+def _in_window(shorts: list[dict], lo: float, hi: float) -> tuple[list[float], list[tuple[float, float]]]:
+    """Short requests' TTFTs (ms) of arrivals in [lo, hi), and their inter-token gaps (the later token's
+    time, ms) ending in it."""
+    ttft = [1e3 * (r["stamps"][0] - r["start"]) for r in shorts if lo <= r["start"] < hi]
+    itl_at = [(b, 1e3 * (b - a)) for r in shorts for a, b in zip(r["stamps"], r["stamps"][1:]) if lo <= b < hi]
+    return ttft, itl_at
+
+
 def p99_from(shorts: list[dict], lo: float, hi: float, skips=(0.25, 0.5, 1.0)) -> dict[str, dict]:
     """A phase's short-request TTFT p99 (arrivals) and ITL p99 (gaps, by the later token) counted from
     ``skip`` seconds into it on, for each skip: where its p99 comes from a few slow steps at its start
@@ -268,9 +276,8 @@ def p99_from(shorts: list[dict], lo: float, hi: float, skips=(0.25, 0.5, 1.0)) -
     numbers, which the targets use."""
     out = {}
     for skip in skips:
-        a = lo + skip
-        ttft = [1e3 * (r["stamps"][0] - r["start"]) for r in shorts if a <= r["start"] < hi]
-        itl = [1e3 * (y - x) for r in shorts for x, y in zip(r["stamps"], r["stamps"][1:]) if a <= y < hi]
+        ttft, itl_at = _in_window(shorts, lo + skip, hi)
+        itl = [x for _, x in itl_at]
         out[f"{skip:g}"] = {"short_ttft_p99_ms": _pct(ttft, 99), "short_itl_p99_ms": _pct(itl, 99),
                             "n_arrivals": len(ttft), "n_gaps": len(itl)}
     return out
@@ -298,8 +305,7 @@ def analyse(run: dict) -> dict:
     all_stamps = sorted(t for r in shorts for t in r["stamps"])
     out: dict[str, Any] = {"phases_s": {k: [a, b] for k, (a, b) in phases.items()}}
     for name, (lo, hi) in phases.items():
-        ttft = [1e3 * (r["stamps"][0] - r["start"]) for r in shorts if lo <= r["start"] < hi]
-        itl_at = [(b, 1e3 * (b - a)) for r in shorts for a, b in zip(r["stamps"], r["stamps"][1:]) if lo <= b < hi]
+        ttft, itl_at = _in_window(shorts, lo, hi)
         itl = [x for _, x in itl_at]
         tpot = [1e3 * (r["stamps"][-1] - r["stamps"][0]) / (len(r["stamps"]) - 1) for r in shorts
                 if len(r["stamps"]) > 1 and lo <= r["stamps"][0] and r["stamps"][-1] < hi]

@@ -85,10 +85,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def _on_80gb(server: list[str]) -> list[str]:
-    """The h200 preset's server arguments with the same KV on an 80-GB GPU: 11,700 blocks (187,200
-    tokens, as ``nelssa bench hol --preset h100``) instead of a memory share that leaves ~3 GB of KV."""
+    """The h200 preset's server arguments with the same KV on an 80-GB GPU: ``nelssa bench hol --preset
+    h100``'s memory share and KV blocks (187,200 tokens) instead of a memory share that leaves ~3 GB of KV."""
+    from nelssa.bench.hol import PRESETS as HOL
     i = server.index("--gpu-memory-utilization")
-    return server[:i] + ["--gpu-memory-utilization", "0.6", "--num-gpu-blocks-override", "11700"] + server[i + 2:]
+    return server[:i] + ["--gpu-memory-utilization", str(HOL["h100"]["util"]),
+                         "--num-gpu-blocks-override", str(HOL["h100"]["kv_blocks"])] + server[i + 2:]
 
 
 PRESETS["h100"] = {**PRESETS["h200"], "server": _on_80gb(PRESETS["h200"]["server"])}

@@ -647,7 +647,11 @@ class NelssaScheduler(Scheduler):
         into the phase on). None: vLLM's own order and budget (before any long request arrives, NELSSA
         schedules as stock vLLM). ``thr``: this step's per-request chunk cap (_long_chunk)."""
         cap = self.nelssa.long_chunk
-        if not cap or not any(self._long(r) for r in self.running):
+        # a long request is resident: every one holds a reservation from its admission to its end
+        # (_admit_held, _free_request), so the few reserved are looked at, not every running request
+        # (this runs each step, with no long request too)
+        if not cap or not any(r is not None and r.status == RequestStatus.RUNNING and self._long(r)
+                              for r in map(self.requests.get, self._reserved)):
             return None
         first = {id(r) for r in spared}
         kinds, new = [], []
