@@ -151,6 +151,8 @@ class NelssaConfig:
     long_prefills: int = 1        # long prompts prefilling at once (admission; 0: no limit)
     long_chunk: int = 1024        # long-prompt tokens per step while short requests decode, at context 0;
                                   # shrinks with the context so the step's cost stays flat (0: vLLM's own)
+    short_chunk: int = 0          # short-prompt tokens a step adds to its decodes and long chunks while a long
+                                  # request is resident and short requests decode (the step budget); 0: long_chunk
     migrate: bool = True          # a request that grew past T_input moves to the host tier under pressure
     migrate_watermark: float = 0.9  # device KV blocks in use (fraction) from which such requests migrate
     migrate_lead_steps: int = 0   # also migrate when the free device blocks are fewer than the requests decoding
@@ -215,6 +217,8 @@ class NelssaConfig:
             f"long_prefills must be an int >= 0, got {self.long_prefills!r}")
         req(isinstance(self.long_chunk, int) and self.long_chunk >= 0,
             f"long_chunk must be an int >= 0, got {self.long_chunk!r}")
+        req(isinstance(self.short_chunk, int) and self.short_chunk >= 0,
+            f"short_chunk must be an int >= 0, got {self.short_chunk!r}")
         req(isinstance(self.migrate_lead_steps, int) and self.migrate_lead_steps >= 0,
             f"migrate_lead_steps must be an int >= 0, got {self.migrate_lead_steps!r}")
         req(isinstance(self.migrate_watermark, (int, float)) and 0 <= self.migrate_watermark <= 1,
@@ -297,6 +301,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_LANE_SMS": ("lane_sms", int),
     "NELSSA_LONG_PREFILLS": ("long_prefills", int),
     "NELSSA_LONG_CHUNK": ("long_chunk", int),
+    "NELSSA_SHORT_CHUNK": ("short_chunk", int),
     "NELSSA_MIGRATE": ("migrate", _bool),
     "NELSSA_MIGRATE_WATERMARK": ("migrate_watermark", float),
     "NELSSA_MIGRATE_LEAD_STEPS": ("migrate_lead_steps", int),

@@ -29,7 +29,8 @@
 #                                                    # the launcher's knobs pass through (e.g. NIXL_PROGRESS_THREAD=0,
 #                                                    # NELSSA_HANDOVER_WINDOW=0 on D via DECODE_ENV)
 # Carried folders: .bundle/N (../shared/gpu/make-vllm-bundle.sh .bundle), .ninja (optional, with the last
-# bundle part: the ninja wheel, for a parallel build of the extension), .gpumodel/dummy-llama-3.1-8b
+# bundle part: the ninja wheel, for a parallel build of the extension), .gpubuild (optional: $OUT/gpubuild of
+# the call that built the extension, used while csrc/ and setup.py are unchanged), .gpumodel/dummy-llama-3.1-8b
 # (`nelssa make-dummy-model --out .gpumodel/dummy-llama-3.1-8b`: config + tokenizer). Results: $OUT.
 set -euo pipefail
 what=${1:?usage: gpu_hol.sh stage DIR... | bench [args]}
@@ -43,8 +44,14 @@ grpc_wheels() {  # once per machine: .wheels carried by a call before (or this o
 }
 # the extension once per machine; with .ninja carried (the ninja wheel: pip download ninja), torch builds
 # its files in parallel (without ninja it compiles them one by one: 103 s on the H100 host)
+# .gpubuild (optional): a build of an earlier session brought back ($OUT/gpubuild: the library and the hash of
+# the sources it was built from), used when the sources are the same, so a fresh machine skips the build
+src_hash() { find csrc setup.py -type f | sort | xargs cat | sha256sum | cut -c1-16; }
 build_ext() {
   [ -f nelssa/_C*.so ] && return 0
+  if ls .gpubuild/_C*.so >/dev/null 2>&1 && [ "$(cat .gpubuild/src.sha 2>/dev/null)" = "$(src_hash)" ]; then
+    cp .gpubuild/_C*.so nelssa/ && echo "nelssa._C from .gpubuild (sources $(src_hash))" && return 0
+  fi
   if ! command -v ninja >/dev/null && ls .ninja/ninja-*.whl >/dev/null 2>&1; then
     [ -x /tmp/ninja/bin/ninja ] || pip install -q --no-deps --target /tmp/ninja .ninja/ninja-*.whl >/dev/null
   fi
@@ -52,6 +59,9 @@ build_ext() {
   local t=$SECONDS
   python3 setup.py -q build_ext --inplace >/dev/null
   echo "nelssa._C built in $((SECONDS - t)) s ($(command -v ninja >/dev/null && echo ninja || echo 'no ninja'))"
+  if [ -n "${OUT:-}" ]; then  # back with the results: carry it as .gpubuild next time
+    mkdir -p "$OUT/gpubuild" && cp nelssa/_C*.so "$OUT/gpubuild/" && src_hash > "$OUT/gpubuild/src.sha"
+  fi
 }
 staged_vllm() {  # the staged vLLM bundle, and the plugin's entry point as an installed distribution declares it
   [ -d /tmp/site/vllm ] || { echo "vLLM is not installed: stage all bundle parts first" >&2; exit 2; }

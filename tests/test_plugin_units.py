@@ -200,6 +200,7 @@ def test_config_sources_and_errors():
     assert load_config(None, env={"NELSSA_DEFER_BELOW": "4096"}).defer_limit == 4096
     assert load_config(None, env={"NELSSA_PREFETCH": "l2", "NELSSA_PREFETCH_ROWS": "16"}).prefetch == "l2"
     assert load_config(None, env={}).lane_host_wait == "flags"
+    assert load_config(None, env={"NELSSA_SHORT_CHUNK": "512"}).short_chunk == 512  # the step budget's own cap
     assert load_config(None, env={"NELSSA_LANE_HOST_WAIT": "hostfn"}).lane_host_wait == "hostfn"
     assert load_config(None, env={}).lane_chain and not load_config(None, env={"NELSSA_LANE_CHAIN": "0"}).lane_chain
     from nelssa.node.client import client_spin_us
@@ -228,6 +229,7 @@ def test_config_sources_and_errors():
                      ({"nelssa": {"lane_connections": 33}}, "lane_connections must be"),
                      ({"nelssa": {"node_spin_us": -2}}, "node_spin_us must be"),
                      ({"nelssa": {"lane_sms": -8}}, "lane_sms must be"),
+                     ({"nelssa": {"short_chunk": -1}}, "short_chunk must be"),
                      ({"nelssa": {"lane_sms": 16, "lane": False}}, "lane_sms needs the lane"),
                      ({"nelssa": {"node_address": "127.0.0.1:99999"}}, "port in"),  # (gRPC wraps it to 34463)
                      ({"nelssa": {"node_address": "localhost"}}, "host:port"),

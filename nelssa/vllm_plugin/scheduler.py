@@ -28,8 +28,8 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   same at 1K and at 100K tokens of context, and short requests' next token never waits for a
   chunk's quadratic attention. Without short decodes vLLM's own threshold applies.
 * Step budget: while a long request is resident and short requests decode, a step adds at most
-  ``long_chunk`` tokens of short prompts to its decodes and long-prompt chunks (policy.step_plan),
-  so the short prompts a long prefill held back do not all prefill in the steps right after it.
+  ``short_chunk`` (0: ``long_chunk``) tokens of short prompts to its decodes and long-prompt chunks
+  (policy.step_plan), so the short prompts a long prefill held back do not all prefill in the steps right after it.
 * Switch: the worker reports completed hand-offs through the NELSSA connector; before each step the
   scheduler sets each long request's host range in use, H = policy.in_use(prompt, completed end),
   sends it to the worker in the connector's metadata and lets the KV-cache manager free the blocks
@@ -638,15 +638,16 @@ class NelssaScheduler(Scheduler):
 
     def _prefill_cap(self, visible: list[Request], spared: list[Request], thr: int):
         """While a long request is resident (prefilling, handing off or decoding in the lane) and short
-        requests decode, a step adds at most ``long_chunk`` tokens of short prompts to its decodes and
-        long-prompt chunks (those sized as before: _long_chunk): the list vLLM schedules and its token
-        budget from policy.step_plan (decodes first, long chunks next, short prompts last). Without it, the short prompts that a long prefill's small chunks
-        held back all prefill in the first steps after it: on the H100 (hol run of 2026-12-05) a step
-        of 2,974 tokens (118 ms) and two more of ~2,000 right after the second 100K prompt's last
-        chunk, which gave the long decode phase its short-request ITL p99 (99.9 ms; 44.0 ms from 0.5 s
-        into the phase on). None: vLLM's own order and budget (before any long request arrives, NELSSA
-        schedules as stock vLLM). ``thr``: this step's per-request chunk cap (_long_chunk)."""
-        cap = self.nelssa.long_chunk
+        requests decode, a step adds at most ``short_chunk`` (0: ``long_chunk``) tokens of short prompts
+        to its decodes and long-prompt chunks (those sized as before: _long_chunk): the list vLLM
+        schedules and its token budget from policy.step_plan (decodes first, long chunks next, short
+        prompts last). Without it, the short prompts that a long prefill's small chunks held back all
+        prefill in the first steps after it: on the H100 (hol run of 2026-12-05) a step of 2,974 tokens
+        (118 ms) and two more of ~2,000 right after the second 100K prompt's last chunk, which gave the
+        long decode phase its short-request ITL p99 (99.9 ms; 44.0 ms from 0.5 s into the phase on).
+        None: vLLM's own order and budget (before any long request arrives, NELSSA schedules as stock
+        vLLM). ``thr``: this step's per-request chunk cap (_long_chunk)."""
+        cap = self.nelssa.short_chunk or self.nelssa.long_chunk
         # a long request is resident: every one holds a reservation from its admission to its end
         # (_admit_held, _free_request), so the few reserved are looked at, not every running request
         # (this runs each step, with no long request too)
