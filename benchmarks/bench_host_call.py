@@ -8,8 +8,8 @@ At the head-of-line scenario's shape (two 100K-token requests, 8 KV heads of 128
   graph       the same chain captured as one CUDA graph and replayed (lane_batch.py's shape);
   *_empty     the same with empty selections (no rows read): the pure cost of a call.
 
-  paced       the host call run on a thread of its own (as the engine's flag poller runs them: an OpenMP
-              team of its own) with ``--gap-us`` between calls (the lane's device work between layers):
+  paced       the host call run on a thread of its own (as the engine's flag poller runs them: a thread
+              team of its own, csrc/host_team.cpp) with ``--gap-us`` between calls (the lane's device work between layers):
               what a call costs when its team has waited in between, against ``kernel`` back to back;
               with the kernel's time by part (``HostCall.kernel_split``: prep, fork, tables, items, wait,
               combine; mean us per call).
@@ -17,10 +17,10 @@ At the head-of-line scenario's shape (two 100K-token requests, 8 KV heads of 128
 Without CUDA only ``paced`` runs (the KV clustered on the CPU), e.g. a growth run's call on a CPU box:
 ``--length 6144 --batch 3``.
 
-``overhead`` = per-layer chain time - kernel time. Run it twice to compare the OpenMP pool's waiting
-policy (e.g. ``OMP_WAIT_POLICY=active``), the pool's size (``NELSSA_POOL_THREADS``) or torch's own
-OpenMP team on the main thread (``--torch-threads``: an engine process has one; libgomp lets teams
-spin only while its threads are fewer than the process's cores): all are recorded.
+``overhead`` = per-layer chain time - kernel time. Run it twice to compare the team's spin between calls
+(``NELSSA_POOL_SPIN_US``), the pool's size (``NELSSA_POOL_THREADS``) or torch's own OpenMP team on the
+main thread (``--torch-threads``: an engine process has one; libgomp lets teams spin only while its
+threads are fewer than the process's cores): all are recorded.
 
     python3 benchmarks/bench_host_call.py --out DIR [--length 100000] [--batch 2] [--layers 32]
         [--gap-us 700] [--torch-threads N]
@@ -183,13 +183,15 @@ def main() -> None:
            "selected_tokens": [int(x.sum()) for x in sel.tokens(ckvs)], "pool_threads": get_config().pool_threads,
            "env": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
                    if k in os.environ},
-           "torch_threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)), "device": dev}
+           "torch_threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)), "device": dev,
+           "pool_spin_us": get_config().pool_spin_us}
     if dev == "cuda":  # the chain through streams and a graph (the lane's shapes)
         res["real"], res["empty"] = measure(ckvs, sel, q, a.layers, a.reps), measure(ckvs, empty, q, a.layers, a.reps)
     res["paced"] = {"real": paced(ckvs, sel, q, a.calls, a.gap_us * 1e-6),
                     "empty": paced(ckvs, empty, q, a.calls, a.gap_us * 1e-6),
                     "real_back_to_back": paced(ckvs, sel, q, a.calls, 0.0)}
-    tag = f"{os.environ.get('OMP_WAIT_POLICY', 'default')}_t{get_config().pool_threads}_tt{torch.get_num_threads()}"
+    tag = (f"{os.environ.get('OMP_WAIT_POLICY', 'default')}_t{get_config().pool_threads}_tt{torch.get_num_threads()}"
+           f"_s{get_config().pool_spin_us}")
     with open(os.path.join(a.out, f"host_call_{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))

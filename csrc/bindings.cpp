@@ -11,7 +11,7 @@ void copy_rows(const at::Tensor& src, const at::Tensor& si, at::Tensor& dst, con
 std::tuple<double, double> read_bandwidth(const at::Tensor& buf, int64_t iters);
 std::tuple<double, double> block_read(const at::Tensor& buf, int64_t block_bytes, int64_t nblocks, int64_t seed,
                                       int64_t pf_hint);
-void set_pool(int64_t threads, const std::vector<int64_t>& cores);
+void set_pool(int64_t threads, const std::vector<int64_t>& cores, int64_t spin_us);
 at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype);
 void host_pool_keep(int64_t bytes);
 std::tuple<int64_t, int64_t> host_pool_reserve(int64_t bytes, int64_t threads, int64_t chunk);
@@ -179,7 +179,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_bytes", &nelssa::copy_bytes, release(), py::arg("dst"), py::arg("src"), py::arg("threads"),
         "dst = src bytewise with `threads` threads (host_pool.cpp, 5)");
   m.def("host_pool_stats", &nelssa::host_pool_stats, "(used, free, reserved bytes, hits, misses) (host_pool.cpp, 4)");
-  m.def("set_pool", &nelssa::set_pool, release(), "threads and optional core pinning for the kernels");
+  m.def("set_pool", &nelssa::set_pool, release(), py::arg("threads"), py::arg("cores"), py::arg("spin_us") = 0,
+        "threads, optional core pinning and the team's spin before sleeping (us) for the kernels");
 #if defined(__AVX512F__)
   m.attr("isa") = "avx512";
 #elif defined(__AVX2__)

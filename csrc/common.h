@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <functional>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -110,10 +111,17 @@ inline void cpu_relax() {
 struct PoolSettings {
   int threads = 1;
   std::vector<int> cores;  // empty: no pinning
+  int64_t spin_us = 0;     // host_team.cpp 3: a team worker spins this long for the next call before it sleeps
   int generation = 0;
 };
 PoolSettings& pool();
-void pin_this_thread();  // call inside a parallel region: pins thread i to cores[i % n] once per generation
+
+// ---- the host attention call's thread team (host_team.cpp has the contract) ----
+class HostTeam;
+HostTeam& host_team();                                         // the calling thread's team (1)
+void team_run(HostTeam& t, const std::function<void(int)>& fn);  // every member runs fn(member) (2)
+void team_barrier(HostTeam& t);                                 // inside a run: all members meet (4)
+int team_size(const HostTeam& t);
 
 #define NELSSA_DISPATCH_KV(DT, NAME, ...)                                          \
   [&] {                                                                           \

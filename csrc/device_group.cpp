@@ -2,7 +2,7 @@
 //
 // The contract:
 //   1. DeviceGroup(cores): one worker thread per device, pinned to that device's cores (an empty list:
-//      not pinned). A call's OpenMP team is started from the worker, so it inherits the mask.
+//      not pinned). A call's thread team (host_team.cpp) is started from the worker, so it inherits the mask.
 //   2. run(calls): calls[i] (a prepared HostCall, host_call.cpp, or None) goes to device i's queue;
 //      run returns once every call given has returned, without the GIL: no Python thread hands a call
 //      over or back (the node's Python device threads cost ~100-200 us per device and job in GIL

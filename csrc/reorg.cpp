@@ -13,23 +13,14 @@ PoolSettings& pool() {
   return p;
 }
 
-void pin_this_thread() {
-  thread_local int pinned = -1;
-  const PoolSettings& p = pool();
-  if (p.cores.empty() || pinned == p.generation) return;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  CPU_SET(p.cores[omp_get_thread_num() % p.cores.size()], &set);
-  sched_setaffinity(0, sizeof(set), &set);
-  pinned = p.generation;
-}
-
-void set_pool(int64_t threads, const std::vector<int64_t>& cores) {
+void set_pool(int64_t threads, const std::vector<int64_t>& cores, int64_t spin_us) {
   TORCH_CHECK(threads >= 1, "pool threads must be >= 1");
+  TORCH_CHECK(spin_us >= 0, "pool spin_us must be >= 0");
   PoolSettings& p = pool();
   p.threads = static_cast<int>(threads);
   p.cores.assign(cores.begin(), cores.end());
-  ++p.generation;
+  p.spin_us = spin_us;
+  ++p.generation;  // every calling thread's team is rebuilt at its next call (host_team.cpp 1)
 }
 
 // dst[h, di[h, i], :] = src[h, si[h, i], :] for every kv head h (rows of D elements, any dtype).

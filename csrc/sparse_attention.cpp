@@ -2,10 +2,9 @@
 //
 // One pass over the selected K/V rows: gather (by pointer, no copy) + QK + online softmax + AV.
 // Parallel over work items (request, kv_head, cluster chunk of <= work_tokens rows), each producing
-// (max, sum, acc) for the G query heads of its GQA group; a final per-head LSE combine.
+// (max, sum, acc) for the G query heads of its GQA group; a final per-head LSE combine. The calling
+// thread's team runs it (host_team.cpp).
 #include "common.h"
-
-#include <omp.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -623,82 +622,114 @@ void sparse_attention_into(
     work = std::max<int64_t>(std::min<int64_t>(64, work_tokens), std::min<int64_t>(work_tokens, per));
   }
 
-  // One parallel region for the whole call (fork/join costs tens of microseconds on many-core VMs);
+  // One run of the calling thread's team for the whole call (host_team.cpp: its workers wait for it
+  // spinning or asleep; an OpenMP region's start and barriers were futex wake-ups in an engine process);
   // nothing in it throws: bad selections are flagged and raised after it.
   auto& spans = cb.spans;
   auto& wk = cb.wk;
   auto &rm = cb.rm, &rl = cb.rl, &racc = cb.racc;
-  // the call's time by part (KernelSplit): the master's stamps after barriers, each thread's entry and busy time
+  // the call's time by part (KernelSplit): the caller's stamps after barriers, each member's entry and busy time
+  HostTeam& tm = host_team();
+  const int team = team_size(tm);
   const int64_t t_region = now_ns();
   std::atomic<int64_t> last_entry{t_region}, busy_ns{0};
+  std::atomic<int64_t> next_bh{0}, next_item{0};  // the loops' dynamic schedules
   int64_t t_tables = 0, t_items = 0;
-  int team = 1;
-#pragma omp parallel num_threads(pool().threads)
-  {
+  // Phase 1, for one (request, kv head): its spans, one per selected cluster (validated), cut into work
+  // items of <= work rows.
+  auto phase1 = [&](int bh) {
+    const int b = bh / Hkv, h = bh % Hkv;
+    auto& sv = spans[bh];
+    sv.clear(), wk[bh].clear();
+    bad[bh] = 0;
+    const int64_t C = cpart[b].numel(), S = sel[b].size(1);
+    const int64_t n = nsel[b].data_ptr<int64_t>()[h];
+    if (n < 0 || n > S) { bad[bh] = 1; return; }
+    const int64_t* ids = sel[b].data_ptr<int64_t>() + h * S;
+    const int32_t* cp = cpart[b].data_ptr<int32_t>();
+    const int64_t* cs = cstart[b].data_ptr<int64_t>() + h * C;
+    const int32_t* cz = csize[b].data_ptr<int32_t>() + h * C;
+    sv.reserve(n);
+    // the table lookups are cold cache misses (one line per selected cluster): prefetch them ahead
+    constexpr int64_t AHEAD = 32;
+    auto prefetch_entry = [&](int64_t i) {  // ids are validated below; clamped here only to stay in the table
+      const int64_t cid = std::clamp<int64_t>(ids[i], 0, C - 1);
+      __builtin_prefetch(cs + cid), __builtin_prefetch(cz + cid), __builtin_prefetch(cp + cid);
+    };
+    for (int64_t i = 0; i < std::min(n, AHEAD); ++i) prefetch_entry(i);
+    bool big = false;
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + AHEAD < n) prefetch_entry(i + AHEAD);
+      const int64_t cid = ids[i];
+      if (cid < 0 || cid >= C) { bad[bh] = 1; break; }
+      const int32_t part = cp[cid];
+      const int64_t st = cs[cid], sz = cz[cid];
+      if (part < 0 || part >= static_cast<int32_t>(rows[b].size()) || st < 0 || sz < 0 ||
+          st + sz > rows[b][part]) { bad[bh] = 1; break; }
+      const char* head = base[b][part] + 2 * h * rows[b][part] * row_bytes;
+      sv.push_back({head + 2 * st * row_bytes, head + (2 * st + 1) * row_bytes, sz});
+      big |= sz > work;
+    }
+    if (bad[bh]) return;
+    if (big) {
+      std::vector<Span> split;  // clusters larger than one work item are cut (rare: clusters are small)
+      for (const Span& sp : sv)
+        for (int64_t o = 0; o < sp.n; o += work)
+          split.push_back({sp.k + 2 * o * row_bytes, sp.v + 2 * o * row_bytes, std::min(work, sp.n - o)});
+      sv.swap(split);
+    }
+    int64_t acc = 0;
+    int32_t s0 = 0;
+    for (int32_t i = 0; i < static_cast<int32_t>(sv.size()); ++i) {
+      acc += sv[i].n;
+      if (acc >= work) { wk[bh].push_back({s0, i + 1}); s0 = i + 1; acc = 0; }
+    }
+    if (s0 < static_cast<int32_t>(sv.size())) wk[bh].push_back({s0, static_cast<int32_t>(sv.size())});
+    const int64_t ni = static_cast<int64_t>(wk[bh].size());  // its items' results, in reused buffers
+    grow(rm[bh], ni * G), grow(rl[bh], ni * G), grow(racc[bh], ni * G * D);
+  };
+  // Phase 4, for one (request, kv head): combine the chunks of each of its q heads by LSE.
+  auto phase4 = [&](int bh) {
+    const int b = bh / Hkv, h = bh % Hkv;
+    for (int g = 0; g < G; ++g) {
+      const int64_t row = static_cast<int64_t>(b) * Hq + h * G + g;
+      const int64_t ni = static_cast<int64_t>(wk[bh].size());
+      const float *pm = rm[bh].data(), *pl = rl[bh].data(), *pacc = racc[bh].data();
+      float M = NEG_INF;
+      for (int64_t w = 0; w < ni; ++w) M = std::max(M, pm[w * G + g]);
+      float* od = o + row * D;
+      std::fill(od, od + D, 0.f);
+      float L = 0.f;
+      if (M != NEG_INF) {
+        for (int64_t w = 0; w < ni; ++w) {
+          const float f = std::exp2(pm[w * G + g] - M);
+          L += f * pl[w * G + g];
+          const float* a = pacc + (w * G + g) * D;
+#pragma omp simd
+          for (int d = 0; d < D; ++d) od[d] += f * a[d];
+        }
+      }
+      if (L > 0.f) {
+        const float inv = 1.f / L;
+        for (int d = 0; d < D; ++d) od[d] *= inv;
+        ls[row] = (M + std::log2(L)) * LN2;
+      } else {
+        ls[row] = NEG_INF;
+      }
+    }
+  };
+  team_run(tm, [&](int me) {
     {
       const int64_t e = now_ns();
       int64_t cur = last_entry.load(std::memory_order_relaxed);
       while (e > cur && !last_entry.compare_exchange_weak(cur, e, std::memory_order_relaxed)) {
       }
     }
-#pragma omp master
-    team = omp_get_num_threads();
-    pin_this_thread();
-    // Phase 1: per (request, kv head) its spans, one per selected cluster (validated), cut into work items
-    // of <= work rows (one loop: each barrier costs a wake-up where the team's threads sleep).
-#pragma omp for schedule(dynamic, 4)
-    for (int bh = 0; bh < BH; ++bh) {
-      const int b = bh / Hkv, h = bh % Hkv;
-      auto& sv = spans[bh];
-      sv.clear(), wk[bh].clear();
-      bad[bh] = 0;
-      const int64_t C = cpart[b].numel(), S = sel[b].size(1);
-      const int64_t n = nsel[b].data_ptr<int64_t>()[h];
-      if (n < 0 || n > S) { bad[bh] = 1; continue; }
-      const int64_t* ids = sel[b].data_ptr<int64_t>() + h * S;
-      const int32_t* cp = cpart[b].data_ptr<int32_t>();
-      const int64_t* cs = cstart[b].data_ptr<int64_t>() + h * C;
-      const int32_t* cz = csize[b].data_ptr<int32_t>() + h * C;
-      sv.reserve(n);
-      // the table lookups are cold cache misses (one line per selected cluster): prefetch them ahead
-      constexpr int64_t AHEAD = 32;
-      auto prefetch_entry = [&](int64_t i) {  // ids are validated below; clamped here only to stay in the table
-        const int64_t cid = std::clamp<int64_t>(ids[i], 0, C - 1);
-        __builtin_prefetch(cs + cid), __builtin_prefetch(cz + cid), __builtin_prefetch(cp + cid);
-      };
-      for (int64_t i = 0; i < std::min(n, AHEAD); ++i) prefetch_entry(i);
-      bool big = false;
-      for (int64_t i = 0; i < n; ++i) {
-        if (i + AHEAD < n) prefetch_entry(i + AHEAD);
-        const int64_t cid = ids[i];
-        if (cid < 0 || cid >= C) { bad[bh] = 1; break; }
-        const int32_t part = cp[cid];
-        const int64_t st = cs[cid], sz = cz[cid];
-        if (part < 0 || part >= static_cast<int32_t>(rows[b].size()) || st < 0 || sz < 0 ||
-            st + sz > rows[b][part]) { bad[bh] = 1; break; }
-        const char* head = base[b][part] + 2 * h * rows[b][part] * row_bytes;
-        sv.push_back({head + 2 * st * row_bytes, head + (2 * st + 1) * row_bytes, sz});
-        big |= sz > work;
-      }
-      if (bad[bh]) continue;
-      if (big) {
-        std::vector<Span> split;  // clusters larger than one work item are cut (rare: clusters are small)
-        for (const Span& sp : sv)
-          for (int64_t o = 0; o < sp.n; o += work)
-            split.push_back({sp.k + 2 * o * row_bytes, sp.v + 2 * o * row_bytes, std::min(work, sp.n - o)});
-        sv.swap(split);
-      }
-      int64_t acc = 0;
-      int32_t s0 = 0;
-      for (int32_t i = 0; i < static_cast<int32_t>(sv.size()); ++i) {
-        acc += sv[i].n;
-        if (acc >= work) { wk[bh].push_back({s0, i + 1}); s0 = i + 1; acc = 0; }
-      }
-      if (s0 < static_cast<int32_t>(sv.size())) wk[bh].push_back({s0, static_cast<int32_t>(sv.size())});
-      const int64_t ni = static_cast<int64_t>(wk[bh].size());  // its items' results, in reused buffers
-      grow(rm[bh], ni * G), grow(rl[bh], ni * G), grow(racc[bh], ni * G * D);
-    }
-    // Phase 2, on every thread (no serial step, no barrier): whether any selection was bad, and the items'
+    // Phase 1 over (request, kv head), four at a time (one loop: each barrier may cost a wake-up)
+    for (int64_t s0; (s0 = next_bh.fetch_add(4, std::memory_order_relaxed)) < BH;)
+      for (int bh = static_cast<int>(s0); bh < std::min<int64_t>(BH, s0 + 4); ++bh) phase1(bh);
+    team_barrier(tm);
+    // Phase 2, on every member (no serial step, no barrier): whether any selection was bad, and the items'
     // numbering (item i is item i - pre[bh] of the bh with pre[bh] <= i < pre[bh + 1]).
     bool fail = false;
     thread_local std::vector<int64_t> pre;
@@ -706,56 +737,24 @@ void sparse_attention_into(
     pre[0] = 0;
     for (int bh = 0; bh < BH; ++bh) fail |= bad[bh] != 0, pre[bh + 1] = pre[bh] + static_cast<int64_t>(wk[bh].size());
     const int64_t nw = pre[BH];
-    if (!fail) {
-#pragma omp master
-      t_tables = now_ns();
-      // Phase 3: the fused pass.
-      int64_t busy = 0;
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < nw; ++i) {
-        const int bh = static_cast<int>(std::upper_bound(pre.begin(), pre.begin() + BH + 1, i) - pre.begin()) - 1;
-        const int64_t k = i - pre[bh];
-        const Work w{bh, wk[bh][k].first, wk[bh][k].second};
-        const int64_t a = now_ns();
-        item(c, spans[bh], w, rm[bh].data() + k * G, rl[bh].data() + k * G, racc[bh].data() + k * G * D);
-        busy += now_ns() - a;
-      }
-      busy_ns.fetch_add(busy, std::memory_order_relaxed);
-#pragma omp master
-      t_items = now_ns();
-      // Phase 4: combine the chunks of each (request, q head) by LSE (the region's end is its barrier).
-#pragma omp for nowait
-      for (int bh = 0; bh < BH; ++bh) {
-        const int b = bh / Hkv, h = bh % Hkv;
-        for (int g = 0; g < G; ++g) {
-          const int64_t row = static_cast<int64_t>(b) * Hq + h * G + g;
-          const int64_t ni = static_cast<int64_t>(wk[bh].size());
-          const float *pm = rm[bh].data(), *pl = rl[bh].data(), *pacc = racc[bh].data();
-          float M = NEG_INF;
-          for (int64_t w = 0; w < ni; ++w) M = std::max(M, pm[w * G + g]);
-          float* od = o + row * D;
-          std::fill(od, od + D, 0.f);
-          float L = 0.f;
-          if (M != NEG_INF) {
-            for (int64_t w = 0; w < ni; ++w) {
-              const float f = std::exp2(pm[w * G + g] - M);
-              L += f * pl[w * G + g];
-              const float* a = pacc + (w * G + g) * D;
-#pragma omp simd
-              for (int d = 0; d < D; ++d) od[d] += f * a[d];
-            }
-          }
-          if (L > 0.f) {
-            const float inv = 1.f / L;
-            for (int d = 0; d < D; ++d) od[d] *= inv;
-            ls[row] = (M + std::log2(L)) * LN2;
-          } else {
-            ls[row] = NEG_INF;
-          }
-        }
-      }
+    if (fail) return;  // every member sees the same flags: none waits at the barrier below
+    if (me == 0) t_tables = now_ns();
+    // Phase 3: the fused pass, one item at a time
+    int64_t busy = 0;
+    for (int64_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < nw;) {
+      const int bh = static_cast<int>(std::upper_bound(pre.begin(), pre.begin() + BH + 1, i) - pre.begin()) - 1;
+      const int64_t k = i - pre[bh];
+      const Work w{bh, wk[bh][k].first, wk[bh][k].second};
+      const int64_t a = now_ns();
+      item(c, spans[bh], w, rm[bh].data() + k * G, rl[bh].data() + k * G, racc[bh].data() + k * G * D);
+      busy += now_ns() - a;
     }
-  }
+    busy_ns.fetch_add(busy, std::memory_order_relaxed);
+    team_barrier(tm);
+    if (me == 0) t_items = now_ns();
+    // Phase 4 over (request, kv head), split evenly (the run's end is its barrier)
+    for (int bh = me; bh < BH; bh += team) phase4(bh);
+  });
   {
     const int64_t t_end = now_ns();
     KernelSplit& k = tls_split;

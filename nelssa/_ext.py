@@ -26,7 +26,7 @@ def ext() -> ModuleType | None:
         except ImportError as e:
             warnings.warn(f"nelssa._C is not available ({e}); using the pure-torch kernels "
                           "(slower). Build it with `pip install -e .`.", RuntimeWarning, stacklevel=2)
-    if _mod is not None and _pool != (cfg.pool_threads, cfg.affinity_cores):
-        _mod.set_pool(cfg.pool_threads, list(cfg.affinity_cores))
-        _pool = (cfg.pool_threads, cfg.affinity_cores)
+    if _mod is not None and _pool != (cfg.pool_threads, cfg.affinity_cores, cfg.pool_spin_us):
+        _mod.set_pool(cfg.pool_threads, list(cfg.affinity_cores), cfg.pool_spin_us)
+        _pool = (cfg.pool_threads, cfg.affinity_cores, cfg.pool_spin_us)
     return _mod

@@ -159,6 +159,10 @@ class NelssaConfig:
                                   # on the device take within this many steps (vLLM about to preempt; a hand-off
                                   # frees blocks only when done); 0: off. With migrate_watermark 1.0, requests
                                   # migrate only then, not while the device has headroom
+    recall: bool = True           # a migrated request that grew past T_input returns to the device (vLLM recomputes
+                                  # it there; its host KV is freed) once the device has room for it and for every
+                                  # running request to its end, nobody waiting: it decodes at the device's pace
+                                  # again instead of the host tier's (scheduler.py, Recall)
     defer_below: int = 32768      # long prompts shorter than this stay on the device until device KV is under
                                   # pressure, then migrate as grown requests do; longer ones (and all, at 0)
                                   # are host-backed from admission on
@@ -192,6 +196,9 @@ class NelssaConfig:
     use_cpp: bool = True          # C++ kernels (False: pure-torch reference path)
     pool_threads: int = field(default_factory=_default_threads)
     affinity_cores: tuple[int, ...] = ()
+    pool_spin_us: int = 0         # the host attention team's workers spin this long for the next call before they
+                                  # sleep (csrc/host_team.cpp 3); a spinning worker holds its core: for pools
+                                  # with cores of their own (the lane's calls come ~1 ms apart). 0: sleep at once
     host_capacity: int = 0        # host-tier bytes (0: 80% of available memory at start)
     host_reserve: int = 0         # host-tier memory mapped and touched at start in the background and kept
                                   # for reuse (sparse/hostmem.py); 0: every move writes fresh pages, every free unmaps
@@ -217,6 +224,7 @@ class NelssaConfig:
             f"long_prefills must be an int >= 0, got {self.long_prefills!r}")
         req(isinstance(self.long_chunk, int) and self.long_chunk >= 0,
             f"long_chunk must be an int >= 0, got {self.long_chunk!r}")
+        req(self.recall in (True, False), f"recall must be true or false, got {self.recall!r}")
         req(isinstance(self.short_chunk, int) and self.short_chunk >= 0,
             f"short_chunk must be an int >= 0, got {self.short_chunk!r}")
         req(isinstance(self.migrate_lead_steps, int) and self.migrate_lead_steps >= 0,
@@ -251,6 +259,8 @@ class NelssaConfig:
         req(self.lane_host_wait in ("flags", "hostfn"),
             f"lane_host_wait must be 'flags' or 'hostfn', got {self.lane_host_wait!r}")
         req(self.pool_threads >= 1, f"pool_threads must be >= 1, got {self.pool_threads}")
+        req(isinstance(self.pool_spin_us, int) and 0 <= self.pool_spin_us <= 1_000_000,
+            f"pool_spin_us must be an int in [0, 1000000], got {self.pool_spin_us!r}")
         try:
             check_cores("affinity_cores", self.affinity_cores)
         except ValueError as e:
@@ -305,6 +315,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_MIGRATE": ("migrate", _bool),
     "NELSSA_MIGRATE_WATERMARK": ("migrate_watermark", float),
     "NELSSA_MIGRATE_LEAD_STEPS": ("migrate_lead_steps", int),
+    "NELSSA_RECALL": ("recall", _bool),
     "NELSSA_DEFER_BELOW": ("defer_below", int),
     "NELSSA_ENGINE": ("engine", str),
     "NELSSA_NODE_ADDRESS": ("node_address", str),
@@ -320,6 +331,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_USE_CPP": ("use_cpp", _bool),
     "NELSSA_POOL_THREADS": ("pool_threads", int),
     "NELSSA_AFFINITY_CORES": ("affinity_cores", parse_cores),
+    "NELSSA_POOL_SPIN_US": ("pool_spin_us", int),
     "NELSSA_HOST_CAPACITY": ("host_capacity", parse_bytes),
     "NELSSA_HOST_RESERVE": ("host_reserve", parse_bytes),
     "NELSSA_HOST_TIMEOUT_S": ("host_timeout_s", float),

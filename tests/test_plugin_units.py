@@ -10,7 +10,8 @@ import torch
 from conftest import rel_err
 from nelssa.config import load_config, parse_bytes, parse_cores, vllm_nelssa_config
 from nelssa.sparse import cluster_kv, dense_attention, merge_states, select_clusters, sparse_attention
-from nelssa.vllm_plugin.policy import Policy, attention_balance, blocks_within, host_bytes, prefill_chunk
+from nelssa.vllm_plugin.policy import (Policy, attention_balance, blocks_to_finish, blocks_within, host_bytes,
+                                       prefill_chunk)
 
 
 def test_blocks_within_counts_the_blocks_decoding_requests_take():
@@ -21,6 +22,15 @@ def test_blocks_within_counts_the_blocks_decoding_requests_take():
     assert blocks_within([128], 1, 128) == 1             # a full block: the next token needs another
     assert blocks_within([2048, 2000, 1950], 200, 128) == 2 + 2 + 1  # blocks 16 -> 18, 16 -> 18, 16 -> 17
     assert blocks_within([0], 300, 128) == 3
+
+
+def test_blocks_to_finish_counts_what_requests_still_allocate_to_their_end():
+    """policy.blocks_to_finish (the recall's room): blocks from a request's context to its end."""
+    assert blocks_to_finish([], 128) == 0
+    assert blocks_to_finish([(100, 120)], 128) == 0      # within block 1
+    assert blocks_to_finish([(128, 129)], 128) == 1      # a new block for token 129
+    assert blocks_to_finish([(0, 2400), (2000, 2100), (2100, 2100)], 128) == 19 + 1 + 0
+    assert blocks_to_finish([(300, 200)], 128) == 0      # never negative
     assert load_config({"nelssa": {"migrate_lead_steps": 64}}, env={}).migrate_lead_steps == 64
     with pytest.raises(ValueError, match="migrate_lead_steps must be"):
         load_config({"nelssa": {"migrate_lead_steps": -1}}, env={})

@@ -54,6 +54,67 @@ def test_full_budget_equals_dense_half(dtype, D, cpp, use_cpp):
     assert (lse.double() - ref_lse).abs().max() <= tol
 
 
+def test_host_team_threads_spin_reconfiguration_fork_and_concurrent_callers(use_cpp):
+    """The host call's thread team (csrc/host_team.cpp): the same results with 1, 3 and 2 members, with
+    workers that sleep at once or spin (pool_spin_us), rebuilt at each reconfiguration; two Python
+    threads calling at once (a team each); a forked child (no workers of its parent's team) gets a team
+    of its own and the same answer instead of hanging."""
+    import os
+    import threading
+
+    from nelssa import config as cfgmod
+    use_cpp(True)
+    k, v = rand_kv(4, 3001, 64)
+    q = torch.randn(16, 64, generator=torch.Generator().manual_seed(5))
+    ckv = cluster_kv(k, v)
+    ref, ref_lse = dense_attention(q, k, v)
+    base = cfgmod.get_config()
+    outs = {}
+    try:
+        for threads, spin in ((1, 0), (3, 0), (3, 500), (2, 200)):
+            cfgmod.set_config(base.replace(pool_threads=threads, pool_spin_us=spin))
+            for _ in range(3):
+                out, lse = sparse_attention(q, ckv, budget=1.0)
+                assert rel_err(out, ref) <= 1e-5 and lse_err(lse, ref_lse) <= 1e-5
+                outs.setdefault(threads, []).append(out)
+        # the work items follow the team's size; with it, the same items combined in the same order
+        assert all(torch.equal(o, outs[3][0]) for o in outs[3]) and all(torch.equal(o, outs[2][0]) for o in outs[2])
+        outs = [outs[2][0]]
+        got, errs = [], []
+
+        def call():
+            try:
+                for _ in range(20):
+                    got.append(sparse_attention(q, ckv, budget=1.0)[0])
+            except Exception as e:  # noqa: BLE001 (reported below)
+                errs.append(e)
+        ts = [threading.Thread(target=call) for _ in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert not errs and len(got) == 40 and all(torch.equal(o, outs[-1]) for o in got)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its thread's team was built by the parent
+            try:
+                torch.set_num_threads(1)  # torch's own OpenMP team is not fork-safe (its bmm hangs here)
+                out, _ = sparse_attention(q, ckv, budget=1.0)
+                os.write(w, b"1" if torch.equal(out, outs[-1]) else b"0")
+            finally:
+                os._exit(0)
+        os.close(w)
+        import select
+        ready, _, _ = select.select([r], [], [], 60)
+        answer = os.read(r, 1) if ready else b"timeout"
+        if not ready:
+            os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        assert answer == b"1", answer
+    finally:
+        cfgmod.set_config(base)
+
+
 @pytest.mark.parametrize("cpp", [True, False])
 def test_batch_of_different_lengths(cpp, use_cpp):
     use_cpp(cpp)

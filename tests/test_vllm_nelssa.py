@@ -172,6 +172,34 @@ def test_growing_requests_migrate_when_vllm_would_preempt_not_before():
     assert on["host_totals"].get("long_requests", 0) >= 1, on["host_totals"]  # grown ones migrated
 
 
+def test_migrated_request_returns_to_the_device_once_there_is_room():
+    """Recall (scheduler.py, config ``recall``): c (2,000 tokens, 450 to generate) grows past T_input
+    beside a and b (1,950 + 250) in 52 blocks of 128, where the three do not fit once c has ~180 tokens
+    (the baseline preempts); it migrates — the largest context — and decodes from the host tier through the
+    lane. Once a and b have finished, the device has room for c to its end: c is recomputed on the
+    device (counted by vLLM as its one preemption) and ends there with all its blocks, its host KV
+    freed. Tokens equal to the baseline's (budget 1.0, fp32)."""
+    reqs = [{"id": "a", "text_tokens": 1950, "max_tokens": 250},
+            {"id": "b", "text_tokens": 1950, "offset": 30000, "max_tokens": 250},
+            {"id": "c", "text_tokens": 2000, "offset": 60000, "max_tokens": 450}]
+    spec = {"model": CUT, "nelssa": {**NELSSA, "migrate_watermark": 1.0, "migrate_lead_steps": 200, "lane": True},
+            "engine": {"num_gpu_blocks_override": 52, "max_num_batched_tokens": 2048, "max_model_len": 4096},
+            "requests": reqs}
+    on, off = both(spec)
+    assert on["block_size"] == 128, on["block_size"]
+    held = [(st["blocks"].get("c", 0), "a" in st["blocks"] or "b" in st["blocks"]) for st in on["steps"]]
+    print(f"preemptions: baseline {off['preemptions']}, NELSSA {on['preempted']}; host {on['host_totals']}; "
+          f"c's device blocks per step {[n for n, _ in held]}")
+    assert off["preemptions"] > 0
+    assert on["host_totals"].get("long_requests", 0) == 1, on["host_totals"]  # c migrated, a and b did not
+    assert on["preempted"] == {"a": 0, "b": 0, "c": 1}, on["preempted"]  # c's recall, nothing under pressure
+    window = max(n for n, others in held if others and 0 < n < 2000 // 128)  # migrated: its window
+    back = [n for n, others in held if not others and n > 0]
+    assert window <= 6 and back and back[-1] >= -(-(2000 + 450 - 1) // 128), (window, back)
+    assert on["final_host_bytes"] == 0 and on["host_requests"] == 0
+    assert tokens(on) == tokens(off)
+
+
 def test_long_context_is_not_the_preemption_victim():
     """A 3,000-token request kept on the device (opted out of the host tier) decodes beside four short
     ones in a pool of 35 blocks of 128 that fills when the short ones grow into their third block. vLLM's

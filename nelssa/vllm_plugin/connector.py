@@ -256,6 +256,9 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
             "moved_bytes": per_engine(c(name="nelssa:moved_bytes", labelnames=labelnames,
                                         documentation="KV bytes (all layers, keys and values) those moves read "
                                                       "from device memory")),
+            "recalls": per_engine(c(name="nelssa:recalls", labelnames=labelnames,
+                                    documentation="Migrated requests returned to the device once it had room "
+                                                  "(recomputed there, counted by vLLM as preemptions too)")),
             "migration_s": per_engine(h(name="nelssa:migration_seconds", labelnames=labelnames, buckets=buckets,
                                         documentation="Migrations: start (under pressure) to the switch to host "
                                                       "attention, the request decoding on its device blocks "

@@ -115,6 +115,15 @@ def blocks_within(contexts: list[int], steps: int, block_size: int) -> int:
     return sum(blocks(n + steps) - blocks(n) for n in contexts)
 
 
+def blocks_to_finish(requests: list[tuple[int, int]], block_size: int) -> int:
+    """Device blocks that requests at (context, end) — end: prompt + max_tokens, at most the model's
+    length — still allocate until they end (the scheduler's recall: a migrated request returns to the
+    device only when this, its own end included, fits in the free blocks)."""
+    def blocks(n: int) -> int:
+        return -(-n // block_size)
+    return sum(max(0, blocks(end) - blocks(n)) for n, end in requests)
+
+
 def prefill_chunk(budget: int, done: int, l_eq: float, block_size: int) -> int:
     """Tokens of a long prompt to prefill in one step at ``done`` tokens of context so the step costs
     about what ``budget`` tokens cost at context 0: a chunk's work is ~ c * (1 + done / l_eq), where

@@ -103,8 +103,8 @@ from vllm.v1.request import Request, RequestStatus
 from nelssa.config import engine_config, mem_available
 from nelssa.vllm_plugin import handover, runtime
 from nelssa.vllm_plugin.connector import find_connector, nelssa_worker_meta
-from nelssa.vllm_plugin.policy import (attention_balance, blocks_within, device_only, host_bytes, prefill_chunk,
-                                      step_plan)
+from nelssa.vllm_plugin.policy import (attention_balance, blocks_to_finish, blocks_within, device_only, host_bytes,
+                                       prefill_chunk, step_plan)
 from nelssa.vllm_plugin.spec import NelssaSpec
 
 log = logging.getLogger("vllm.nelssa")
@@ -401,6 +401,41 @@ class NelssaScheduler(Scheduler):
         log.info("NELSSA: migrating %s request %s (%d tokens) to the host tier: %s",
                  "long" if long else "grown", r.request_id, anchor, why)
 
+    def _recall(self) -> None:
+        """A migrated request that grew past T_input returns to the device (config ``recall``) once the
+        device has room for it and for every running request to its end, and nothing waits for room:
+        vLLM recomputes it there (its host KV freed, as for any preemption) and it decodes at the
+        device's pace again. Without it such a request decodes from the host tier to its end although
+        the pressure that moved it is gone (H200 growth run 61: after the others finished, 16 migrated
+        requests decoded for 67 s at ~270 tok/s beside an idle device). One a step, the one with the most
+        tokens left; only one whose step output is not in flight and that the lane does not compute."""
+        cfg = self.nelssa
+        if not cfg.recall or self.waiting or self._held or any(
+                rid in self.requests and not self._host_end.get(rid) for rid in self._anchor):
+            return  # off; room is for waiting requests first; a migration in progress
+        cands = [r for r in self.running
+                 if r.request_id in self._anchor and self._host_end.get(r.request_id) and not self._long(r)
+                 and r.status == RequestStatus.RUNNING and r.request_id not in self._busy
+                 and not r.num_output_placeholders]
+        if not cands:
+            return
+
+        def end(r: Request) -> int:
+            return min(r.num_prompt_tokens + (r.max_tokens or 0), self.max_model_len)
+        on_device = [(r.num_computed_tokens, end(r)) for r in self.running if not self._host_end.get(r.request_id)]
+        bs = self.block_size
+        free = (self.kv_cache_manager.block_pool.get_num_free_blocks() - self.kv_cache_manager.watermark_blocks
+                - self._prefill_reserve() - len(self.running))  # a lookahead block each
+        room = free - blocks_to_finish(on_device, bs)
+        r = max(cands, key=lambda r: end(r) - r.num_computed_tokens)
+        if blocks_to_finish([(0, end(r))], bs) > room:
+            return
+        self.running.remove(r)
+        self._preempt_request(r, time.monotonic())
+        self._count("recalls")
+        log.info("NELSSA: recalling request %s (%d tokens, %d to go) to the device: room for it and every running "
+                 "request to its end", r.request_id, r.num_tokens, end(r) - r.num_tokens)
+
     def _preempt_request(self, request: Request, timestamp: float) -> None:
         rid = request.request_id
         self._done.pop(rid, None)
@@ -580,6 +615,7 @@ class NelssaScheduler(Scheduler):
         self._admit_held()
         self._migrate()
         self._switch()
+        self._recall()
         # vLLM's watermark keeps blocks free when it admits waiting requests: raised by what running
         # long prefills still need, so short arrivals cannot take them (vLLM would then preempt
         # running requests to finish the prompt)
