@@ -12,6 +12,9 @@
 #                                                    # carry .wheels (grpcio: the node's CUDA test)
 #   bash scripts/gpu_hol.sh select                   # benchmarks/bench_select_gpu.py (centroid search, torch vs kernel)
 #   bash scripts/gpu_hol.sh handoff [args]           # benchmarks/bench_handoff.py (no vLLM needed: no staging) + its report
+#   bash scripts/gpu_hol.sh hostcall [args]          # benchmarks/bench_host_call.py with the call's team sleeping and
+#                                                    # spinning between calls (NELSSA_POOL_SPIN_US 0, 1000), torch's
+#                                                    # team of 16 beside it as in an engine (no staging)
 #   bash scripts/gpu_hol.sh hostmem [args]           # benchmarks/bench_host_memory.py (a move's copy into fresh vs
 #                                                    # reserved, CUDA-registered host memory; no staging)
 #   bash scripts/gpu_hol.sh node [bench_node args]   # benchmarks/bench_node.py (carry .wheels: grpcio); a node that
@@ -82,6 +85,21 @@ case "$what" in
     python3 benchmarks/bench_handoff.py --out "$hout" "$@" 2>&1 | grep -v -i warn | tail -n 20
     python3 -m nelssa.cli bench report "$hout" >/dev/null 2>&1 || true
     pack "$hout"
+    exit 0 ;;
+  hostcall)
+    build_ext
+    for spin in ${HOSTCALL_SPINS:-0 1000}; do
+      NELSSA_POOL_SPIN_US=$spin NELSSA_POOL_THREADS=${NELSSA_POOL_THREADS:-8} python3 benchmarks/bench_host_call.py \
+        --out "$OUT/hostcall" --torch-threads 16 "$@" > "$OUT/hostcall_s$spin.log" 2>&1 || echo "spin $spin failed"
+    done
+    python3 - "$OUT/hostcall" <<'PY'
+import glob, json, sys
+for f in sorted(glob.glob(sys.argv[1] + "/*.json")):
+    d = json.load(open(f))
+    print(f.rsplit("/", 1)[-1], "threads", d["pool_threads"], "spin_us", d.get("pool_spin_us"))
+    for k, v in d["paced"].items():
+        print(f"  paced {k}: {v['median_ms'] * 1e3:.1f} us", {a: round(b, 1) for a, b in v["split_us"].items()})
+PY
     exit 0 ;;
   hostmem)
     build_ext

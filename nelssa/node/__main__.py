@@ -32,11 +32,12 @@ def _device_cores(spec: str, devices: int, per_device: int) -> tuple[tuple[int, 
 
 
 def _omp_wait_policy(cores: tuple[tuple[int, ...], ...]) -> None:
-    """OpenMP threads that spin after a kernel call steal the CPU from everything else where devices
-    share cores (no pinning, or more devices x cores than the machine has): measured on the 2-core box,
-    a spinning team made some decode jobs take 30 ms instead of 0.1-0.6. Passive waiting there;
-    libgomp's default (spin, then sleep) where every device has cores of its own. Must be decided
-    before torch (and libgomp) is loaded; an OMP_WAIT_POLICY in the environment wins."""
+    """OpenMP threads that spin after a parallel loop (the stores' copies; torch's) steal the CPU from
+    everything else where devices share cores (no pinning, or more devices x cores than the machine
+    has): measured on the 2-core box, a spinning team made some decode jobs take 30 ms instead of
+    0.1-0.6. Passive waiting there; libgomp's default (spin, then sleep) where every device has cores of
+    its own. (The decode kernels' own teams follow ``poll_spin_us`` instead: server.serve.) Must be
+    decided before torch (and libgomp) is loaded; an OMP_WAIT_POLICY in the environment wins."""
     flat = [c for cs in cores for c in cs]
     own = bool(cores) and len(set(flat)) == len(flat)
     if not own:

@@ -254,8 +254,10 @@ class RunningNode:
 def serve(s: NodeSettings) -> RunningNode:
     """Start the node (returns once it listens)."""
     cfg = get_config()
-    # the kernels' OpenMP teams: threads_per_device each; pinning comes from the device threads' masks
-    set_config(cfg.replace(pool_threads=s.threads_per_device, affinity_cores=()))
+    # the kernels' thread teams (csrc/host_team.cpp): threads_per_device each; pinning comes from the device
+    # threads' masks; on cores of their own they spin between jobs as the device workers do (state.py)
+    spin = s.poll_spin_us if s.device_cores else 0
+    set_config(cfg.replace(pool_threads=s.threads_per_device, affinity_cores=(), pool_spin_us=spin))
     hostmem.configure(min(s.host_reserve, s.devices * s.device_memory), threads=min(4, s.threads_per_device * s.devices))
     node = NodeState(s)
     opts = [("grpc.max_receive_message_length", s.limits.max_message_bytes + (1 << 16)),
