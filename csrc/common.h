@@ -106,6 +106,18 @@ inline void cpu_relax() {
   __builtin_ia32_pause();
 #endif
 }
+// Spin until pred() or spin_us passed -> pred() (spin_us <= 0: one check).
+template <typename P>
+bool spin_until(int64_t spin_us, P pred) {
+  if (pred()) return true;
+  if (spin_us <= 0) return false;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+  for (int i = 0;; ++i) {
+    for (int k = 0; k < 64; ++k) cpu_relax();
+    if (pred()) return true;
+    if ((i & 15) == 15 && std::chrono::steady_clock::now() > end) return pred();
+  }
+}
 
 // ---- host attention pool: threads and optional core pinning (set from Python once) ----
 struct PoolSettings {

@@ -37,21 +37,7 @@ namespace nelssa {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 constexpr int64_t kCallerSpinUs = 50;
-
-// Spin until pred() or spin_us passed -> pred().
-template <typename P>
-bool spin_until(int64_t spin_us, P pred) {
-  if (pred()) return true;
-  if (spin_us <= 0) return false;
-  const auto end = Clock::now() + std::chrono::microseconds(spin_us);
-  for (int i = 0;; ++i) {
-    for (int k = 0; k < 64; ++k) cpu_relax();
-    if (pred()) return true;
-    if ((i & 15) == 15 && Clock::now() > end) return pred();
-  }
-}
 
 struct Batch {
   std::mutex m;

@@ -116,14 +116,7 @@ class HostTeam {
       auto ready = [&] {
         return run_gen_.load(std::memory_order_seq_cst) != seen || stop_.load(std::memory_order_seq_cst);
       };
-      if (!ready() && spin_us_ > 0) {  // 3: spin for the next run
-        const auto end = Clock::now() + std::chrono::microseconds(spin_us_);
-        for (int i = 0; !ready(); ++i) {
-          for (int k = 0; k < 64; ++k) cpu_relax();
-          if ((i & 15) == 15 && Clock::now() > end) break;
-        }
-      }
-      if (!ready()) {
+      if (!spin_until(spin_us_, ready)) {  // 3: spin for the next run, then sleep
         std::unique_lock<std::mutex> lk(mu_);
         sleepers_.fetch_add(1, std::memory_order_seq_cst);
         cv_.wait(lk, ready);

@@ -106,22 +106,22 @@ def device_only(sampling_params) -> bool:
     raise ValueError(f"{OPT_OUT_KEY} must be a boolean, 0/1 or one of {_FALSE + _TRUE}, not {v!r}")
 
 
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
 def blocks_within(contexts: list[int], steps: int, block_size: int) -> int:
     """Device blocks that requests decoding one token a step, at these contexts, take within ``steps``
     steps (the scheduler's migration trigger ``migrate_lead_steps``: vLLM preempts once they exceed the
     free blocks)."""
-    def blocks(n: int) -> int:
-        return -(-n // block_size)
-    return sum(blocks(n + steps) - blocks(n) for n in contexts)
+    return sum(_blocks(n + steps, block_size) - _blocks(n, block_size) for n in contexts)
 
 
 def blocks_to_finish(requests: list[tuple[int, int]], block_size: int) -> int:
     """Device blocks that requests at (context, end) — end: prompt + max_tokens, at most the model's
     length — still allocate until they end (the scheduler's recall: a migrated request returns to the
     device only when this, its own end included, fits in the free blocks)."""
-    def blocks(n: int) -> int:
-        return -(-n // block_size)
-    return sum(max(0, blocks(end) - blocks(n)) for n, end in requests)
+    return sum(max(0, _blocks(end, block_size) - _blocks(n, block_size)) for n, end in requests)
 
 
 def prefill_chunk(budget: int, done: int, l_eq: float, block_size: int) -> int:
