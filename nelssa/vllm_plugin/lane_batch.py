@@ -229,6 +229,7 @@ class BatchGraphs:
         g.keep.append(cp)
         md = _Window(v["win_bt"])  # unread: the capture's plan has the window's tensors (cp.cache)
         L = len(self.decoder)
+        parts = [time.perf_counter()]  # the capture's time by part (logged): prepare, record, instantiate, replay
         try:
             g.graph.capture_begin(s.pool, capture_error_mode="thread_local")
             try:
@@ -238,12 +239,15 @@ class BatchGraphs:
                         attn = self.layers[i]
                         g.batch.attend(attn.impl, attn, s.q[i].reshape(n, hq, d), attn.kv_cache, s.attn, md, cp)
             finally:
+                parts.append(time.perf_counter())
                 g.graph.capture_end()
+                parts.append(time.perf_counter())
             if cp.failed:
                 raise RuntimeError(f"attention failed while capturing: {next(iter(cp.failed.values()))}")
             for c in g.batch.calls:
                 c.rearm()
             g.graph.replay()  # the capture recorded the batch; this computes it
+            parts.append(time.perf_counter())
         except Exception:
             self._broken.add(rs)
             self.failures += 1
@@ -251,6 +255,7 @@ class BatchGraphs:
             return None
         self._graphs[rs] = g
         self.captures += 1
-        log.info("NELSSA lane: batch of %d rows captured as one CUDA graph (%d host calls) in %.3f s", n,
-                 len(g.batch.calls), time.perf_counter() - t)
+        log.info("NELSSA lane: batch of %d rows captured as one CUDA graph (%d host calls) in %.3f s (prepare %.3f, "
+                 "record %.3f, instantiate %.3f, replay %.3f)", n, len(g.batch.calls), time.perf_counter() - t,
+                 parts[0] - t, parts[1] - parts[0], parts[2] - parts[1], parts[3] - parts[2])
         return g
