@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import lse_err, rel_err
+from nelssa._ext import ext
 from nelssa.sparse import (KVStore, RequestKV, cluster_kv, dense_attention, merge_states, select_clusters,
                            sparse_attention)
 from nelssa.sparse.kmeans import segmented_kmeans
@@ -73,6 +74,8 @@ def test_host_team_threads_spin_reconfiguration_fork_and_concurrent_callers(use_
     try:
         for threads, spin in ((1, 0), (3, 0), (3, 500), (2, 200)):
             cfgmod.set_config(base.replace(pool_threads=threads, pool_spin_us=spin))
+            # the team spinning as asked, also where the config's guard would not (test_spin_needs_free_cores)
+            ext().set_pool(threads, [], spin)
             for _ in range(3):
                 out, lse = sparse_attention(q, ckv, budget=1.0)
                 assert rel_err(out, ref) <= 1e-5 and lse_err(lse, ref_lse) <= 1e-5
@@ -113,6 +116,23 @@ def test_host_team_threads_spin_reconfiguration_fork_and_concurrent_callers(use_
         assert answer == b"1", answer
     finally:
         cfgmod.set_config(base)
+
+
+def test_spin_needs_free_cores():
+    """pool_spin_us is set only where the team's workers leave cores for the threads that feed them
+    (fewer pool threads than this process's cores) or where the operator pinned the pool; else the team
+    sleeps between calls and a warning says why."""
+    import os
+
+    from nelssa import _ext
+    from nelssa.config import NelssaConfig
+    cores = len(os.sched_getaffinity(0))
+    with pytest.warns(RuntimeWarning, match="pool_spin_us=1000 ignored"):
+        assert _ext.spin_us(NelssaConfig(pool_threads=cores, pool_spin_us=1000)) == 0
+    assert _ext.spin_us(NelssaConfig(pool_threads=cores + 4, pool_spin_us=1000, affinity_cores=(0,))) == 1000
+    assert _ext.spin_us(NelssaConfig(pool_threads=cores, pool_spin_us=0)) == 0
+    if cores > 1:
+        assert _ext.spin_us(NelssaConfig(pool_threads=cores - 1, pool_spin_us=1000)) == 1000
 
 
 @pytest.mark.parametrize("cpp", [True, False])
