@@ -38,6 +38,7 @@ import time
 import torch
 
 from nelssa.bench.common import HOL_HEADS, add_hol_shape_args, hol_shape_kv
+from nelssa._ext import spin_us
 from nelssa.config import get_config
 from nelssa.sparse import prepare_attend, select_clusters
 from nelssa.sparse.search import Selection
@@ -184,14 +185,14 @@ def main() -> None:
            "env": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
                    if k in os.environ},
            "torch_threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)), "device": dev,
-           "pool_spin_us": get_config().pool_spin_us}
+           "pool_spin_us": spin_us(get_config()), "pool_spin_us_config": get_config().pool_spin_us}
     if dev == "cuda":  # the chain through streams and a graph (the lane's shapes)
         res["real"], res["empty"] = measure(ckvs, sel, q, a.layers, a.reps), measure(ckvs, empty, q, a.layers, a.reps)
     res["paced"] = {"real": paced(ckvs, sel, q, a.calls, a.gap_us * 1e-6),
                     "empty": paced(ckvs, empty, q, a.calls, a.gap_us * 1e-6),
                     "real_back_to_back": paced(ckvs, sel, q, a.calls, 0.0)}
     tag = (f"{os.environ.get('OMP_WAIT_POLICY', 'default')}_t{get_config().pool_threads}_tt{torch.get_num_threads()}"
-           f"_s{get_config().pool_spin_us}")
+           f"_s{spin_us(get_config())}")
     with open(os.path.join(a.out, f"host_call_{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))

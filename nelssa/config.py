@@ -196,9 +196,10 @@ class NelssaConfig:
     use_cpp: bool = True          # C++ kernels (False: pure-torch reference path)
     pool_threads: int = field(default_factory=_default_threads)
     affinity_cores: tuple[int, ...] = ()
-    pool_spin_us: int = 0         # the host attention team's workers spin this long for the next call before they
+    pool_spin_us: int = -1        # the host attention team's workers spin this long for the next call before they
                                   # sleep (csrc/host_team.cpp 3); a spinning worker holds its core: for pools
-                                  # with cores of their own (the lane's calls come ~1 ms apart). 0: sleep at once
+                                  # with cores of their own (the lane's calls come ~1 ms apart). 0: sleep at once;
+                                  # -1: 1000 in a CUDA process whose pool leaves cores free, else 0 (_ext.spin_us)
     host_capacity: int = 0        # host-tier bytes (0: 80% of available memory at start)
     host_reserve: int = 0         # host-tier memory mapped and touched at start in the background and kept
                                   # for reuse (sparse/hostmem.py); 0: every move writes fresh pages, every free unmaps
@@ -259,8 +260,8 @@ class NelssaConfig:
         req(self.lane_host_wait in ("flags", "hostfn"),
             f"lane_host_wait must be 'flags' or 'hostfn', got {self.lane_host_wait!r}")
         req(self.pool_threads >= 1, f"pool_threads must be >= 1, got {self.pool_threads}")
-        req(isinstance(self.pool_spin_us, int) and 0 <= self.pool_spin_us <= 1_000_000,
-            f"pool_spin_us must be an int in [0, 1000000], got {self.pool_spin_us!r}")
+        req(isinstance(self.pool_spin_us, int) and -1 <= self.pool_spin_us <= 1_000_000,
+            f"pool_spin_us must be an int in [-1, 1000000] (-1: by the machine), got {self.pool_spin_us!r}")
         try:
             check_cores("affinity_cores", self.affinity_cores)
         except ValueError as e:

@@ -121,7 +121,7 @@ def test_host_team_threads_spin_reconfiguration_fork_and_concurrent_callers(use_
 def test_spin_needs_free_cores():
     """pool_spin_us is set only where the team's workers leave cores for the threads that feed them
     (fewer pool threads than this process's cores) or where the operator pinned the pool; else the team
-    sleeps between calls and a warning says why."""
+    sleeps between calls and a warning says why. -1 (the default) spins only with CUDA as well."""
     import os
 
     from nelssa import _ext
@@ -131,8 +131,13 @@ def test_spin_needs_free_cores():
         assert _ext.spin_us(NelssaConfig(pool_threads=cores, pool_spin_us=1000)) == 0
     assert _ext.spin_us(NelssaConfig(pool_threads=cores + 4, pool_spin_us=1000, affinity_cores=(0,))) == 1000
     assert _ext.spin_us(NelssaConfig(pool_threads=cores, pool_spin_us=0)) == 0
+    # by the machine (-1): spinning only in a process with CUDA whose pool leaves cores free
+    assert _ext.spin_us(NelssaConfig(pool_threads=cores, pool_spin_us=-1)) == 0
+    auto = _ext.AUTO_SPIN_US if torch.cuda.is_available() else 0
+    assert _ext.spin_us(NelssaConfig(pool_threads=cores + 4, pool_spin_us=-1, affinity_cores=(0,))) == auto
     if cores > 1:
         assert _ext.spin_us(NelssaConfig(pool_threads=cores - 1, pool_spin_us=1000)) == 1000
+        assert _ext.spin_us(NelssaConfig(pool_threads=cores - 1, pool_spin_us=-1)) == auto
 
 
 @pytest.mark.parametrize("cpp", [True, False])

@@ -26,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from nelssa._ext import spin_us
 from nelssa.config import engine_config, set_config
 from nelssa.node import LocalHostTier, host_tier
 from nelssa.sparse import hostmem
@@ -95,9 +96,9 @@ class NelssaRunnerMixin:
             self.nelssa_watchdog = Watchdog(cfg.stall_log_ms)
             if self.device.type == "cuda":
                 self.nelssa_step_timer = StepTimer(cfg.stall_log_ms)
-        log.info("NELSSA on: T_input=%d budget=%.3f sink=%d recent=%d chunk=%d, %d layers, host pool %d threads, "
-                 "host memory reserved %.2f GiB", cfg.T_input, cfg.budget, cfg.sink, cfg.recent, cfg.chunk, len(layers),
-                 cfg.pool_threads, cfg.host_reserve / 2**30)
+        log.info("NELSSA on: T_input=%d budget=%.3f sink=%d recent=%d chunk=%d, %d layers, host pool %d threads "
+                 "(spin %d us), host memory reserved %.2f GiB", cfg.T_input, cfg.budget, cfg.sink, cfg.recent, cfg.chunk,
+                 len(layers), cfg.pool_threads, spin_us(cfg), cfg.host_reserve / 2**30)
         if self.device.type == "cuda":
             from vllm.utils.torch_utils import current_stream
             prio = current_stream().priority
