@@ -182,9 +182,9 @@ class NelssaConfig:
                                   # its window only and reads only those over NIXL (handover.py, 6); off: the
                                   # whole prompt's blocks, read whole, freed after the adoption
     node_spin_us: int = -1        # engine "node", native plane: a job polls its answer this long (yielding its
-                                  # core past 20 us) before it naps ~10 us per poll; -1: 1000 on hosts with 8 or
-                                  # more usable cores, else 20 (on shared cores a spinning waiter delays the
-                                  # node's kernel: csrc/node_plane.cpp, 3)
+                                  # core past 20 us) before it naps ~10 us per poll; -1: 1000 with 8 or more
+                                  # usable cores or none of the node's pinned device cores, else 20 (on shared
+                                  # cores a spinning waiter delays the node's kernel: csrc/node_plane.cpp, 3)
     node_margin_us: int = 0       # engine "node", native plane: a napping job polls again (yielding) from this
                                   # long before its answer is expected (the channel's recent waits) until as long
                                   # after (at least half the wait): the answer seen within a poll, not a nap

@@ -216,6 +216,13 @@ def test_config_sources_and_errors():
     from nelssa.node.client import client_spin_us
     assert client_spin_us(load_config(None, env={"NELSSA_NODE_SPIN_US": "300"})) == 300
     assert client_spin_us(load_config(None, env={})) in (20, 1000)  # by the usable cores
+    import os
+    mine = os.sched_getaffinity(0)
+    few = len(mine) < 8
+    # a node pinned to cores this process may not run on: the waiter polls long; sharing any: by cores
+    assert client_spin_us(load_config(None, env={}), frozenset({max(mine) + 1})) == 1000
+    assert client_spin_us(load_config(None, env={}), frozenset({min(mine)})) == (20 if few else 1000)
+    assert client_spin_us(load_config(None, env={"NELSSA_NODE_SPIN_US": "300"}), frozenset({max(mine) + 1})) == 300
     assert vllm_nelssa_config({}) is None and vllm_nelssa_config(None) is None
     assert vllm_nelssa_config({"nelssa": {}}) is not None
     # an engine's sink is whole KV blocks (the lane's window reads whole blocks from 0 and from H)
