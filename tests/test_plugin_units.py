@@ -605,6 +605,26 @@ def test_stall_watchdog_logs_every_thread_once_per_stall(caplog):
     assert any("stepped again after" in r.getMessage() for r in caplog.records)
 
 
+def test_lane_pinned_buffers_shared_by_shape_with_headroom():
+    """lane_host.Buffers: one buffer per (kind, layer, dtype) for every shape, allocated with room for 4x
+    its first need (a 2-row set after a 1-row one allocates nothing), growing by doubling; a view handed
+    out before a growth keeps its memory (a captured graph reads it by address)."""
+    from nelssa.vllm_plugin.lane_host import Buffers
+    b = Buffers(pin=False)
+    ids1, dev = b.get("ids", 0, (1, 8, 512), torch.long)
+    assert ids1.shape == (1, 8, 512) and ids1.is_contiguous() and dev is None and b.allocations == 1
+    ids1.fill_(7)
+    ids2, _ = b.get("ids", 0, (2, 8, 512), torch.long)  # the same memory, from its start
+    assert b.allocations == 1 and ids2.data_ptr() == ids1.data_ptr() and bool((ids2[0] == 7).all())
+    assert b.get("ids", 1, (1, 8, 512), torch.long)[0].data_ptr() != ids1.data_ptr()  # per layer
+    assert b.get("ids", 0, (1, 8), torch.int32)[0].data_ptr() != ids1.data_ptr()      # per dtype
+    assert b.allocations == 3
+    big, _ = b.get("ids", 0, (4, 8, 1024), torch.long)  # 2x the room: a new buffer
+    assert b.allocations == 4 and big.data_ptr() != ids1.data_ptr() and big.shape == (4, 8, 1024)
+    assert bool((ids1 == 7).all())  # the old view still holds its memory
+    assert b.get("ids", 0, (2, 8, 1024), torch.long)[0].data_ptr() == big.data_ptr() and b.allocations == 4
+
+
 def test_lane_batch_timeline_from_the_calls_stamps():
     """lane_host.timeline (7): real host calls run with device work between them (here: sleeps) split the
     batch's wall time exactly into lead, host, between and tail; the host part is the calls' own kernel

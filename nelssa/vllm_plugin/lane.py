@@ -120,7 +120,7 @@ class Lane:
         # the host tier's calls and their results' copies (lane_host.py, 2); with lane_chain the lane's own
         # stream: a batch is one chain (lane_host.py, 3)
         self.host_stream = (self.stream if cfg.lane_chain else stream()) if self.cuda else None
-        self._host_buffers: dict = {}   # pinned buffers of lane_host batches, reused across batches
+        self._host_buffers = lane_host.Buffers()  # pinned buffers of lane_host batches, reused across batches
         self._staging: dict = {}        # lane_inputs.Staging of batches not replayed, per shape
         self._batch: lane_host.HostStreamBatch | None = None  # the running batch's, when it runs that way
         self.graphs = self.dense = None

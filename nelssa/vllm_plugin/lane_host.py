@@ -65,7 +65,44 @@ from nelssa.vllm_plugin.attention import StepPlan, _token_index, flash_window_pa
 log = logging.getLogger("vllm.nelssa")
 
 
-def batch(host, impl, lane_stream, host_stream, buffers: dict) -> "HostStreamBatch | None":
+class Buffers:
+    """The lane's pinned buffers, kept across batches (lane thread only): one per (kind, layer, dtype),
+    handed out as its first elements viewed in the asked shape, with its device view (uva.py).
+
+    Allocating pinned memory (cudaHostAlloc) takes ~2 ms a buffer and the CUDA driver's lock: a lane batch
+    whose shapes were new (a new batch size, a longer selection) allocated ~64 of them in the middle of
+    serving — the first capture of a 2-row set spent 0.12 s preparing (H100, hol run 64), in the decode
+    phase's first half second, where its worst TTFTs are. So a buffer is allocated with room
+    (``HEADROOM`` x its first need: up to 4 rows of that selection width) and grows by doubling; all
+    shapes of a (kind, layer, dtype) share it. Sharing is safe because every batch runs on the lane's
+    stream in order: a layer's buffers are written and read within that layer's part of one batch, which
+    ends (its merge) before the stream reaches the next batch's. A captured graph keeps the buffers it
+    read by address through the views its calls hold, so a buffer that grows stays alive for it."""
+
+    HEADROOM = 4
+
+    def __init__(self, pin: bool = True):
+        self.pin = pin
+        self._bufs: dict = {}
+        self.allocations = 0
+
+    def get(self, kind: str, layer: int, shape, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(host tensor, its device view or None) of ``shape``: the first elements of the buffer."""
+        shape = tuple(int(x) for x in shape)
+        n = 1
+        for x in shape:
+            n *= x
+        key = (kind, layer, dtype)
+        b = self._bufs.get(key)
+        if b is None or b[0].numel() < n:
+            cap = max(1, n * self.HEADROOM) if b is None else max(n, 2 * b[0].numel())
+            t = torch.empty(cap, dtype=dtype, pin_memory=self.pin)
+            b = self._bufs[key] = (t, uva.view(t) if self.pin else None)
+            self.allocations += 1
+        return b[0][:n].view(shape), (b[1][:n].view(shape) if b[1] is not None else None)
+
+
+def batch(host, impl, lane_stream, host_stream, buffers: Buffers) -> "HostStreamBatch | None":
     """A batch that runs this way, or None when it cannot: a host tier without prepared calls (the node
     client without its native plane), another attention backend than FlashAttention, no C++ extension."""
     mod = ext()
@@ -87,10 +124,10 @@ def timeline(calls: list, launched: float, waited: float) -> dict[str, float] | 
 class HostStreamBatch:
     """One lane batch's enqueued split attention (the module docstring). Lane thread only."""
 
-    def __init__(self, lane_stream: torch.cuda.Stream, host_stream: torch.cuda.Stream, buffers: dict, flag,
+    def __init__(self, lane_stream: torch.cuda.Stream, host_stream: torch.cuda.Stream, buffers: Buffers, flag,
                  capturing: bool = False):
         self.lane_stream, self.host_stream = lane_stream, host_stream
-        self.buffers = buffers        # pinned buffers kept by the lane across batches: (kind, layer, shape)
+        self.buffers = buffers        # pinned buffers kept by the lane across batches
         self.flag = flag              # C++ CancelFlag of this batch
         self.calls: list = []
         self.keep: list = []          # device results and events, alive until finish (4)
@@ -102,14 +139,7 @@ class HostStreamBatch:
 
     def _pinned(self, kind: str, layer: int, shape, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A pinned buffer and its device view (uva.py; None without UVA)."""
-        key = (kind, layer, tuple(shape), dtype)
-        b = self.buffers.get(key)
-        if b is None:
-            if len(self.buffers) > 1024:  # batch shapes come and go
-                self.buffers.clear()
-            t = torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
-            b = self.buffers[key] = (t, uva.view(t))
-        return b
+        return self.buffers.get(kind, layer, shape, dtype)
 
     @staticmethod
     def _to_host(src: torch.Tensor, dst: tuple[torch.Tensor, torch.Tensor | None]) -> None:
