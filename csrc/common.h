@@ -203,10 +203,13 @@ class DeviceGroup {
   DeviceGroup(const std::vector<std::vector<int64_t>>& cores, int64_t spin_us);
   ~DeviceGroup();
   void run(const std::vector<std::shared_ptr<HostCall>>& calls);  // calls[i] on device i; waits for all
+  // as run, returning once queued; done() runs on the worker that finishes the last call (device_group.cpp 6)
+  void submit(const std::vector<std::shared_ptr<HostCall>>& calls, std::function<void()> done);
   void close();
   int64_t size() const;
 
  private:
+  void enqueue(const std::vector<std::shared_ptr<HostCall>>& calls, const std::shared_ptr<void>& batch);
   struct Impl;
   std::unique_ptr<Impl> impl;
 };

@@ -43,8 +43,13 @@
 //   5. Plans live in a PlanTable shared by the client's responders (a reopened channel keeps them);
 //      a running job holds its plan, so dropping one (the request freed) never frees memory a kernel
 //      reads.
+//   6. A job's calls are submitted to the DeviceGroup (device_group.cpp, 6) and the device that finishes
+//      last writes the answer: no thread wakes between the kernels' end and the answer. Meanwhile the
+//      responder waits on a condition variable (beating every millisecond) until the answer is out, then
+//      polls for the next job as in 4; stop() therefore returns only after a running job was answered.
 #include "common.h"
 
+#include <condition_variable>
 #include <thread>
 
 namespace nelssa {
@@ -148,13 +153,29 @@ struct ShmResponder::Impl {
     for (auto& c : calls) {
       if (!c) continue;
       c->error.clear(), c->value_error = false, c->seconds = 0;
-      c->state.store(0, std::memory_order_release);  // prepared: DeviceGroup::run takes it
+      c->state.store(0, std::memory_order_release);  // prepared: DeviceGroup::submit takes it
     }
-    try {
-      group->run(calls);
+    {
+      std::lock_guard<std::mutex> lk(m);
+      busy = true;
+    }
+    try {  // (6) answered by the device that finishes last; the job holds its plan until then
+      group->submit(calls, [this, seq, t0, plan, layer] {
+        finish(seq, t0, plan->layers[layer]);
+        std::lock_guard<std::mutex> lk(m);  // notified under the lock: stop() may free this right after
+        busy = false;
+        cv.notify_all();
+      });
     } catch (const std::exception& e) {
+      {
+        std::lock_guard<std::mutex> lk(m);
+        busy = false;
+      }
       return answer(seq, C_INTERNAL, std::string("device group: ") + e.what(), t0, 0);
     }
+  }
+
+  void finish(uint64_t seq, int64_t t0, const std::vector<std::shared_ptr<HostCall>>& calls) {
     double kernel = 0;
     for (auto& c : calls) {
       if (!c) continue;
@@ -163,6 +184,21 @@ struct ShmResponder::Impl {
       if (st != 2) return answer(seq, c->value_error ? C_INVALID : C_INTERNAL, c->error, t0, kernel);
     }
     answer(seq, C_OK, "", t0, kernel);
+  }
+
+  // a job on the devices (6): the responder waits off its core, beating, until its answer is out (the
+  // client posts no job before it sees the answer)
+  std::mutex m;
+  std::condition_variable cv;
+  bool busy = false;
+
+  void wait_answered(int64_t& beat) {
+    std::unique_lock<std::mutex> lk(m);
+    while (busy) {
+      cv.wait_for(lk, std::chrono::milliseconds(1));
+      const int64_t t = now_ns();
+      if (t - beat > 1000000) w[N_BEAT] = static_cast<uint64_t>(beat = t);
+    }
   }
 
   uint64_t first = 0;  // the channel's job sequence when the responder was made (4)
@@ -186,6 +222,7 @@ struct ShmResponder::Impl {
       }
       last = seq;
       serve(seq);
+      wait_answered(beat);
       idle = now_ns();
     }
   }
