@@ -583,6 +583,49 @@ def test_lane_batch_graph_keys_windows_and_forget():
     assert inside == [True] and list(bg._graphs) == [("c",)]
 
 
+def test_lane_batch_captures_a_new_set_at_once_after_a_steady_one():
+    """lane_batch.py 2: a request set seen for the first time runs enqueued and is captured the second
+    time, except right after a replay (a steady lane): then the new set (a request joined or left, a
+    commit replaced its tables) is captured at once. (The capture itself needs CUDA; here it is a stand-in
+    that records what was asked.)"""
+    from types import SimpleNamespace
+
+    from nelssa.config import NelssaConfig
+    from nelssa.vllm_plugin.attention import StepPlan
+    from nelssa.vllm_plugin.lane_batch import BatchGraphs
+    from nelssa.vllm_plugin.lane_inputs import LaneInputs
+    g = torch.Generator().manual_seed(1)
+    kv = {(r, li): cluster_kv(torch.randn(2, 300, 16, generator=g), torch.randn(2, 300, 16, generator=g))
+          for r in "abc" for li in range(2)}
+    host = SimpleNamespace(layer_kv=lambda r, li: kv[(r, li)])
+    bg = BatchGraphs(None, [None, None], [None, None], NelssaConfig(sink=16, recent=64, chunk=128, budget=0.1), 16)
+    captured = []
+
+    def capture(lane, plan, rs, key, inp, ids, win):
+        captured.append(rs)
+        gr = SimpleNamespace(key=key, size=SimpleNamespace(out=torch.zeros(1)), end=SimpleNamespace(record=lambda s: None),
+                             batch=SimpleNamespace(flag=SimpleNamespace(clear=lambda: None), calls=[]),
+                             graph=SimpleNamespace(replay=lambda: None))
+        bg._graphs[rs] = gr
+        return gr
+    bg._capture, bg._inputs = capture, lambda *a: None
+    lane = SimpleNamespace(stream=None)
+
+    def batch(rs):
+        n = len(rs)
+        inp = LaneInputs(n, np.zeros(n, np.int64), np.zeros(n, np.int64), [64] * n, [100] * n,
+                         np.arange(30 * n, dtype=np.int32).reshape(n, 30))
+        bg.run(lane, StepPlan(host, list(rs), list(range(n)), torch.arange(n), [64] * n, [100] * n), inp, None)
+        return bg.path
+    assert [batch(("a",)) for _ in range(3)] == ["new_key", "captured", "replay"]
+    assert batch(("a", "b")) == "captured"              # after a replay: at once
+    assert [batch(("c",)), batch(("b", "c"))] == ["new_key", "new_key"]   # in flux: enqueued first
+    assert [batch(("b", "c")), batch(("b", "c"))] == ["captured", "replay"]
+    kv[("b", 0)] = cluster_kv(torch.randn(2, 310, 16, generator=g), torch.randn(2, 310, 16, generator=g))
+    assert batch(("b", "c")) == "captured"              # a commit replaced b's tables in a steady set
+    assert captured == [("a",), ("a", "b"), ("b", "c"), ("b", "c")]
+
+
 def test_stall_watchdog_logs_every_thread_once_per_stall(caplog):
     """watchdog.py: no step for longer than the limit while busy logs, once, every thread's stack (here
     the test's own thread, in this function), and the next beat logs the stall's end; an idle engine
