@@ -46,7 +46,7 @@ def spin_us(cfg) -> int:
     ``AUTO_SPIN_US`` in a process with CUDA (an engine on a GPU, whose CPU work is a few threads) whose
     pool has cores of its own, else 0 (a CPU engine's forward runs on every core between the calls)."""
     spin = cfg.pool_spin_us
-    if spin == 0:
+    if spin == 0 or cfg.pool_threads <= 1:  # a team of one has no workers to spin
         return 0
     if cfg.affinity_cores:
         own = True

@@ -128,14 +128,15 @@ def test_spin_needs_free_cores():
     from nelssa.config import NelssaConfig
     cores = len(os.sched_getaffinity(0))
     with pytest.warns(RuntimeWarning, match="pool_spin_us=1000 ignored"):
-        assert _ext.spin_us(NelssaConfig(pool_threads=cores, pool_spin_us=1000)) == 0
+        assert _ext.spin_us(NelssaConfig(pool_threads=max(cores, 2), pool_spin_us=1000)) == 0
+    assert _ext.spin_us(NelssaConfig(pool_threads=1, pool_spin_us=1000)) == 0  # no workers: nothing to spin
     assert _ext.spin_us(NelssaConfig(pool_threads=cores + 4, pool_spin_us=1000, affinity_cores=(0,))) == 1000
     assert _ext.spin_us(NelssaConfig(pool_threads=cores, pool_spin_us=0)) == 0
     # by the machine (-1): spinning only in a process with CUDA whose pool leaves cores free
-    assert _ext.spin_us(NelssaConfig(pool_threads=cores, pool_spin_us=-1)) == 0
+    assert _ext.spin_us(NelssaConfig(pool_threads=max(cores, 2), pool_spin_us=-1)) == 0
     auto = _ext.AUTO_SPIN_US if torch.cuda.is_available() else 0
     assert _ext.spin_us(NelssaConfig(pool_threads=cores + 4, pool_spin_us=-1, affinity_cores=(0,))) == auto
-    if cores > 1:
+    if cores > 2:  # a team of 2 or more threads on fewer cores than the process has
         assert _ext.spin_us(NelssaConfig(pool_threads=cores - 1, pool_spin_us=1000)) == 1000
         assert _ext.spin_us(NelssaConfig(pool_threads=cores - 1, pool_spin_us=-1)) == auto
 
