@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from types import ModuleType
 
-from nelssa.config import get_config
+from nelssa.config import get_config, usable_cores
 
 _mod: ModuleType | None = None
 _tried = False
@@ -51,7 +50,7 @@ def spin_us(cfg) -> int:
     if cfg.affinity_cores:
         own = True
     else:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = len(usable_cores())
         own = cfg.pool_threads < cores
     if spin < 0:
         return AUTO_SPIN_US if own and _cuda() else 0

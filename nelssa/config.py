@@ -90,9 +90,13 @@ def mem_available() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def usable_cores() -> set[int]:
+    """The cores this process may run on (its affinity; every core where the platform has none)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
 def _default_threads() -> int:
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(8, n))
+    return max(1, min(8, len(usable_cores())))
 
 
 # Software-prefetch hint of the host kernel -> the C++ code (locality of __builtin_prefetch; -1: none).

@@ -9,11 +9,6 @@
 # Carried folders as for gpu_hol.sh: .bundle/N, .ninja, .gpumodel/dummy-llama-3.1-8b. Results come back as
 # $OUT/<what>.tgz (the whole results folder) plus its summary/calibration JSON and report.md.
 set -euo pipefail
-# the scenario's preset by the GPU: an 80-GB card (H100) gets h100, the H200 scenario's KV in tokens
-gpu_preset() {
-  local mem; mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
-  if [ "${mem:-0}" -gt 0 ] && [ "${mem:-0}" -lt 100000 ]; then echo h100; else echo h200; fi
-}
 what=${1:?usage: gpu_bench.sh stage DIR... | calibrate [args] | WORKLOAD [args]}
 shift
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ATTENTION_BACKEND=FLASH_ATTN
@@ -33,7 +28,7 @@ else
   printf 'Metadata-Version: 2.1\nName: nelssa\nVersion: 0.1.0\n' > /tmp/site/nelssa-0.1.0.dist-info/METADATA
   printf '[vllm.general_plugins]\nnelssa = nelssa.vllm_plugin:register\n' > /tmp/site/nelssa-0.1.0.dist-info/entry_points.txt
   # BENCH_TIMEOUT (seconds): stop the bench there, so what it wrote still comes back (the device call's limit)
-  ${BENCH_TIMEOUT:+timeout "$BENCH_TIMEOUT"} python3 -m nelssa.cli bench "$what" --preset "${BENCH_PRESET:-$(gpu_preset)}" --model .gpumodel/dummy-llama-3.1-8b --out "$res" "$@" 2>&1 \
+  ${BENCH_TIMEOUT:+timeout "$BENCH_TIMEOUT"} python3 -m nelssa.cli bench "$what" --preset "${BENCH_PRESET:-$(bash scripts/gpu_hol.sh preset)}" --model .gpumodel/dummy-llama-3.1-8b --out "$res" "$@" 2>&1 \
     | tee "$OUT/$what.log" | grep -v "left \[" || rc=$?
   python3 -m nelssa.cli bench report "$res" || true
   cp "$res/summary.json" "$res/report.md" "$OUT/" 2>/dev/null || true

@@ -3,6 +3,8 @@
 # stays warm), in back-to-back calls:
 #   bash scripts/gpu_hol.sh stage .bundle/N          # once per vLLM bundle part (the last one installs)
 #   bash scripts/gpu_hol.sh build                    # nelssa._C once per machine (each command below builds it too)
+#   bash scripts/gpu_hol.sh preset                   # the scenario preset for this GPU (h100 on 80 GB, else h200;
+#                                                    # bench uses it unless its arguments name one)
 #   bash scripts/gpu_hol.sh bench [hol args ...]     # build nelssa._C, run `nelssa bench hol` (both modes;
 #                                                    # bench and handoff results come back as $OUT/<run>.tgz);
 #                                                    # HOL_TAG=x: results in $OUT/hol_x (several runs per call);
@@ -72,11 +74,20 @@ staged_vllm() {  # the staged vLLM bundle, and the plugin's entry point as an in
   printf 'Metadata-Version: 2.1\nName: nelssa\nVersion: 0.1.0\n' > /tmp/site/nelssa-0.1.0.dist-info/METADATA
   printf '[vllm.general_plugins]\nnelssa = nelssa.vllm_plugin:register\n' > /tmp/site/nelssa-0.1.0.dist-info/entry_points.txt
 }
+# the scenario's preset by the GPU (gpu_bench.sh asks here too: `gpu_hol.sh preset`): an 80-GB card (the
+# lent H100) gets h100, the H200 scenario's KV in tokens (its util 0.27 leaves ~3 GB of KV there and both
+# engines fail at start: a lost call, 2026-12-05)
+gpu_preset() {
+  local mem; mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1) || true
+  if [ "${mem:-0}" -gt 0 ] && [ "${mem:-0}" -lt 100000 ]; then echo h100; else echo h200; fi
+}
 # a call brings back at most 8 files from $OUT: a run's folder (and log) go back as one archive
 pack() { local d=$1; shift; tar czf "$d.tgz" -C "$(dirname "$d")" "$(basename "$d")" "$@" && rm -rf "$d"; }
 case "$what" in
   stage)
     for d in "$@"; do bash "$d/install-vllm-bundle.sh" "$d"; done ;;
+  preset)
+    gpu_preset ;;
   build)  # the extension alone (gpu_bench.sh's too)
     build_ext ;;
   handoff)
@@ -239,14 +250,8 @@ PY
     # bench_node with the client on cores of its own)
     pin=()
     [ -n "${HOL_ENGINE_CORES:-}" ] && pin=(taskset -c "$HOL_ENGINE_CORES")
-    # an 80-GB GPU (the lent H100) gets --preset h100 unless the arguments name one: the H200 scenario's
-    # util 0.27 leaves ~3 GB of KV there and both engines fail at start (a lost call, 2026-12-05)
-    preset=()
-    mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
-    if [[ " $* " != *" --preset "* ]] && [ "${mem:-0}" -gt 0 ] && [ "${mem:-0}" -lt 100000 ]; then
-      preset=(--preset h100) && echo "[gpu_hol] ${mem} MiB GPU: --preset h100"
-    fi
-    ${pin[@]+"${pin[@]}"} python3 -m nelssa.cli bench hol ${preset[@]+"${preset[@]}"} --model .gpumodel/dummy-llama-3.1-8b \
+    # the GPU's preset first: a --preset among the arguments comes later and wins
+    ${pin[@]+"${pin[@]}"} python3 -m nelssa.cli bench hol --preset "$(gpu_preset)" --model .gpumodel/dummy-llama-3.1-8b \
       --out "$out" "$@" 2>&1 \
       | tee "$out.log" | grep -E "^\[hol|^(on|off)(:[^ ]+)? |^targets|Traceback|Error|error" || rc=$?
     # engine logs: the diagnostic lines (watchdog, slow device steps, lane batches, migrations) apart,

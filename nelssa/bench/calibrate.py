@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from nelssa.bench.common import positive_int, positive_ints
+from nelssa.config import usable_cores
 
 GiB = 1 << 30
 KIND = "nelssa-calibration"
@@ -517,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         return _refit(a, argv)
     import torch
     cuda = torch.cuda.is_available()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = len(usable_cores())
     if a.contexts:
         contexts = a.contexts
     elif a.quick:

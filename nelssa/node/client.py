@@ -31,7 +31,7 @@ import grpc
 import torch
 
 from nelssa._ext import ext
-from nelssa.config import NelssaConfig
+from nelssa.config import NelssaConfig, usable_cores
 from nelssa.node.local import HostError, HostStats, call_results, pin_if, stage_queries
 from nelssa.node.proto import nelssa_node_pb2 as pb
 from nelssa.node.proto import nelssa_node_pb2_grpc as pb_grpc
@@ -244,7 +244,7 @@ def client_spin_us(cfg: NelssaConfig, node_cores: frozenset[int] = frozenset()) 
     else 20 us."""
     if cfg.node_spin_us >= 0:
         return cfg.node_spin_us
-    mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    mine = usable_cores()
     return 1000 if len(mine) >= 8 or (node_cores and not node_cores & mine) else 20
 
 

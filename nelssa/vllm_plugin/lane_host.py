@@ -53,6 +53,7 @@ the lane stream passed that call's merge.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -89,9 +90,7 @@ class Buffers:
     def get(self, kind: str, layer: int, shape, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(host tensor, its device view or None) of ``shape``: the first elements of the buffer."""
         shape = tuple(int(x) for x in shape)
-        n = 1
-        for x in shape:
-            n *= x
+        n = math.prod(shape)
         key = (kind, layer, dtype)
         b = self._bufs.get(key)
         if b is None or b[0].numel() < n:
