@@ -200,12 +200,12 @@ class NelssaConfig:
     use_cpp: bool = True          # C++ kernels (False: pure-torch reference path)
     pool_threads: int = field(default_factory=_default_threads)
     affinity_cores: tuple[int, ...] = ()
-    pool_spin_us: int = 0         # the host attention team's workers spin this long for the next call before they
+    pool_spin_us: int = -1        # the host attention team's workers spin this long for the next call before they
                                   # sleep (csrc/host_team.cpp 3); a spinning worker holds its core: for pools
                                   # with cores of their own (the lane's calls come ~1 ms apart). 0: sleep at once;
-                                  # -1: 1000 in a CUDA process whose pool leaves cores free, else 0 (_ext.spin_us).
-                                  # Not the default: on an H100 host it sped the long requests but worsened the
-                                  # short ones' decode-phase TTFT (runs 63/64, docs/results.md)
+                                  # -1: 1000 in a CUDA process whose pool leaves cores free, else 0 (_ext.spin_us;
+                                  # H100 hol runs 63/64 and 67/68: long TPOT, tok/s and short ITL p99 better in both
+                                  # pairs, docs/results.md)
     host_capacity: int = 0        # host-tier bytes (0: 80% of available memory at start)
     host_reserve: int = 0         # host-tier memory mapped and touched at start in the background and kept
                                   # for reuse (sparse/hostmem.py); 0: every move writes fresh pages, every free unmaps

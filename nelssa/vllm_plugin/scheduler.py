@@ -622,6 +622,12 @@ class NelssaScheduler(Scheduler):
         self._admit_held()
         self._migrate()
         self._switch()
+        # before the recall: a lane request is busy from its scheduling until _lane_ready sees its next
+        # position computed, so with the recall first it never saw one (in-process lane, async scheduling:
+        # H100 growth run of 2026-12-05, 17 migrations, 0 recalls, 16 requests decoding from the host tier
+        # for ~110 s at 0.4-2% KV use); their reports through the connector (update_from_output) come
+        # later than this check, and the CPU test saw those
+        self._lane_ready()
         self._recall()
         # vLLM's watermark keeps blocks free when it admits waiting requests: raised by what running
         # long prefills still need, so short arrivals cannot take them (vLLM would then preempt
@@ -630,7 +636,6 @@ class NelssaScheduler(Scheduler):
         base, thr = kvm.watermark_blocks, sc.long_prefill_token_threshold
         kvm.watermark_blocks = base + self._prefill_reserve()
         sc.long_prefill_token_threshold = self._long_chunk(thr)
-        self._lane_ready()
         # the list vLLM schedules: lane requests left out (not scheduled, nor preempted, in this step;
         # still counted against max_num_seqs, so vLLM admits no more than it has room for — on a P/D
         # decode instance with 128 running it had admitted past it and failed its own assertion);
