@@ -625,7 +625,7 @@ class NelssaScheduler(Scheduler):
         # before the recall: a lane request is busy from its scheduling until _lane_ready sees its next
         # position computed, so with the recall first it never saw one (in-process lane, async scheduling:
         # H100 growth run of 2026-12-05, 17 migrations, 0 recalls, 16 requests decoding from the host tier
-        # for ~110 s at 0.4-2% KV use); their reports through the connector (update_from_output) come
+        # for ~115 s at 4-8% KV use); their reports through the connector (update_from_output) come
         # later than this check, and the CPU test saw those
         self._lane_ready()
         self._recall()
