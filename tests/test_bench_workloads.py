@@ -466,6 +466,31 @@ def test_modes_run_apart_then_merged(tmp_path, monkeypatch):
     assert set(json.loads((tmp_path / "m2" / "summary.json").read_text())["modes"]) == {"on", "off"}
 
 
+def test_a_run_stopped_in_its_second_mode_keeps_the_firsts_summary(tmp_path, monkeypatch):
+    """A run killed by a time limit while its second mode runs (the device call's BENCH_TIMEOUT; a growth
+    run of 2026-12-05 lost its report so) leaves summary.json of the finished mode for `nelssa bench report`."""
+    url, state, stop = _fake_server()
+    monkeypatch.setattr(wl, "_tokenizer", lambda path: _FakeTok())
+    preset = wl._override(wl.PRESETS["cpu"], ["hol-http.duration=0.6", "hol-http.rate=6",
+                                              "hol-http.long_at=0.1", "hol-http.long_len=300"])
+    real_drive = wl._drive
+
+    def drive(url, *args):
+        if url == "http://stopped":  # the second mode: killed as the limit's SIGTERM would (not an Exception)
+            raise KeyboardInterrupt
+        return real_drive(url, *args)
+    monkeypatch.setattr(wl, "_drive", drive)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            wl.run("hol-http", preset, str(tmp_path), endpoints={"on": url, "off": "http://stopped"}, interval=0.05)
+    finally:
+        stop()
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert set(s["modes"]) == {"on"} and s["modes"]["on"]["hol"]["classes"]["long"]["ok"] == 1
+    from nelssa.cli import main as cli
+    assert cli(["bench", "report", str(tmp_path)]) == 0 and (tmp_path / "report.md").exists()
+
+
 def test_point_counters_are_differenced_between_points():
     """A point's counters (tokens, preemptions, NELSSA) run from the sample before its first to its last,
     so a request whose tokens all stream between two samples (a starved API server) is still counted,

@@ -418,6 +418,8 @@ def run(workload: str, preset: dict, out: str, serve: list[str] | None = None,
             continue
         runs[mode]["wall_s"] = time.time() - t
         save_mode(out, mode, runs[mode])
+        if mode != modes[-1]:  # the finished modes' summary now: a run stopped by a time limit still has one
+            _write(out, runs, {**meta, "failed_modes": failed, "wall_s": {m: r.get("wall_s") for m, r in runs.items()}})
     return _write(out, runs, {**meta, "failed_modes": failed, "wall_s": {m: r.get("wall_s") for m, r in runs.items()}})
 
 
