@@ -668,6 +668,31 @@ def test_lane_pinned_buffers_shared_by_shape_with_headroom():
     assert b.get("ids", 0, (2, 8, 1024), torch.long)[0].data_ptr() == big.data_ptr() and b.allocations == 4
 
 
+def test_lane_pinned_buffers_reserved_at_start():
+    """Buffers.reserve_for (Lane.warm): every layer's five buffers for the warmed batch size at the model's
+    id width, so batches within it allocate nothing while serving; a width over RESERVE_LIMIT is halved
+    until it fits (wider selections then grow as before); a second reservation allocates nothing."""
+    from nelssa.vllm_plugin.lane_host import Buffers
+    b = Buffers(pin=False)
+    layers, rows, hq, h, d = [0, 1, 2], 4, 32, 8, 128
+    nbytes = b.reserve_for(layers, rows, hq, h, d, torch.bfloat16, 8192)
+    per_layer = rows * h * 8192 * 8 + rows * h * 8 + rows * hq * d * (2 + 4) + rows * hq * 4
+    assert nbytes == len(layers) * per_layer and b.allocations == 5 * len(layers)
+    for li in layers:  # what the eager batch and a capture ask for (lane_host.attend, prepare_capture)
+        for n in (1, 2, 4):
+            b.get("ids", li, (n, h, 8192), torch.long), b.get("cnt", li, (n, h), torch.long)
+            b.get("q", li, (n, hq, d), torch.bfloat16), b.get("out", li, (n, hq, d), torch.float32)
+            b.get("lse", li, (n, hq), torch.float32)
+    assert b.allocations == 5 * len(layers)
+    assert b.reserve_for(layers, rows, hq, h, d, torch.bfloat16, 8192) == nbytes and b.allocations == 5 * len(layers)
+    small = Buffers(pin=False)
+    small.RESERVE_LIMIT = 4 << 20
+    got = small.reserve_for(list(range(32)), rows, hq, h, d, torch.bfloat16, 1 << 14)
+    assert got <= small.RESERVE_LIMIT < 2 * got  # the widest power of two that fits
+    small.get("ids", 0, (rows, h, 1 << 14), torch.long)  # wider than reserved: grows
+    assert small.allocations == 5 * 32 + 1
+
+
 def test_lane_batch_timeline_from_the_calls_stamps():
     """lane_host.timeline (7): real host calls run with device work between them (here: sleeps) split the
     batch's wall time exactly into lead, host, between and tail; the host part is the calls' own kernel

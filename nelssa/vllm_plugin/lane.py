@@ -150,9 +150,10 @@ class Lane:
         self._thread = threading.Thread(target=self._loop, name="nelssa-lane", daemon=True)
         self._thread.start()
 
-    def warm(self) -> None:
+    def warm(self, max_len: int) -> None:
         """CUDA: capture the dense graphs of small batches now, with the engine's own graphs
-        (lane_graphs.py, 4), so the first lane batches of a long request do not capture."""
+        (lane_graphs.py, 4), so the first lane batches of a long request do not capture; and pin the
+        host calls' buffers for those batches of requests up to ``max_len`` tokens (lane_host.Buffers)."""
         if self.dense is None:
             return
         t = time.perf_counter()
@@ -160,8 +161,20 @@ class Lane:
             self.dense.warm(WARM_SIZES, self.device)
             self._warm_kernels()
         self.stream.synchronize()
-        log.info("NELSSA lane: dense graphs for %s rows captured and the split attention's Triton kernels "
-                 "compiled in %.2f s", list(WARM_SIZES), time.perf_counter() - t)
+        pinned = self._reserve_buffers(max_len) if self.cfg.lane_host_calls else 0  # (lane_host.batch's)
+        log.info("NELSSA lane: dense graphs for %s rows captured, the split attention's Triton kernels "
+                 "compiled and %.1f MiB of the host calls' pinned buffers allocated in %.2f s", list(WARM_SIZES),
+                 pinned / 2**20, time.perf_counter() - t)
+
+    def _reserve_buffers(self, max_len: int) -> int:
+        from nelssa.sparse.search import budget_tokens
+        impl, cfg = self.layers[0].impl, self.cfg
+        # select_graph._bound for a request of the model's length: the budget's tokens as a power of two,
+        # at most its clusters
+        clusters = -(-max_len // cfg.cluster_size)
+        bound = min(clusters, 1 << max(0, budget_tokens(cfg.budget, max_len) - 1).bit_length())
+        return self._host_buffers.reserve_for([a.nelssa_layer for a in self.layers], max(WARM_SIZES), impl.num_heads,
+                                              impl.num_kv_heads, impl.head_size, self.dtype, bound)
 
     def _warm_kernels(self) -> None:
         """Compile the Triton kernels of the split attention now (the centroid search of select_kernel.py

@@ -78,9 +78,15 @@ class Buffers:
     shapes of a (kind, layer, dtype) share it. Sharing is safe because every batch runs on the lane's
     stream in order: a layer's buffers are written and read within that layer's part of one batch, which
     ends (its merge) before the stream reaches the next batch's. A captured graph keeps the buffers it
-    read by address through the views its calls hold, so a buffer that grows stays alive for it."""
+    read by address through the views its calls hold, so a buffer that grows stays alive for it.
+
+    ``reserve_for`` allocates them at engine start (Lane.warm), sized for the lane's largest warmed batch
+    at the model's length, so even the first lane batch allocates nothing (H100 hol run 67: the first
+    batch, enqueued, ran 626 ms and its capture prepared for 0.157 s, in the prefill phase of the
+    second long prompt)."""
 
     HEADROOM = 4
+    RESERVE_LIMIT = 256 << 20  # bytes reserve_for may pin at start; a larger need is reserved in part
 
     def __init__(self, pin: bool = True):
         self.pin = pin
@@ -94,11 +100,35 @@ class Buffers:
         key = (kind, layer, dtype)
         b = self._bufs.get(key)
         if b is None or b[0].numel() < n:
-            cap = max(1, n * self.HEADROOM) if b is None else max(n, 2 * b[0].numel())
-            t = torch.empty(cap, dtype=dtype, pin_memory=self.pin)
-            b = self._bufs[key] = (t, uva.view(t) if self.pin else None)
-            self.allocations += 1
+            b = self._alloc(key, max(1, n * self.HEADROOM) if b is None else max(n, 2 * b[0].numel()))
         return b[0][:n].view(shape), (b[1][:n].view(shape) if b[1] is not None else None)
+
+    def _alloc(self, key: tuple, n: int) -> tuple:
+        t = torch.empty(n, dtype=key[2], pin_memory=self.pin)
+        b = self._bufs[key] = (t, uva.view(t) if self.pin else None)
+        self.allocations += 1
+        return b
+
+    def reserve_for(self, layers, rows: int, hq: int, h: int, d: int, dtype, bound: int) -> int:
+        """Allocate now every layer's buffers for ``rows`` rows of ``hq`` query heads (``h`` KV heads, head
+        size ``d``, queries of ``dtype``) and an id width ``bound`` (select_graph._bound: a power of two,
+        halved until all fit ``RESERVE_LIMIT``; wider selections grow as in ``get``). Returns the bytes."""
+        def need(b: int) -> list[tuple[str, int, torch.dtype]]:
+            return [("ids", rows * h * b, torch.long), ("cnt", rows * h, torch.long),
+                    ("q", rows * hq * d, dtype), ("out", rows * hq * d, torch.float32),
+                    ("lse", rows * hq, torch.float32)]
+
+        def size(b: int) -> int:
+            return len(layers) * sum(n * torch.empty((), dtype=dt).element_size() for _, n, dt in need(b))
+        bound = max(1, bound)
+        while bound > 1 and size(bound) > self.RESERVE_LIMIT:
+            bound //= 2
+        for li in layers:
+            for kind, n, dt in need(bound):
+                b = self._bufs.get((kind, li, dt))
+                if b is None or b[0].numel() < n:
+                    self._alloc((kind, li, dt), n)
+        return size(bound)
 
 
 def batch(host, impl, lane_stream, host_stream, buffers: Buffers) -> "HostStreamBatch | None":

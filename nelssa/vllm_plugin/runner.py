@@ -111,7 +111,7 @@ class NelssaRunnerMixin:
         hand-off's first-move set-up (handoff.warm)."""
         out = super().capture_model(*args, **kwargs)
         if getattr(self, "nelssa_lane", None) is not None:
-            self.nelssa_lane.warm()
+            self.nelssa_lane.warm(self.max_model_len)
         hand = getattr(self, "nelssa_handoff", None)
         if hand is not None and self.device.type == "cuda":  # (CPU: no one-time set-up worth a k-means)
             # the hand-off thread's one-time CUDA set-up before serving, not beside the first move's steps
