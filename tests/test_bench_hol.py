@@ -97,3 +97,23 @@ def test_p99_from_counts_a_phase_from_later_on():
     assert got["0.5"]["n_arrivals"] == 1 and abs(got["0.5"]["short_ttft_p99_ms"] - 20.0) < 1e-6
     assert got["0.5"]["n_gaps"] == 2 and abs(got["0.5"]["short_itl_p99_ms"] - 10.0) < 1e-6
     assert got["0"]["short_itl_p99_ms"] > 140  # the 150-ms gap at 10.45 counts from 0 s on
+
+
+def test_targets_of_a_nelssa_only_run():
+    """hol.targets without NELSSA_OFF's run (e.g. --modes on:spin in a call of its own): the targets of
+    NELSSA's own phases are checked, those against stock's are None."""
+    from nelssa.bench.hol import targets
+    ph = lambda ttft, itl, gap=0.1: {"short_ttft_p99_ms": ttft, "short_itl_p99_ms": itl,  # noqa: E731
+                                     "short_tpot_p50_ms": 8.0, "max_gap_without_short_token_s": gap}
+    on = {"before": ph(95.2, 37.3), "long_prefill": ph(459.3, 112.5, 0.16), "long_decode": ph(153.1, 55.0),
+          "long": [{"ttft_s": 13.28, "tpot_ms": 63.4}, {"ttft_s": 29.04, "tpot_ms": 54.6}], "output_tok_s": 951.3}
+    t = targets(on, None)  # H100 run 68's numbers
+    assert t["decode_ttft_p99_le_1.5x_before"] is False and t["decode_itl_p99_le_1.5x_before"] is True
+    assert t["prefill_max_gap_le_1s"] is True and t["prefill_ttft_p99_le_2s"] is True
+    assert t["long_tpot_le_50ms"] is False
+    assert t["before_tpot_within_5pct"] is None and t["long_ttft_le_stock"] is None and t["tok_s_ge_stock"] is None
+    off = {"before": ph(101.6, 41.1), "long": [{"ttft_s": 13.49, "tpot_ms": 10.2}, {"ttft_s": 26.07, "tpot_ms": 37.5}],
+           "output_tok_s": 985.3}
+    off["before"]["short_tpot_p50_ms"] = 8.4
+    t = targets(on, off)
+    assert t["before_tpot_within_5pct"] is True and t["long_ttft_le_stock"] is False and t["tok_s_ge_stock"] is False
