@@ -64,8 +64,13 @@ build_ext() {
   local t=$SECONDS
   python3 setup.py -q build_ext --inplace >/dev/null
   echo "nelssa._C built in $((SECONDS - t)) s ($(command -v ninja >/dev/null && echo ninja || echo 'no ninja'))"
-  if [ -n "${OUT:-}" ]; then  # back with the results: carry it as .gpubuild next time
-    mkdir -p "$OUT/gpubuild" && cp nelssa/_C*.so "$OUT/gpubuild/" && src_hash > "$OUT/gpubuild/src.sha"
+  if [ -n "${OUT:-}" ]; then  # back with the results: carry it as .gpubuild next time; without its debug
+    # information (~55 MB with it: over the 16 MiB a file may have to come back, so it never came, 2026-12-05)
+    mkdir -p "$OUT/gpubuild"
+    for so in nelssa/_C*.so; do
+      strip --strip-debug -o "$OUT/gpubuild/$(basename "$so")" "$so" 2>/dev/null || cp "$so" "$OUT/gpubuild/"
+    done
+    src_hash > "$OUT/gpubuild/src.sha"
   fi
 }
 staged_vllm() {  # the staged vLLM bundle, and the plugin's entry point as an installed distribution declares it
