@@ -72,14 +72,21 @@ def _start(devices: int, cores: int, memory: str, ingest: int = 0, spin_us: int 
 
 
 def _jobs(tier: NodeHostTier, rids: list[str], q: torch.Tensor, budget: float | None, scale: float, iters: int,
-          warmup: int = 20, gap_s: float = 0.0) -> dict:
-    """Round trips of one layer's job for all ``rids`` (budget None: empty selection)."""
+          warmup: int = 20, gap_s: float = 0.0, lane_width: bool = False) -> dict:
+    """Round trips of one layer's job for all ``rids`` (budget None: empty selection). ``lane_width``: the
+    ids padded as the long lane's captured search pads them (select_graph._bound: a power of two over the
+    budget's tokens), ~8x what a head selects, instead of to the widest head's selection."""
     ckvs = [tier.layer_kv(r, 0) for r in rids]
     if budget is None:
         H = ckvs[0].num_kv_heads
         sel = Selection([torch.zeros(H, 0, dtype=torch.int64)] * len(rids), [torch.zeros(H, dtype=torch.int64)] * len(rids))
     else:
         sel = select_clusters(q, ckvs, budget, scale)
+        if lane_width:
+            from nelssa.vllm_plugin.select_graph import _bound
+            w = _bound(budget, ckvs, max(c.num_clusters for c in ckvs))
+            sel = Selection([torch.nn.functional.pad(i.to(torch.int64), (0, max(0, w - i.shape[1]))) for i in sel.ids],
+                            list(sel.counts))
     if tier._native is not None:
         return _native_jobs(tier, ckvs, q, sel, scale, iters, warmup, gap_s)
     job = encode_job(1, tier.client_id, 0, scale, q, rids, [c.length for c in ckvs], list(sel.ids), list(sel.counts))
@@ -313,6 +320,9 @@ def main() -> None:
                     help="native plane: microseconds between jobs (the lane's pace; 0: back to back)")
     ap.add_argument("--margins-us", default="0",
                     help="native plane: wake margins to compare (config node_margin_us), each case run with each")
+    ap.add_argument("--lane-width", action="store_true",
+                    help="pad the real jobs' ids to the long lane's id width (a power of two over the budget's "
+                         "tokens), as the engine's captured lane batches send them")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
@@ -365,7 +375,8 @@ def main() -> None:
                     for margin in margins:  # the same jobs with each wake margin, back to back (native plane)
                         if margin is not None:
                             tier._native.chan.margin_us = margin
-                        res = timed(tier, rids, q, budget, scale, a.iters, gap_s=a.gap_us * 1e-6)
+                        res = timed(tier, rids, q, budget, scale, a.iters, gap_s=a.gap_us * 1e-6,
+                                    lane_width=a.lane_width)
                         case = {"devices": nd, "plane": plane, "job": label, **res,
                                 **({"margin_us": margin} if margin is not None else {})}
                         report["cases"].append(case)

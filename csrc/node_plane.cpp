@@ -10,7 +10,9 @@
 //      and counts [H] (int64; a device's share is a contiguous row range), and back per device out
 //      [B, Hq_d, D] and lse [B, Hq_d] (fp32). The node prepares, for every layer and device, a
 //      HostCall whose inputs and outputs ARE views of the channel's request and response slots.
-//   2. A job is then: the client writes the arrays at the plan's offsets, the plan id and the layer,
+//   2. A job is then: the client writes the arrays at the plan's offsets (of a request's ids only the
+//      first counts[h] of each head's row: the kernel reads no more, and S is the batch's padded width,
+//      ~8x the selected ids of a 100K request at 4%), the plan id and the layer,
 //      then (release) the request's sequence number. The node's ShmResponder thread sees the number,
 //      runs that layer's calls on the DeviceGroup (the kernel validates every id and count against the
 //      request's cluster table and fails the call on any bad one), writes the status code (0 or a
@@ -49,6 +51,7 @@
 //      polls for the next job as in 4; stop() therefore returns only after a running job was answered.
 #include "common.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <thread>
 
@@ -316,9 +319,14 @@ void RemoteJob::run(HostCall& c) {
     for (int64_t b = 0; b < B; ++b)
       if (row) std::memcpy(ch.req + q_off[d] + b * row, q + (b * Hq + h0 * G) * D * isz, row);
   }
-  for (int64_t b = 0; b < B; ++b) {
-    std::memcpy(ch.req + ids_off[b], c.sel[b].data_ptr<int64_t>(), H * S * 8);
-    std::memcpy(ch.req + counts_off[b], c.nsel[b].data_ptr<int64_t>(), H * 8);
+  for (int64_t b = 0; b < B; ++b) {  // (2) of a head's row of S ids only its first counts[h] travel
+    const int64_t* ids = c.sel[b].data_ptr<int64_t>();
+    const int64_t* cnt = c.nsel[b].data_ptr<int64_t>();
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t m = std::clamp<int64_t>(cnt[h], 0, S);  // a bad count travels as it is: the node fails the job
+      if (m) std::memcpy(ch.req + ids_off[b] + h * S * 8, ids + h * S, m * 8);
+    }
+    std::memcpy(ch.req + counts_off[b], cnt, H * 8);
   }
   ch.w[N_REQ_PLAN] = plan, ch.w[N_REQ_LAYER] = layer;
   const uint64_t seq = ++ch.seq;

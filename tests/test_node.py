@@ -710,6 +710,14 @@ def test_native_plane_refuses_bad_jobs_and_freed_plans_and_keeps_serving(nodes):
         bad = []
         g = torch.Generator().manual_seed(3)
         C = ckvs[0].num_clusters
+        # the lane's selections come padded to its id width (a power of two over the budget's tokens: ~8x the
+        # ids a head of a 100K request selects at 4%); only each head's first counts[h] ids travel
+        # (node_plane.cpp, 2) and what lies beyond them, here ids outside the cluster table, is never read
+        wide = torch.full((H, 4 * S), C + 12345, dtype=torch.int64)
+        wide[:, :S] = ids
+        c, out_w, _ = run(q, wide, counts)
+        assert c.state == "done", c.error
+        torch.testing.assert_close(out_w, want[0], atol=0, rtol=0)
         for k in range(60):  # ids and counts outside the request's clusters, negative, beyond S
             i2, c2 = ids.clone(), counts.clone()
             h = k % H
