@@ -989,3 +989,18 @@ def test_property_arbitrary_jobs_are_refused_in_process():
         assert s.clients == 1 and s.requests == 1 and s.job_errors >= 300 and s.devices == held
     finally:
         node.close()
+
+
+def test_job_ids_travel_as_wide_as_the_largest_count():
+    """wire.encode_job (the shm and gRPC planes): a request's ids are cut to its largest count, the rest of
+    the padded width never travels; a count beyond the width keeps it whole, for the node to refuse."""
+    from nelssa.node.wire import encode_job
+    q = torch.randn(1, 4, 8)
+    ids = torch.full((2, 64), 999, dtype=torch.int64)
+    ids[0, :5], ids[1, :3] = torch.arange(5), torch.arange(3)
+    job = encode_job(1, "c", 0, 0.1, q, ["a"], [100], [ids], [torch.tensor([5, 3])])
+    r = job.reqs[0]
+    assert r.selected == 5 and len(r.ids) == 2 * 5 * 8
+    assert torch.equal(torch.frombuffer(bytearray(r.ids), dtype=torch.int64).view(2, 5), ids[:, :5])
+    assert encode_job(1, "c", 0, 0.1, q, ["a"], [100], [ids], [torch.tensor([5, 65])]).reqs[0].selected == 64
+    assert encode_job(1, "c", 0, 0.1, q, ["a"], [100], [ids], [torch.tensor([0, 0])]).reqs[0].selected == 0

@@ -84,13 +84,18 @@ def from_bytes(b: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Te
 
 def encode_job(job_id: int, client_id: str, layer: int, scale: float, q: torch.Tensor, req_ids: list[str],
                lengths: list[int], ids: list[torch.Tensor], counts: list[torch.Tensor]) -> pb.AttendJob:
-    """q [B, Hq, D] (CPU), per request ids [H, S] int64 / counts [H] int64 (CPU)."""
+    """q [B, Hq, D] (CPU), per request ids [H, S] int64 / counts [H] int64 (CPU). A request's ids travel
+    only as wide as its largest count (the node reads no further): selections come padded to the batch's
+    id width, a power of two over the budget's tokens (~8x what a head selects at 4%)."""
     B, Hq, D = q.shape
     if q.dtype not in DTYPE_IDS:
         raise WireError(f"queries dtype {q.dtype} not supported")
     reqs = []
     for r, n, i, c in zip(req_ids, lengths, ids, counts, strict=True):
         i = i.to(torch.int64)
+        w = min(i.shape[1], max(0, int(c.max()))) if c.numel() else i.shape[1]  # a bad count keeps the width:
+        if w < i.shape[1]:                                                       # the node refuses it
+            i = i[:, :w].contiguous()
         reqs.append(pb.JobRequest(req_id=r, length=n, selected=i.shape[1], ids=tensor_bytes(i),
                                   counts=tensor_bytes(c.to(torch.int64))))
     return pb.AttendJob(job_id=job_id, client_id=client_id, layer=layer, scale=scale, num_heads=Hq, head_dim=D,
