@@ -167,12 +167,9 @@ class Lane:
                  pinned / 2**20, time.perf_counter() - t)
 
     def _reserve_buffers(self, max_len: int) -> int:
-        from nelssa.sparse.search import budget_tokens
+        from nelssa.vllm_plugin.select_graph import id_width
         impl, cfg = self.layers[0].impl, self.cfg
-        # select_graph._bound for a request of the model's length: the budget's tokens as a power of two,
-        # at most its clusters
-        clusters = -(-max_len // cfg.cluster_size)
-        bound = min(clusters, 1 << max(0, budget_tokens(cfg.budget, max_len) - 1).bit_length())
+        bound = id_width(cfg.budget, max_len, -(-max_len // cfg.cluster_size))  # a request of the model's length
         return self._host_buffers.reserve_for([a.nelssa_layer for a in self.layers], max(WARM_SIZES), impl.num_heads,
                                               impl.num_kv_heads, impl.head_size, self.dtype, bound)
 

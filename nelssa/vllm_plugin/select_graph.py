@@ -35,10 +35,15 @@ from nelssa.sparse.search import Selection, budget_tokens, select_clusters
 log = logging.getLogger("vllm.nelssa")
 
 
+def id_width(budget: float, tokens: int, clusters: int) -> int:
+    """Width of the id copy for requests of up to ``tokens`` tokens and ``clusters`` clusters: the budget in
+    tokens (>= selected clusters) as a power of two, at most the clusters."""
+    return min(clusters, 1 << max(0, budget_tokens(budget, tokens) - 1).bit_length())
+
+
 def _bound(budget: float, ckvs, cmax: int) -> int:
-    """Width of the id copy: the largest budget in tokens (>= selected clusters), bucketed."""
-    need = max(budget_tokens(budget, c.length) for c in ckvs)
-    return min(cmax, 1 << max(0, need - 1).bit_length())
+    """Width of the id copy of a batch: ``id_width`` of its longest request."""
+    return id_width(budget, max(c.length for c in ckvs), cmax)
 
 
 class SelectGraphs:
