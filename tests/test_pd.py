@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,21 +24,13 @@ import httpx
 import openai
 import pytest
 
+from harness_util import free_ports
+
 REPO = Path(__file__).resolve().parents[1]
 # 1.5-2 min on a 2-vCPU box since NIXL's busy progress thread is off on CPU (nixl_progress.py; with it the
 # stack took 12-15 min there, or failed); NELSSA_PD_E2E=0 skips it
 pytestmark = [pytest.mark.engine, pytest.mark.model, pytest.mark.skipif(
     os.environ.get("NELSSA_PD_E2E") == "0", reason="NELSSA_PD_E2E=0")]
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _metric_sum(text: str, name: str, **labels) -> float:
@@ -64,7 +55,7 @@ def test_pd_stack_end_to_end(tmp_path):
     model = str(prepare_smollm2())
     engine = os.environ.get("NELSSA_PD_ENGINE", "node")
     assert engine in ("node", "local"), engine
-    pp, dp, xp, pn, dn, node = _free_ports(6)
+    pp, dp, xp, pn, dn, node = free_ports(6)
     ports = [pp, dp, xp, pn, dn] + ([node] if engine == "node" else [])
     log_dir = tmp_path / "logs"
     env = {**os.environ, "NELSSA_PYTHON": sys.executable, "MODEL": model, "LOG_DIR": str(log_dir),

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from harness_util import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.model  # the proxy loads SmolLM2's tokenizer
@@ -73,16 +74,6 @@ time.sleep(3600)
 '''
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _listening(ports) -> list[int]:
     from nelssa.proxy.pd import listening
     return listening(ports)
@@ -103,7 +94,7 @@ esac
 exec {sys.executable} "$@"
 """)
         py.chmod(0o755)
-        self.ports = _free_ports(6)
+        self.ports = free_ports(6)
         pp, dp, xp, pn, dn, node = self.ports
         self.proxy = f"http://127.0.0.1:{xp}"
         self.log_dir = tmp / "logs"
