@@ -557,6 +557,11 @@ def _table(summ: dict) -> str:
                         f"{f(st.get('running_max'), 0)}  waiting max {f(st.get('waiting_max'), 0)}  KV max "
                         f"{f(100 * st['kv_usage_max'] if st.get('kv_usage_max') is not None else None, 0)}%  "
                         f"preemptions {f(st.get('preemptions'), 0)}")
+            nel = st.get("nelssa") or {}
+            moves = {k: nel.get(f"nelssa:{k}_total") for k in ("long_requests", "migrations_completed", "recalls")}
+            if any(moves.values()):  # the host tier's part in it: long requests, migrations, recalls
+                rows.append(f"{mode:>3} {name:<22} host tier: long {f(moves['long_requests'], 0)}  migrated "
+                            f"{f(moves['migrations_completed'], 0)}  recalled {f(moves['recalls'], 0)}")
     for mode, a in summ.get("hol", {}).items():
         for ph in ("before", "long_prefill", "long_decode"):
             x = a[ph]
