@@ -398,6 +398,9 @@ def run(workload: str, preset: dict, out: str, serve: list[str] | None = None,
             "model": model_path, "notes": notes, "command": " ".join(sys.argv)}
     with open(os.path.join(out, "meta.json"), "w") as f:  # for `nelssa bench merge`, also of a stopped run
         json.dump(meta, f, indent=1)
+
+    def finished() -> dict:  # the summary's meta for the modes run so far
+        return {**meta, "failed_modes": failed, "wall_s": {m: r.get("wall_s") for m, r in runs.items()}}
     for mode in modes:
         print(f"[bench] {workload}: mode {mode}", file=sys.stderr, flush=True)
         t = time.time()
@@ -419,8 +422,8 @@ def run(workload: str, preset: dict, out: str, serve: list[str] | None = None,
         runs[mode]["wall_s"] = time.time() - t
         save_mode(out, mode, runs[mode])
         if mode != modes[-1]:  # the finished modes' summary now: a run stopped by a time limit still has one
-            _write(out, runs, {**meta, "failed_modes": failed, "wall_s": {m: r.get("wall_s") for m, r in runs.items()}})
-    return _write(out, runs, {**meta, "failed_modes": failed, "wall_s": {m: r.get("wall_s") for m, r in runs.items()}})
+            _write(out, runs, finished())
+    return _write(out, runs, finished())
 
 
 def _write(out: str, runs: dict[str, dict], meta: dict) -> dict:

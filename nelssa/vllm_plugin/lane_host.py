@@ -111,7 +111,7 @@ class Buffers:
 
     def reserve_for(self, layers, rows: int, hq: int, h: int, d: int, dtype, bound: int) -> int:
         """Allocate now every layer's buffers for ``rows`` rows of ``hq`` query heads (``h`` KV heads, head
-        size ``d``, queries of ``dtype``) and an id width ``bound`` (select_graph._bound: a power of two,
+        size ``d``, queries of ``dtype``) and an id width ``bound`` (select_graph.id_width: a power of two,
         halved until all fit ``RESERVE_LIMIT``; wider selections grow as in ``get``). Returns the bytes."""
         def need(b: int) -> list[tuple[str, int, torch.dtype]]:
             return [("ids", rows * h * b, torch.long), ("cnt", rows * h, torch.long),
@@ -119,7 +119,7 @@ class Buffers:
                     ("lse", rows * hq, torch.float32)]
 
         def size(b: int) -> int:
-            return len(layers) * sum(n * torch.empty((), dtype=dt).element_size() for _, n, dt in need(b))
+            return len(layers) * sum(n * dt.itemsize for _, n, dt in need(b))
         bound = max(1, bound)
         while bound > 1 and size(bound) > self.RESERVE_LIMIT:
             bound //= 2
