@@ -49,14 +49,18 @@ grpc_wheels() {  # once per machine: .wheels carried by a call before (or this o
 }
 # the extension once per machine; with .ninja carried (the ninja wheel: pip download ninja), torch builds
 # its files in parallel (without ninja it compiles them one by one: 103 s on the H100 host)
-# .gpubuild (optional): a build of an earlier session brought back ($OUT/gpubuild: the library and the hash of
-# the sources it was built from), used when the sources are the same, so a fresh machine skips the build
+# .gpubuild (optional): a build of an earlier session brought back ($OUT/gpubuild: the library and the hashes of
+# the sources it was built from and of its CPU's flags), used when both match, so a fresh machine skips the build
+# (setup.py builds with -march=native: another host's ISA could lack an instruction)
 src_hash() { find csrc setup.py -type f | sort | xargs cat | sha256sum | cut -c1-16; }
+cpu_hash() { grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | sort | sha256sum | cut -c1-16; }
 build_ext() {
   [ -f nelssa/_C*.so ] && return 0
-  if ls .gpubuild/_C*.so >/dev/null 2>&1 && [ "$(cat .gpubuild/src.sha 2>/dev/null)" = "$(src_hash)" ]; then
-    cp .gpubuild/_C*.so nelssa/ && echo "nelssa._C from .gpubuild (sources $(src_hash))" && return 0
+  if ls .gpubuild/_C*.so >/dev/null 2>&1 && [ "$(cat .gpubuild/src.sha 2>/dev/null)" = "$(src_hash)" ] \
+     && [ "$(cat .gpubuild/cpu.sha 2>/dev/null)" = "$(cpu_hash)" ]; then
+    cp .gpubuild/_C*.so nelssa/ && echo "nelssa._C from .gpubuild (sources $(src_hash), CPU flags $(cpu_hash))" && return 0
   fi
+  [ -d .gpubuild ] && echo "nelssa._C: .gpubuild is for other sources or another CPU: building"
   if ! command -v ninja >/dev/null && ls .ninja/ninja-*.whl >/dev/null 2>&1; then
     [ -x /tmp/ninja/bin/ninja ] || pip install -q --no-deps --target /tmp/ninja .ninja/ninja-*.whl >/dev/null
   fi
@@ -71,6 +75,7 @@ build_ext() {
       strip --strip-debug -o "$OUT/gpubuild/$(basename "$so")" "$so" 2>/dev/null || cp "$so" "$OUT/gpubuild/"
     done
     src_hash > "$OUT/gpubuild/src.sha"
+    cpu_hash > "$OUT/gpubuild/cpu.sha"
   fi
 }
 staged_vllm() {  # the staged vLLM bundle, and the plugin's entry point as an installed distribution declares it

@@ -199,6 +199,25 @@ def test_migration_windows_split_the_inter_token_latency(tmp_path):
     assert "| on | g | 1 / 1 | 9,000 | 0.8 | 0.9 | 1.5 | 60.0 / 60.0 / 60.0 | 10.0 / 10.0 |" in md
 
 
+def test_recalls_are_shown_within_the_preemptions():
+    """A recall goes back to the device through vLLM's preemption, so vllm:num_preemptions counts it: the
+    console table and the report say how many of a point's preemptions were recalls (H100 growth run of
+    2026-12-05: 16 preemptions, all recalls, beside stock's 29 from pressure)."""
+    from nelssa.bench.report import workload_md
+    rec = _rec(0, "growing", "g", 0.0, 0.1, [0.01] * 20)
+    samples = [{"t": 0.5 * i, "point": "g", "running": 2.0, "waiting": 0.0, "kv_usage": 0.5, "preemptions": 3.0 * (i >= 2),
+                "nelssa:recalls_total": 2.0 * (i >= 2), "nelssa:migrations_completed_total": 2.0}
+               for i in range(6)]
+    on = wl.point_stats([rec], samples, [0.0, 3.0])
+    off = wl.point_stats([rec], [{k: v for k, v in x.items() if not k.startswith("nelssa:")} for x in samples],
+                         [0.0, 3.0])
+    summ = {"workload": "growth", "time": "t", "modes": {"on": {"g": on}, "off": {"g": off}}}
+    table = wl._table(summ)
+    assert "preemptions 3 (2 recalls)" in table and "preemptions 3\n" in table + "\n"
+    md = "\n".join(workload_md(summ, "."))
+    assert "| 3 (2 recalls) |" in md and "| 3 |" in md
+
+
 def test_plots_and_report(tmp_path):
     from nelssa.bench.report import main as report
     runs = _runs()

@@ -259,7 +259,7 @@ def test_deferred_prompt_does_not_queue_behind_a_long_prefill():
 
 def test_prompts_after_a_long_prefill_do_not_all_prefill_in_one_step():
     """While a long request is resident and short requests decode, a step adds at most ``short_chunk``
-    (0: ``long_chunk``) tokens of short prompts to its decodes and long chunks (scheduler.py, step
+    (2048 by default; 0: ``long_chunk``) tokens of short prompts to its decodes and long chunks (scheduler.py, step
     budget): three 300-token prompts that arrive after the long prompt's prefill are spread over steps,
     where NELSSA_OFF prefills them in one (on the H100 such a burst right after a 100K prompt's prefill
     gave the long decode phase its short-request ITL p99). ``short_chunk`` 200 below ``long_chunk``

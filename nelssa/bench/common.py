@@ -40,6 +40,14 @@ def ratio(a, b):
     return a / b if a is not None and b not in (None, 0) else None
 
 
+def preemptions_text(point: dict, fmt) -> str:
+    """A point's vLLM preemptions, with how many of them were NELSSA's recalls: a recall hands a migrated
+    request back to the device through vLLM's preemption (recomputed there), so vllm:num_preemptions
+    counts it too (H100 growth run of 2026-12-05: 16 preemptions, all 16 of them recalls)."""
+    rec = (point.get("nelssa") or {}).get("nelssa:recalls_total")
+    return fmt(point.get("preemptions"), 0) + (f" ({fmt(rec, 0)} recalls)" if rec else "")
+
+
 def prompt_ids(tok: Any, n_in: int, k: int, kind: str = "random", seed: int = 0) -> list[int]:
     """Exactly ``n_in`` prompt token ids for request number ``k``: a slice of real text
     (``kind="text"``, nelssa.bench.corpus) or seeded random ids away from the special tokens."""

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 
+from nelssa.bench.common import preemptions_text
 from nelssa.bench.hol import TIMELINE_PARTS, result_modes
 
 
@@ -58,7 +59,7 @@ def workload_md(s: dict, rel: str) -> list[str]:
             kv = st.get("kv_usage_max")
             out.append(f"| {mode} | {name} | {_f(st.get('decode_tok_s'))} | {_f(st.get('running_mean'))} / "
                        f"{_f(st.get('running_max'), 0)} | {_f(st.get('waiting_max'), 0)} | "
-                       f"{_f(None if kv is None else 100 * kv, 0)} | {_f(st.get('preemptions'), 0)} |")
+                       f"{_f(None if kv is None else 100 * kv, 0)} | {preemptions_text(st, _f)} |")
     moves = [(mode, name, st["handoff"], st.get("nelssa", {})) for mode, pts in s["modes"].items()
              for name, st in pts.items() if st.get("handoff")]
     if moves:

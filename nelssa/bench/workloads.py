@@ -42,7 +42,7 @@ from functools import partial
 from typing import Any
 
 from nelssa.bench import trace as tr
-from nelssa.bench.common import pct, prompt_ids, ratio, require_number
+from nelssa.bench.common import pct, preemptions_text, prompt_ids, ratio, require_number
 
 WORKLOADS = ("single-long", "multi-long", "mixed", "growth", "hol-http")
 
@@ -559,7 +559,7 @@ def _table(summ: dict) -> str:
             rows.append(f"{mode:>3} {name:<22} decode {f(st.get('decode_tok_s'))} tok/s  running max "
                         f"{f(st.get('running_max'), 0)}  waiting max {f(st.get('waiting_max'), 0)}  KV max "
                         f"{f(100 * st['kv_usage_max'] if st.get('kv_usage_max') is not None else None, 0)}%  "
-                        f"preemptions {f(st.get('preemptions'), 0)}")
+                        f"preemptions {preemptions_text(st, f)}")
             nel = st.get("nelssa") or {}
             moves = {k: nel.get(f"nelssa:{k}_total") for k in ("long_requests", "migrations_completed", "recalls")}
             if any(moves.values()):  # the host tier's part in it: long requests, migrations, recalls

@@ -28,8 +28,8 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   same at 1K and at 100K tokens of context, and short requests' next token never waits for a
   chunk's quadratic attention. Without short decodes vLLM's own threshold applies.
 * Step budget: while a long request is resident and short requests decode, a step adds at most
-  ``short_chunk`` (0: ``long_chunk``) tokens of short prompts to its decodes and long-prompt chunks
-  (policy.step_plan), so the short prompts a long prefill held back do not all prefill in the steps right after it.
+  ``short_chunk`` (2048; 0: ``long_chunk``) tokens of short prompts to its decodes and long-prompt
+  chunks (policy.step_plan), so the short prompts a long prefill held back do not all prefill in the steps right after it.
 * Switch: the worker reports completed hand-offs through the NELSSA connector; before each step the
   scheduler sets each long request's host range in use, H = policy.in_use(prompt, completed end),
   sends it to the worker in the connector's metadata and lets the KV-cache manager free the blocks
@@ -686,7 +686,7 @@ class NelssaScheduler(Scheduler):
 
     def _prefill_cap(self, visible: list[Request], spared: list[Request], thr: int):
         """While a long request is resident (prefilling, handing off or decoding in the lane) and short
-        requests decode, a step adds at most ``short_chunk`` (0: ``long_chunk``) tokens of short prompts
+        requests decode, a step adds at most ``short_chunk`` (2048; 0: ``long_chunk``) tokens of short prompts
         to its decodes and long-prompt chunks (those sized as before: _long_chunk): the list vLLM
         schedules and its token budget from policy.step_plan (decodes first, long chunks next, short
         prompts last). Without it, the short prompts that a long prefill's small chunks held back all
