@@ -33,7 +33,7 @@
 #                                                    # profiled, D after P); PD_START_S [360] bound on the start;
 #                                                    # the launcher's knobs pass through (e.g. NIXL_PROGRESS_THREAD=0,
 #                                                    # NELSSA_HANDOVER_WINDOW=0 on D via DECODE_ENV)
-# Carried folders: .bundle/N (../shared/gpu/make-vllm-bundle.sh .bundle), .ninja (optional, with the last
+# Carried folders (`bash scripts/gpu_prepare.sh` makes them all, before the first call): .bundle/N (../shared/gpu/make-vllm-bundle.sh .bundle), .ninja (optional, with the last
 # bundle part: the ninja wheel, for a parallel build of the extension), .gpubuild (optional: $OUT/gpubuild of
 # the call that built the extension, used while csrc/ and setup.py are unchanged), .gpumodel/dummy-llama-3.1-8b
 # (`nelssa make-dummy-model --out .gpumodel/dummy-llama-3.1-8b`: config + tokenizer). Results: $OUT.
