@@ -35,7 +35,7 @@
 #                                                    # NELSSA_HANDOVER_WINDOW=0 on D via DECODE_ENV)
 # Carried folders (`bash scripts/gpu_prepare.sh` makes them all, before the first call): .bundle/N (../shared/gpu/make-vllm-bundle.sh .bundle), .ninja (optional, with the last
 # bundle part: the ninja wheel, for a parallel build of the extension), .gpubuild (optional: $OUT/gpubuild of
-# the call that built the extension, used while csrc/ and setup.py are unchanged), .gpumodel/dummy-llama-3.1-8b
+# the call that built the extension, used while csrc/, setup.py and the host CPU's flags are the same), .gpumodel/dummy-llama-3.1-8b
 # (`nelssa make-dummy-model --out .gpumodel/dummy-llama-3.1-8b`: config + tokenizer). Results: $OUT.
 set -euo pipefail
 what=${1:?usage: gpu_hol.sh stage DIR... | bench [args]}
