@@ -127,6 +127,50 @@ nelssa:lane_timeline_seconds_total{engine="0",model_name="m",part="lead"} 0.5
     assert parts == {"nelssa:lane_timeline_seconds_total{host}": 3.0, "nelssa:lane_timeline_seconds_total{lead}": 0.5}
 
 
+def test_later_scrapes_ask_only_for_the_samples_kept():
+    """After a URL's first, full scrape, the replay's /metrics samples ask vLLM's endpoint (prometheus_client's
+    ``name[]``) for the samples it keeps: METRICS' and nelssa:*'s, no bucket, no _created, and also those of
+    families with no sample yet (a labelled counter before its first increment). A full NELSSA /metrics
+    took 9 ms to generate and 25 to parse on the 2-vCPU box, a gap in every request's stream."""
+    from urllib.parse import parse_qs, urlparse
+
+    from nelssa.bench.serving import METRICS, metrics_url, sample_names
+    text = """# HELP vllm:num_requests_running x
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+# HELP vllm:e2e_request_latency_seconds x
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="1.0",model_name="m"} 2.0
+vllm:e2e_request_latency_seconds_sum{engine="0",model_name="m"} 1.5
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="m"} 2.0
+# HELP nelssa:moved_tokens_total x
+# TYPE nelssa:moved_tokens_total counter
+nelssa:moved_tokens_total{engine="0",model_name="m"} 1234.0
+nelssa:moved_tokens_created{engine="0",model_name="m"} 1.7e9
+# HELP nelssa:migration_seconds x
+# TYPE nelssa:migration_seconds histogram
+nelssa:migration_seconds_bucket{engine="0",le="0.1",model_name="m"} 0.0
+nelssa:migration_seconds_sum{engine="0",model_name="m"} 0.0
+nelssa:migration_seconds_count{engine="0",model_name="m"} 0.0
+# HELP nelssa:lane_batches_total x
+# TYPE nelssa:lane_batches_total counter
+# HELP nelssa:host_bytes x
+# TYPE nelssa:host_bytes gauge
+nelssa:host_bytes{engine="0",model_name="m"} 0.0
+# HELP other_metric x
+# TYPE other_metric gauge
+other_metric 9.0
+"""
+    names = sample_names(text)
+    assert set(names) == set(METRICS.values()) | {
+        "nelssa:moved_tokens_total", "nelssa:migration_seconds_sum", "nelssa:migration_seconds_count",
+        "nelssa:lane_batches_total", "nelssa:host_bytes"}, names
+    url = metrics_url("http://127.0.0.1:8000/metrics", names)
+    q = urlparse(url)  # /metrics/: vLLM's mounted prometheus_client app (its /metrics route ignores name[])
+    assert q.path == "/metrics/" and sorted(parse_qs(q.query)["name[]"]) == sorted(names)
+    assert metrics_url("http://h/metrics", None) == "http://h/metrics"
+
+
 def _rec(i, kind, point, start, ttft, itl, ok=True):
     stamps = []
     if ok:

@@ -73,6 +73,49 @@ def sample_of(m: dict[str, float]) -> dict[str, float]:
     return d
 
 
+def sample_names(text: str) -> list[str]:
+    """The sample names of a full /metrics text that a sample keeps — METRICS' and every nelssa:* one but
+    histogram buckets and ``_created`` — also of families with no sample yet (a labelled counter before its
+    first increment), from their TYPE lines. Later scrapes ask for these alone (``metrics_url``): a full
+    /metrics is ~900 lines with NELSSA, whose generation blocks the server's event loop and whose parsing
+    blocked the benchmark's (9 and 25 ms on the 2-vCPU box against 5.5 and 15 for stock vLLM; on the H100
+    host every request of a growth run saw a 35-45 ms gap at each 0.5-s sample, 2026-12-05)."""
+    keep = set(METRICS.values())
+    names: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            parts = line.split()
+            if len(parts) < 4 or not parts[2].startswith("nelssa:"):
+                continue
+            name, kind = parts[2], parts[3]
+            if kind == "counter":
+                names.add(name if name.endswith("_total") else name + "_total")
+            elif kind in ("histogram", "summary"):
+                names.update((name + "_sum", name + "_count"))
+            else:
+                names.add(name)
+        elif line and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if (name.startswith("nelssa:") or name in keep) and not name.endswith(("_bucket", "_created")):
+                names.add(name)
+    return sorted(names | keep)
+
+
+def metrics_url(url: str, names: list[str] | None) -> str:
+    """``url`` asking for these samples only: prometheus_client's ``name[]`` parameters. vLLM 0.26 serves
+    /metrics twice — its instrumentator's route, which ignores them, and prometheus_client's ASGI app
+    mounted at /metrics (``instrumentator/metrics.py``), which honours them and which /metrics/ reaches.
+    An endpoint without them answers in full (parse_metrics filters anyway); one that refuses the URL
+    is scraped in full from then on (_fetch)."""
+    if not names:
+        return url
+    from urllib.parse import urlencode, urlsplit, urlunsplit
+    u = urlsplit(url)
+    path = u.path + "/" if u.path.endswith("/metrics") else u.path
+    q = "&".join(x for x in (u.query, urlencode([("name[]", n) for n in names])) if x)
+    return urlunsplit((u.scheme, u.netloc, path, q, u.fragment))
+
+
 def http_get(url: str, timeout: float = 5.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - local benchmark endpoints
         return r.read().decode()
@@ -167,25 +210,43 @@ def endpoint_model(base_url: str) -> tuple[str, str | None]:
 
 # ------------------------------------------------------------------ replay
 
-async def _sample(urls: list[str], t0: float, samples: list, point: str | None) -> None:
-    """One /metrics sample of every instance, combined, appended to ``samples``."""
+def _fetch(url: str, names: dict[str, list[str] | None]) -> dict[str, float]:
+    """One instance's /metrics, parsed (on an executor thread: the replay's event loop, which stamps the
+    streamed tokens, never parses); the first scrape of a URL is full and names the samples for the rest
+    (None: the endpoint refused the restricted URL, full scrapes from then on)."""
+    import urllib.error
+    if names.get(url):
+        try:
+            return parse_metrics(http_get(metrics_url(url, names[url]), 5.0))
+        except urllib.error.HTTPError:
+            names[url] = None
+    txt = http_get(url, 5.0)
+    if url not in names:
+        names[url] = sample_names(txt)
+    return parse_metrics(txt)
+
+
+async def _sample(urls: list[str], t0: float, samples: list, point: str | None,
+                  names: dict[str, list[str]] | None = None) -> None:
+    """One /metrics sample of every instance, combined, appended to ``samples``; ``names``: per URL, the
+    samples to ask for (sample_names of its first scrape, filled here)."""
     loop = asyncio.get_running_loop()
+    names = {} if names is None else names
     per_url = []
     for u in urls:
         try:
-            txt = await loop.run_in_executor(None, http_get, u, 5.0)
+            per_url.append(await loop.run_in_executor(None, _fetch, u, names))
         except OSError:
             continue
-        per_url.append(parse_metrics(txt))
     m = combine_metrics(per_url)
     if m:
         samples.append({"t": time.perf_counter() - t0, "point": point, **sample_of(m)})
 
 
 async def _sampler(urls: list[str], t0: float, samples: list, stop: asyncio.Event, interval: float,
-                   point: list[str]) -> None:
+                   point: list[str], names: dict[str, list[str]]) -> None:
     while True:
-        await _sample(urls, t0, samples, point[0])
+        await _sample(urls, t0, samples, point[0], names)
         if stop.is_set():
             return
         try:
@@ -245,10 +306,11 @@ async def replay(base_url: str, model_id: str, points: list[tuple[str, list[dict
         t0 = time.perf_counter()
         # the counters before any request: the first point's baseline (point_stats differences counters
         # between samples, which a point whose tokens all stream between two samples still moves)
-        await _sample(urls, t0, samples, None)
+        names: dict[str, list[str]] = {}
+        await _sample(urls, t0, samples, None, names)
         stop = asyncio.Event()
         cur = [points[0][0]]
-        smp = asyncio.create_task(_sampler(urls, t0, samples, stop, interval, cur))
+        smp = asyncio.create_task(_sampler(urls, t0, samples, stop, interval, cur, names))
         for name, plan in points:
             cur[0] = name
             p0 = time.perf_counter() - t0
