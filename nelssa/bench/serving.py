@@ -227,11 +227,10 @@ def _fetch(url: str, names: dict[str, list[str] | None]) -> dict[str, float]:
 
 
 async def _sample(urls: list[str], t0: float, samples: list, point: str | None,
-                  names: dict[str, list[str]] | None = None) -> None:
+                  names: dict[str, list[str] | None]) -> None:
     """One /metrics sample of every instance, combined, appended to ``samples``; ``names``: per URL, the
-    samples to ask for (sample_names of its first scrape, filled here)."""
+    samples to ask for (sample_names of its first scrape, filled by _fetch)."""
     loop = asyncio.get_running_loop()
-    names = {} if names is None else names
     per_url = []
     for u in urls:
         try:
@@ -244,7 +243,7 @@ async def _sample(urls: list[str], t0: float, samples: list, point: str | None,
 
 
 async def _sampler(urls: list[str], t0: float, samples: list, stop: asyncio.Event, interval: float,
-                   point: list[str], names: dict[str, list[str]]) -> None:
+                   point: list[str], names: dict[str, list[str] | None]) -> None:
     while True:
         await _sample(urls, t0, samples, point[0], names)
         if stop.is_set():
@@ -306,7 +305,7 @@ async def replay(base_url: str, model_id: str, points: list[tuple[str, list[dict
         t0 = time.perf_counter()
         # the counters before any request: the first point's baseline (point_stats differences counters
         # between samples, which a point whose tokens all stream between two samples still moves)
-        names: dict[str, list[str]] = {}
+        names: dict[str, list[str] | None] = {}
         await _sample(urls, t0, samples, None, names)
         stop = asyncio.Event()
         cur = [points[0][0]]
