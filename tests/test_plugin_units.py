@@ -10,8 +10,8 @@ import torch
 from conftest import rel_err
 from nelssa.config import load_config, parse_bytes, parse_cores, vllm_nelssa_config
 from nelssa.sparse import cluster_kv, dense_attention, merge_states, select_clusters, sparse_attention
-from nelssa.vllm_plugin.policy import (Policy, attention_balance, blocks_to_finish, blocks_within, host_bytes,
-                                       prefill_chunk)
+from nelssa.vllm_plugin.policy import (Policy, attention_balance, blocks_to_finish, blocks_within,
+                                       ends_within_handoff, host_bytes, prefill_chunk)
 
 
 def test_blocks_within_counts_the_blocks_decoding_requests_take():
@@ -34,6 +34,17 @@ def test_blocks_to_finish_counts_what_requests_still_allocate_to_their_end():
     assert load_config({"nelssa": {"migrate_lead_steps": 64}}, env={}).migrate_lead_steps == 64
     with pytest.raises(ValueError, match="migrate_lead_steps must be"):
         load_config({"nelssa": {"migrate_lead_steps": -1}}, env={})
+
+
+def test_a_request_ending_within_a_hand_off_does_not_migrate():
+    """policy.ends_within_handoff (the migration rule): a grown request whose tokens to go are no more
+    than the steps a hand-off takes (its measured seconds over the step interval) ends before a migration
+    could free its blocks; nothing is skipped before both times are measured."""
+    assert ends_within_handoff(15, 0.3, 0.015)           # H100 growth run 76: 15 to go, ~20 steps of hand-off
+    assert ends_within_handoff(20, 0.3, 0.015) and not ends_within_handoff(21, 0.3, 0.015)
+    assert not ends_within_handoff(152, 0.3, 0.015)      # the engine tests' migrations (152+ tokens to go)
+    assert not ends_within_handoff(0, None, 0.015) and not ends_within_handoff(0, 0.3, None)
+    assert ends_within_handoff(1, 0.001, 0.015)          # a hand-off within a step still takes that step
 
 
 def test_policy_goal_switch_and_freed_blocks():

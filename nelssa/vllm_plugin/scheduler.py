@@ -103,8 +103,8 @@ from vllm.v1.request import Request, RequestStatus
 from nelssa.config import engine_config, mem_available
 from nelssa.vllm_plugin import handover, runtime
 from nelssa.vllm_plugin.connector import find_connector, nelssa_worker_meta
-from nelssa.vllm_plugin.policy import (attention_balance, blocks_to_finish, blocks_within, device_only, host_bytes,
-                                       prefill_chunk, step_plan)
+from nelssa.vllm_plugin.policy import (attention_balance, blocks_to_finish, blocks_within, device_only,
+                                       ends_within_handoff, host_bytes, prefill_chunk, step_plan)
 from nelssa.vllm_plugin.spec import NelssaSpec
 
 log = logging.getLogger("vllm.nelssa")
@@ -142,6 +142,11 @@ class NelssaScheduler(Scheduler):
         self._seeding: dict[str, int] = {}   # D, lane: window admission -> the position its lane seed computes
         self._seeded: set[str] = set()       # ... reported computed: promoted at the next try
         self._fail_soon: dict[str, str] = {}  # requests to finish with an error at the next output
+        # the migration rule's clock (policy.ends_within_handoff): the engine's step interval and a hand-off's
+        # time, start to switch, each a moving average (None until measured)
+        self._step_s: float | None = None
+        self._last_schedule: float | None = None
+        self._handoff_s: float | None = None
         if cfg is None:
             return
         if cfg.lane:
@@ -338,7 +343,9 @@ class NelssaScheduler(Scheduler):
                 self._count("migrations_completed")
             t = self._migrating_at.pop(rid, None)
             if t is not None:  # its hand-off time: start to switch, the request decoding on its device blocks
-                self._conn.sched_stats.setdefault("migration_s", []).append(time.monotonic() - t)
+                dt = time.monotonic() - t
+                self._conn.sched_stats.setdefault("migration_s", []).append(dt)
+                self._handoff_s = dt if self._handoff_s is None else 0.5 * (self._handoff_s + dt)
             self._switched_at[rid] = time.monotonic()
         self._host_end[rid] = h
 
@@ -369,7 +376,8 @@ class NelssaScheduler(Scheduler):
 
     def _migrate(self) -> None:
         """Under pressure, start migrating the running request with the largest context that grew past
-        T_input or has a deferred long prompt."""
+        T_input or has a deferred long prompt; not one that ends before its hand-off would complete (by
+        its ``max_tokens``, policy.ends_within_handoff): its end frees its blocks sooner."""
         cfg, pol = self.nelssa, self.nelssa_policy
         if not cfg.migrate or any(rid in self.requests and not self._host_end.get(rid) for rid in self._anchor):
             return  # off, or one in progress
@@ -381,7 +389,8 @@ class NelssaScheduler(Scheduler):
             if pol.is_long(r.num_prompt_tokens):
                 if pol.deferred(r.num_prompt_tokens):
                     cands.append((max(r.num_computed_tokens, r.num_prompt_tokens), r))
-            elif r.num_computed_tokens >= max(r.num_prompt_tokens, pol.T_input):
+            elif r.num_computed_tokens >= max(r.num_prompt_tokens, pol.T_input) and not ends_within_handoff(
+                    self._end(r) - r.num_tokens, self._handoff_s, self._step_s):
                 cands.append((r.num_computed_tokens, r))
         if not cands:
             return
@@ -423,9 +432,7 @@ class NelssaScheduler(Scheduler):
                  and not r.num_output_placeholders]
         if not cands:
             return
-
-        def end(r: Request) -> int:
-            return min(r.num_prompt_tokens + (r.max_tokens or 0), self.max_model_len)
+        end = self._end
         on_device = [(r.num_computed_tokens, end(r)) for r in self.running if not self._host_end.get(r.request_id)]
         bs, pool = self.block_size, self.kv_cache_manager.block_pool
         free = (pool.get_num_free_blocks() - self.kv_cache_manager.watermark_blocks
@@ -442,6 +449,10 @@ class NelssaScheduler(Scheduler):
         self._count("recalls")
         log.info("NELSSA: recalling request %s (%d tokens, %d to go) to the device: room for it and every running "
                  "request to its end", r.request_id, r.num_tokens, end(r) - r.num_tokens)
+
+    def _end(self, r: Request) -> int:
+        """The tokens a request has when it ends by its ``max_tokens`` (at most the model's length)."""
+        return min(r.num_prompt_tokens + (r.max_tokens or 0), self.max_model_len)
 
     def _preempt_request(self, request: Request, timestamp: float) -> None:
         rid = request.request_id
@@ -619,6 +630,11 @@ class NelssaScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         if self.nelssa is None:
             return super().schedule(*args, **kwargs)
+        now = time.monotonic()
+        if self._last_schedule is not None and now - self._last_schedule < 1.0:  # not across an idle engine
+            dt = now - self._last_schedule
+            self._step_s = dt if self._step_s is None else 0.9 * self._step_s + 0.1 * dt
+        self._last_schedule = now
         self._admit_held()
         self._migrate()
         self._switch()
