@@ -60,6 +60,10 @@ def test_hol_cpu_preset_is_well_formed_and_exact(tmp_path, cut_model_dir):
     per_move = nel["nelssa:clustering_seconds_sum"] / nel["nelssa:clustering_seconds_count"]
     assert sum(mv.values()) <= per_move * 1.01, (mv, per_move)
     assert nel.get("nelssa:lane_rows_total", 0) >= 10, nel  # the long request's tokens came from the lane
+    # every lane batch counted once by what the steps computed beside it (lane.beside_bucket)
+    bb = s["on"]["lane_batch_ms_by_beside"]
+    assert bb and set(bb) <= {"0", "1-15", "16-47", "48+"} and all(v["ms"] > 0 for v in bb.values()), bb
+    assert sum(v["batches"] for v in bb.values()) == nel["nelssa:lane_batch_seconds_count"], (bb, nel)
     # the lane's host calls by part (csrc/common.h KernelSplit): the fused pass is their bulk
     ks = s["on"]["host_call_split_us_per_call"]
     assert ks and set(ks) == {"prep", "fork", "tables", "items", "wait", "combine"} and ks["items"] > 0, ks

@@ -125,6 +125,11 @@ nelssa:lane_timeline_seconds_total{engine="1",model_name="m",part="host"} 1.0
 nelssa:lane_timeline_seconds_total{engine="0",model_name="m",part="lead"} 0.5
 """)
     assert parts == {"nelssa:lane_timeline_seconds_total{host}": 3.0, "nelssa:lane_timeline_seconds_total{lead}": 0.5}
+    beside = parse_metrics("""# HELP nelssa:lane_beside_batches x
+# TYPE nelssa:lane_beside_batches counter
+nelssa:lane_beside_batches_total{beside="16-47",engine="0",model_name="m"} 7.0
+""")  # lane batches by the requests beside them (lane.beside_bucket): the same keying
+    assert beside == {"nelssa:lane_beside_batches_total{16-47}": 7.0}
 
 
 def test_later_scrapes_ask_only_for_the_samples_kept():

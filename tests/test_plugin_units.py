@@ -47,6 +47,18 @@ def test_a_request_ending_within_a_hand_off_does_not_migrate():
     assert ends_within_handoff(1, 0.001, 0.015)          # a hand-off within a step still takes that step
 
 
+def test_lane_batches_are_labelled_by_the_steps_beside_them():
+    """lane.beside_bucket: the mean requests (lane rows not counted) of the engine steps run during a lane
+    batch; the benchmark reads the same labels (hol.BESIDE)."""
+    from nelssa.bench.hol import BESIDE as HOL_BESIDE
+    from nelssa.vllm_plugin.lane import BESIDE, beside_bucket
+    assert BESIDE == HOL_BESIDE
+    assert beside_bucket(0, 0) == "0" and beside_bucket(3, 1) == "0"     # no step, or steps of lane rows only
+    assert beside_bucket(2, 2) == "1-15" and beside_bucket(4, 60) == "1-15"
+    assert beside_bucket(4, 64) == "16-47" and beside_bucket(1, 47) == "16-47"
+    assert beside_bucket(5, 250) == "48+" and beside_bucket(1, 48) == "48+"
+
+
 def test_policy_goal_switch_and_freed_blocks():
     p = Policy(T_input=2048, sink=16, recent=64, chunk=256, block_size=128)
     assert not p.is_long(2047) and p.is_long(2048)

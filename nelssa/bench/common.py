@@ -19,10 +19,10 @@ def pct(v: list[float], p: float) -> float | None:
 
 
 def metric_key(name: str, labels: dict[str, str]) -> str:
-    """A Prometheus sample's key in the benches' metric dicts: its name, and its "part", "path" or
-    "outcome" label as name{part} (a lane batch's or a move's time by part, batches by path, drafts by
-    outcome); every other label (engine, model) is summed over."""
-    lab = labels.get("part") or labels.get("path") or labels.get("outcome")
+    """A Prometheus sample's key in the benches' metric dicts: its name, and its "part", "path", "outcome"
+    or "beside" label as name{part} (a lane batch's or a move's time by part, batches by path, drafts by
+    outcome, lane batches by the requests beside them); every other label (engine, model) is summed over."""
+    lab = labels.get("part") or labels.get("path") or labels.get("outcome") or labels.get("beside")
     return f"{name}{{{lab}}}" if lab else name
 
 

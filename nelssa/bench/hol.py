@@ -62,6 +62,7 @@ MOVE_PARTS = ("read", "kmeans", "pack", "store")  # a move's time by part (vllm_
 CALL_PARTS = ("prep", "fork", "tables", "items", "wait", "combine")  # a local host call by part (KernelSplit)
 COMM_PARTS = ("copy", "wire", "dispatch")  # a node call's communication by part (node/local.py call_results)
 TIMELINE_PARTS = ("lead", "host", "between", "tail")  # a lane batch's time by part (vllm_plugin/lane_host.py, 7)
+BESIDE = ("0", "1-15", "16-47", "48+")  # lane batches by the requests of the steps beside them (vllm_plugin/lane.py)
 
 
 @dataclass
@@ -142,8 +143,8 @@ SAMPLED = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_re
 
 
 def _scrape(names: tuple[str, ...] | None = None) -> dict[str, float]:
-    """vLLM and NELSSA metrics of this (front-end) process, summed over label sets except "part", "path"
-    and "outcome" (kept as name{part}: common.metric_key); ``names``: these samples only. The run's
+    """vLLM and NELSSA metrics of this (front-end) process, summed over label sets except "part", "path",
+    "outcome" and "beside" (kept as name{part}: common.metric_key); ``names``: these samples only. The run's
     sampler reads SAMPLED alone, every 0.25 s in the loop that stamps the tokens: the whole registry took
     3.3 ms with NELSSA's metrics against 2.0 for stock vLLM on the 2-vCPU box, a gap in every stream."""
     from prometheus_client import REGISTRY
@@ -367,6 +368,13 @@ def analyse(run: dict) -> dict:
     nb = m.get("nelssa:lane_timeline_batches_total")
     out["lane_timeline_ms_per_batch"] = {
         p: 1e3 * m.get(f"nelssa:lane_timeline_seconds_total{{{p}}}", 0.0) / nb for p in TIMELINE_PARTS} if nb else None
+    # lane batches by what the engine's steps computed beside them (lane.beside_bucket): batches, mean ms
+    beside = {}
+    for b in BESIDE:
+        n = m.get(f"nelssa:lane_beside_batches_total{{{b}}}")
+        if n:
+            beside[b] = {"batches": int(n), "ms": 1e3 * m.get(f"nelssa:lane_beside_seconds_total{{{b}}}", 0.0) / n}
+    out["lane_batch_ms_by_beside"] = beside or None
     return out
 
 
@@ -564,6 +572,10 @@ def _table(summary: dict) -> str:
                         f"ITL p99 {f(late['short_itl_p99_ms'])} ms")
         rows.append(f"{mode:3} long {[(x['ttft_s'] and round(x['ttft_s'], 2), x['tpot_ms'] and round(x['tpot_ms'], 1)) for x in s['long']]}"
                     f"  tok/s {f(s['output_tok_s'])}  preemptions {s['preemptions']}  errors {s['errors']}")
+        bb = s.get("lane_batch_ms_by_beside")
+        if bb:  # the lane's batches by the requests of the steps beside them
+            rows.append(f"{mode:3} lane batch ms by requests beside: " + "  ".join(
+                f"{b}: {f(v['ms'])} ({v['batches']})" for b, v in bb.items()))
     for k in sorted(k for k in summary if k.startswith("targets")):
         rows.append(f"{k}: " + json.dumps(summary[k]))
     return "\n".join(rows)

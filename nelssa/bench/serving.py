@@ -56,8 +56,8 @@ def combine_metrics(per_url: list[dict[str, float]]) -> dict[str, float]:
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {sample name: value summed over label sets (engines), FRACTIONS the largest}
-    for vllm:* and nelssa:*, keyed as the in-process scrape keys them (common.metric_key: a "part", "path"
-    or "outcome" label kept as name{part})."""
+    for vllm:* and nelssa:*, keyed as the in-process scrape keys them (common.metric_key: a "part", "path",
+    "outcome" or "beside" label kept as name{part})."""
     from prometheus_client.parser import text_string_to_metric_families
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):

@@ -69,6 +69,9 @@ class HostStats:
         self.lane_timeline_s: dict[str, float] = {}  # long lane batches with host calls: launch-to-end seconds
                                                      # per part (lead, host, between, tail; lane_host.py, 7)
         self.lane_timeline_batches = 0
+        self.lane_beside_s: dict[str, float] = {}  # long lane batches' seconds by the requests of the engine steps
+                                                   # run beside them (vllm_plugin/lane.py beside_bucket)
+        self.lane_beside_n: dict[str, float] = {}  # those batches, counted
         self.lane_finish_cancels = 0           # long lane: requests finished while a job of theirs ran (lane.py, 6)
         self.handoff_failures = 0              # background moves to the host tier that failed (handoff.py)
         self.handovers_released = 0            # P/D hand-over (vllm_plugin/handover.py), P: requests released
@@ -94,7 +97,8 @@ class HostStats:
                  "node_comm_s": self.node_comm_s, "node_comm_split_s": self.node_comm_split_s,
                  "host_call_split_s": self.host_call_split_s,
                  "lane_timeline_s": self.lane_timeline_s,
-                 "lane_timeline_batches": self.lane_timeline_batches, "handoff_failures": self.handoff_failures,
+                 "lane_timeline_batches": self.lane_timeline_batches, "lane_beside_s": self.lane_beside_s,
+                 "lane_beside_n": self.lane_beside_n, "handoff_failures": self.handoff_failures,
                  "lane_finish_cancels": self.lane_finish_cancels, "handovers_released": self.handovers_released,
                  "handover_failures": self.handover_failures, "handovers_adopted": self.handovers_adopted,
                  "handover_fallbacks": self.handover_fallbacks, "handover_wait_s": self.handover_wait_s,

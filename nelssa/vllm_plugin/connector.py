@@ -183,6 +183,12 @@ _BY_PART = {
                         "Long lane batches with host calls, launch to end: lead (until the first host call), host "
                         "(calls running), between (device work and flag latency between two layers' calls), tail "
                         "(lane_host.py, 7)"),
+    "lane_beside_s": ("nelssa:lane_beside_seconds", "beside",
+                      "Long lane batches' seconds by the mean requests of the engine steps run during them (0, "
+                      "1-15, 16-47, 48+; lane rows not counted): the steps sharing the device with the lane"),
+    "lane_beside_n": ("nelssa:lane_beside_batches", "beside",
+                      "Long lane batches by the mean requests of the engine steps run during them (as "
+                      "nelssa:lane_beside_seconds)"),
     "lane_paths": ("nelssa:lane_batches", "path",
                    "Long lane: batches by how they ran (replay, captured, or why enqueued: new_key, no_window, broken, "
                    "capture_failed)"),

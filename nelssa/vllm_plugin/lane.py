@@ -71,6 +71,16 @@ from nelssa.vllm_plugin.lane_spec import Drafts
 log = logging.getLogger("vllm.nelssa")
 
 WARM_SIZES = (1, 2, 3, 4)  # lane batch sizes whose dense graphs are captured at engine start (CUDA)
+BESIDE = ("0", "1-15", "16-47", "48+")  # a lane batch by the mean requests of the engine steps run beside it
+
+
+def beside_bucket(steps: int, rows: int) -> str:
+    """The BESIDE label of a lane batch during which the engine ran ``steps`` steps computing ``rows``
+    requests in all (lane rows not counted): how many of the steps' rows shared the device with it. A long
+    token took 30-33 ms with nothing beside it and ~50 ms beside ~50 decoding requests (H100 hol runs
+    74/75); this splits one run's lane batches the same way (nelssa:lane_beside_seconds)."""
+    mean = rows / steps if steps else 0.0
+    return "0" if mean < 0.5 else "1-15" if mean < 15.5 else "16-47" if mean < 47.5 else "48+"
 
 
 @dataclass
@@ -133,6 +143,7 @@ class Lane:
             from nelssa.vllm_plugin.lane_batch import BatchGraphs
             self.batch_graphs = BatchGraphs(model, self.decoder, attn_layers, cfg, block_size)  # lane_batch.py
         self._cv = threading.Condition()
+        self._steps = [0, 0]  # the engine's steps and the requests they computed, lane rows not counted (note_step)
         self._queue: list[Job] = []
         self._running: set[str] = set()
         self._cancel: set[str] = set()
@@ -225,6 +236,12 @@ class Lane:
             for p in [p for p in r if p < pos]:
                 del r[p]
             return r.pop(pos)
+
+    def note_step(self, rows: int) -> None:
+        """Step thread, once per step: the step computed ``rows`` requests besides the lane's rows (the lane
+        reads the counts around each batch: beside_bucket)."""
+        steps, total = self._steps
+        self._steps = [steps + 1, total + rows]  # one assignment: the lane thread reads a consistent pair
 
     def drop(self, req_ids) -> None:
         """Forget these requests (preempted: vLLM frees their blocks at once; finished ones go through
@@ -350,6 +367,7 @@ class Lane:
                 if not jobs:
                     continue
             t0 = time.perf_counter()
+            steps0, rows0 = self._steps
             nxt = None
             try:
                 logits, failed, nxt = self._run(jobs)
@@ -380,7 +398,10 @@ class Lane:
                 self._running_drafts = set()
                 self._settle()
                 self._cv.notify_all()
-            self.host.stats.add(lane_batch_s=dt, lane_rows=len(jobs))
+            steps, rows = self._steps
+            beside = beside_bucket(steps - steps0, rows - rows0)
+            self.host.stats.add(lane_batch_s=dt, lane_rows=len(jobs), lane_beside_s={beside: dt},
+                                lane_beside_n={beside: 1})
             if self.drafts is not None:
                 with self._cv:
                     counts = self.drafts.take_counts()

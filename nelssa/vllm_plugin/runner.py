@@ -192,8 +192,10 @@ class NelssaRunnerMixin:
             return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
             self._nelssa_so = self._nelssa_step = None
+            so = scheduler_output
+            if lane is not None:  # what shared the device with its batches (lane.beside_bucket)
+                lane.note_step(len(so.num_scheduled_tokens) - self._nelssa_lane_rows)
             if started is not None:
-                so = scheduler_output
                 timer.end(started, f"{len(so.num_scheduled_tokens)} requests, {so.total_num_scheduled_tokens} "
                                    f"tokens, {self._nelssa_lane_rows} lane rows")
 
