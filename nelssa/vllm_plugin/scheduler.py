@@ -44,8 +44,9 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   ``migrate_watermark``, or the first held long request not fitting beside what the running
   requests still need (_device_room), or fewer free blocks than the requests decoding on the device
   take within ``migrate_lead_steps`` steps (vLLM about to preempt). One migration at a time; none
-  without pressure or host room. A preempted migrated request starts over on the device (a grown
-  one's host KV is freed).
+  without pressure or host room; none of a grown request that ends (by its ``max_tokens``) within a
+  hand-off's measured time in steps (policy.ends_within_handoff: its end frees its blocks sooner). A
+  preempted migrated request starts over on the device (a grown one's host KV is freed).
   A deferred long prompt (shorter than ``defer_below``, 32K by default) is thus served from the
   device, exactly, as long as the device has room; a longer one is host-backed from admission on
   (the paper's rule): its dense attention would slow every step of the short requests.
