@@ -165,10 +165,11 @@ class NelssaConfig:
                                   # on the device take within this many steps (vLLM about to preempt; a hand-off
                                   # frees blocks only when done); 0: off. With migrate_watermark 1.0, requests
                                   # migrate only then, not while the device has headroom
-    recall: bool = True           # a migrated request that grew past T_input returns to the device (vLLM recomputes
-                                  # it there; its host KV is freed) once the device has room for it and for every
-                                  # running request to its end, nobody waiting: it decodes at the device's pace
-                                  # again instead of the host tier's (scheduler.py, Recall)
+    recall: bool = True           # a migrated request that grew past T_input returns to the device once the device
+                                  # has room for it and for every running request to its end, nobody waiting: it
+                                  # decodes at the device's pace again instead of the host tier's. Engine "local":
+                                  # its KV is loaded back from the host tier (recall.py; nothing recomputed);
+                                  # "node": vLLM recomputes it (a preemption). Its host KV is freed
     defer_below: int = 32768      # long prompts shorter than this stay on the device until device KV is under
                                   # pressure, then migrate as grown requests do; longer ones (and all, at 0)
                                   # are host-backed from admission on
@@ -216,7 +217,8 @@ class NelssaConfig:
     prefetch: str = "l1"          # kernel's software prefetch: l1 | l2 | nta | none (benchmark --sweep-prefetch
     prefetch_rows: int = 16       # picks per CPU; l1/16 was best or level on both measured machines, README)
     fault: str = ""               # fault injection for tests: "attend" makes every host attention fail, "store"
-                                  # every move to the host tier (the requests stay on their device blocks)
+                                  # every move to the host tier (the requests stay on their device blocks), "recall"
+                                  # every recall's read-back (the request fails)
     calibration: str = ""         # `nelssa calibrate` JSON: T_input comes from it unless T_input is given
 
     def __post_init__(self) -> None:
@@ -280,7 +282,8 @@ class NelssaConfig:
         req(self.work_tokens >= 16, f"work_tokens must be >= 16, got {self.work_tokens}")
         req(self.prefetch_rows >= 0, f"prefetch_rows must be >= 0, got {self.prefetch_rows}")
         req(self.prefetch in PREFETCH_HINTS, f"prefetch must be one of {sorted(PREFETCH_HINTS)}, got {self.prefetch!r}")
-        req(self.fault in ("", "attend", "store"), f"fault must be '', 'attend' or 'store', got {self.fault!r}")
+        req(self.fault in ("", "attend", "store", "recall"),
+            f"fault must be '', 'attend', 'store' or 'recall', got {self.fault!r}")
         req(isinstance(self.calibration, str), f"calibration must be a path, got {self.calibration!r}")
 
     @property

@@ -265,6 +265,11 @@ def test_recalls_are_shown_within_the_preemptions():
     assert "preemptions 3 (2 recalls)" in table and "preemptions 3\n" in table + "\n"
     md = "\n".join(workload_md(summ, "."))
     assert "| 3 (2 recalls) |" in md and "| 3 |" in md
+    # recalls by load (recall.py) are no preemptions: only the recomputed ones are named among them
+    both = [{**x, "nelssa:recalls_total": 5.0 * (i >= 2), "nelssa:recalls_recomputed_total": 2.0 * (i >= 2)}
+            for i, x in enumerate(samples)]
+    mixed = wl.point_stats([rec], both, [0.0, 3.0])
+    assert "preemptions 3 (2 recalls)" in wl._table({**summ, "modes": {"on": {"g": mixed}}})
 
 
 def test_plots_and_report(tmp_path):

@@ -219,6 +219,34 @@ def test_cpu_paged_cache_reader_matches_vllm_write(block_size, dtype, d, isa):
     b2, o2 = (slots // block_size).view(10, 15), (slots % block_size).view(10, 15)  # any leading shape
     rk2, rv2 = read_kv(cache, layout, b2, o2, kh, d)
     assert torch.equal(rk2, k.view(10, 15, kh, d)) and torch.equal(rv2, v.view(10, 15, kh, d))
+    # write_kv (a recall's load, recall.py) writes where read_kv reads, touching nothing else
+    from nelssa.vllm_plugin.attention import write_kv
+    k2, v2 = torch.randn(n, kh, d).to(dtype), torch.randn(n, kh, d).to(dtype)
+    before = cache.clone()
+    write_kv(cache, layout, slots[:80] // block_size, slots[:80] % block_size, k2[:80], v2[:80])
+    rk, rv = read_kv(cache, layout, slots // block_size, slots % block_size, kh, d)
+    assert torch.equal(rk[:80], k2[:80]) and torch.equal(rv[:80], v2[:80])
+    assert torch.equal(rk[80:], k[80:]) and torch.equal(rv[80:], v[80:])
+    write_kv(cache, layout, slots[:80] // block_size, slots[:80] % block_size, k[:80], v[:80])
+    assert torch.equal(cache, before)
+
+
+def test_flash_layout_write_kv_is_read_back():
+    """write_kv and read_kv agree in FlashAttention's layout (the GPU's), positions anywhere in the blocks."""
+    from nelssa.vllm_plugin.attention import read_kv, write_kv
+    nb, kh, bs, d, n = 9, 2, 16, 32, 70
+    cache = torch.randn(nb, kh, bs, 2 * d)
+    slots = torch.randperm(nb * bs)[:n]
+    b, o = slots // bs, slots % bs
+    k, v = torch.randn(n, kh, d), torch.randn(n, kh, d)
+    before = read_kv(cache, "flash", torch.arange(nb).repeat_interleave(bs), torch.arange(bs).repeat(nb), kh, d)
+    write_kv(cache, "flash", b, o, k, v)
+    rk, rv = read_kv(cache, "flash", b, o, kh, d)
+    assert torch.equal(rk, k) and torch.equal(rv, v)
+    after = read_kv(cache, "flash", torch.arange(nb).repeat_interleave(bs), torch.arange(bs).repeat(nb), kh, d)
+    untouched = torch.ones(nb * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(after[0][untouched], before[0][untouched]) and torch.equal(after[1][untouched], before[1][untouched])
 
 
 def test_config_sources_and_errors():

@@ -550,6 +550,22 @@ def test_layout_is_cluster_contiguous_and_complete():
     assert torch.allclose(ckv.centroids[h, c].float(), k[h, ckv.perm[h, s:s + n]].mean(0), atol=1e-5)
 
 
+def test_unpack_returns_the_tokens_in_their_order():
+    """ClusteredKV.unpack (a recall's read-back, vllm_plugin/recall.py) inverts the packing of every
+    committed part: the whole range, a range across parts' edges, nothing of a prepared part."""
+    k, v = rand_kv(3, 700, 32)
+    ckv = cluster_kv(k[:, :300], v[:, :300], seed=3, cluster_size=16)
+    ckv.append(k[:, 300:600], v[:, 300:600])
+    ckv.append(k[:, 600:], v[:, 600:], commit=False)  # prepared: not part of what is read back
+    uk, uv = ckv.unpack()
+    assert torch.equal(uk, k[:, :600]) and torch.equal(uv, v[:, :600])
+    uk, uv = ckv.unpack(250, 420)
+    assert torch.equal(uk, k[:, 250:420]) and torch.equal(uv, v[:, 250:420])
+    assert ckv.unpack(5, 5)[0].shape == (3, 0, 32)
+    with pytest.raises(ValueError, match="not within"):
+        ckv.unpack(0, 650)
+
+
 _REGISTERED_SCRIPT = r"""
 import torch
 from nelssa.sparse import hostmem, pack

@@ -173,12 +173,13 @@ def test_growing_requests_migrate_when_vllm_would_preempt_not_before():
 
 
 def test_migrated_request_returns_to_the_device_once_there_is_room():
-    """Recall (scheduler.py, config ``recall``): c (2,000 tokens, 450 to generate) grows past T_input
-    beside a and b (1,950 + 250) in 52 blocks of 128, where the three do not fit once c has ~180 tokens
-    (the baseline preempts); it migrates — the largest context — and decodes from the host tier through the
-    lane. Once a and b have finished, the device has room for c to its end: c is recomputed on the
-    device (counted by vLLM as its one preemption) and ends there with all its blocks, its host KV
-    freed. Tokens equal to the baseline's (budget 1.0, fp32)."""
+    """Recall (config ``recall``, recall.py): c (2,000 tokens, 450 to generate) grows past T_input beside a
+    and b (1,950 + 250) in 52 blocks of 128, where the three do not fit once c has ~180 tokens (the
+    baseline preempts); it migrates — the largest context — and decodes from the host tier through the
+    lane. Once a and b have finished, the device has room for c to its end: its KV is loaded back from the
+    host tier into new blocks (nothing recomputed: its computed tokens never go back; no preemption at
+    all), and it ends there with all its blocks, its host KV freed. Tokens equal to the baseline's (budget
+    1.0, fp32)."""
     reqs = [{"id": "a", "text_tokens": 1950, "max_tokens": 250},
             {"id": "b", "text_tokens": 1950, "offset": 30000, "max_tokens": 250},
             {"id": "c", "text_tokens": 2000, "offset": 60000, "max_tokens": 450}]
@@ -192,12 +193,34 @@ def test_migrated_request_returns_to_the_device_once_there_is_room():
           f"c's device blocks per step {[n for n, _ in held]}")
     assert off["preemptions"] > 0
     assert on["host_totals"].get("long_requests", 0) == 1, on["host_totals"]  # c migrated, a and b did not
-    assert on["preempted"] == {"a": 0, "b": 0, "c": 1}, on["preempted"]  # c's recall, nothing under pressure
+    assert on["preempted"] == {"a": 0, "b": 0, "c": 0}, on["preempted"]  # recalled by load: no preemption
+    computed = [st["computed"]["c"] for st in on["steps"] if "c" in st["computed"]]
+    assert all(x <= y for x, y in zip(computed, computed[1:])), computed  # nothing recomputed
+    assert on["host_totals"].get("recalled_tokens", 0) >= 1500, on["host_totals"]  # its host range came back
     window = max(n for n, others in held if others and 0 < n < 2000 // 128)  # migrated: its window
     back = [n for n, others in held if not others and n > 0]
     assert window <= 6 and back and back[-1] >= -(-(2000 + 450 - 1) // 128), (window, back)
     assert on["final_host_bytes"] == 0 and on["host_requests"] == 0
     assert tokens(on) == tokens(off)
+
+
+def test_a_failed_recall_fails_its_request_loudly():
+    """The recall above with every read-back from the host tier failing (config fault "recall"): c ends
+    with an error that says so — never with text from half-loaded blocks — a and b end normally, and
+    nothing is left behind (host KV freed, every device block back in the pool but vLLM's null block)."""
+    reqs = [{"id": "a", "text_tokens": 1950, "max_tokens": 250},
+            {"id": "b", "text_tokens": 1950, "offset": 30000, "max_tokens": 250},
+            {"id": "c", "text_tokens": 2000, "offset": 60000, "max_tokens": 450}]
+    res = run_harness({"model": CUT, "mode": "on", "requests": reqs,
+                       "nelssa": {**NELSSA, "migrate_watermark": 1.0, "migrate_lead_steps": 200, "lane": True,
+                                  "fault": "recall"},
+                       "engine": {"num_gpu_blocks_override": 52, "max_num_batched_tokens": 2048, "max_model_len": 4096}})
+    out = {k: (v["finish_reason"], v["stop_reason"]) for k, v in res["results"].items()}
+    print(out)
+    assert out["a"] == ("length", None) and out["b"] == ("length", None)
+    assert out["c"][0] == "error" and "recall" in out["c"][1] and "NELSSA_FAULT=recall" in out["c"][1], out
+    assert res["final_host_bytes"] == 0 and res["host_requests"] == 0
+    assert res["final_free_blocks"] == res["total_blocks"] - 1, (res["final_free_blocks"], res["total_blocks"])
 
 
 def test_long_context_is_not_the_preemption_victim():

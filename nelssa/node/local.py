@@ -74,6 +74,8 @@ class HostStats:
         self.lane_beside_n: dict[str, float] = {}  # those batches, counted
         self.lane_finish_cancels = 0           # long lane: requests finished while a job of theirs ran (lane.py, 6)
         self.handoff_failures = 0              # background moves to the host tier that failed (handoff.py)
+        self.recall_load_s: list[float] = []   # recalls by load (vllm_plugin/recall.py): read-back and write per request
+        self.recalled_tokens = 0               # tokens those loads wrote back into device blocks
         self.handovers_released = 0            # P/D hand-over (vllm_plugin/handover.py), P: requests released
         self.handover_failures = 0             # P: hand-overs given up (a failed move or release)
         self.handovers_adopted = 0             # D: requests adopted from P instead of clustered
@@ -99,6 +101,7 @@ class HostStats:
                  "lane_timeline_s": self.lane_timeline_s,
                  "lane_timeline_batches": self.lane_timeline_batches, "lane_beside_s": self.lane_beside_s,
                  "lane_beside_n": self.lane_beside_n, "handoff_failures": self.handoff_failures,
+                 "recall_load_s": self.recall_load_s, "recalled_tokens": self.recalled_tokens,
                  "lane_finish_cancels": self.lane_finish_cancels, "handovers_released": self.handovers_released,
                  "handover_failures": self.handover_failures, "handovers_adopted": self.handovers_adopted,
                  "handover_fallbacks": self.handover_fallbacks, "handover_wait_s": self.handover_wait_s,
@@ -232,6 +235,13 @@ class LocalHostTier:
         if rkv is None:
             raise HostError(f"request {req_id} has no host KV")
         return rkv.layer(layer)
+
+    def read_back(self, req_id: str, layer: int, lo: int, hi: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys, values [H, hi - lo, D] of committed tokens [lo, hi) (from the host range's first token) of one
+        layer, in token order, on ``device``: what a recall loads into the device's blocks (recall.py)."""
+        if self.cfg.fault == "recall":
+            raise HostError("injected host-tier fault (NELSSA_FAULT=recall)")
+        return self.layer_kv(req_id, layer).unpack(lo, hi, device)
 
     def has(self, req_id: str) -> bool:
         return req_id in self.reqs

@@ -317,6 +317,38 @@ class ClusteredKV:
             raise ValueError(f"host KV holds {self.length} committed (+{self.pending_tokens} prepared) tokens, "
                              f"{length} expected")
 
+    def unpack(self, lo: int = 0, hi: int | None = None, device: torch.device | str | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Committed tokens [lo, hi) (positions relative to this store's first token) back in token order:
+        keys, values [H, hi - lo, D] on ``device`` (default: the host). The inverse of the parts' packing:
+        each part's rows are scattered to their tokens by its ``perm`` where the result lives (on a GPU:
+        the part copied there once, the scatter run there). A recall loads a migrated request's device
+        blocks from it (vllm_plugin/recall.py)."""
+        self.check_alive()
+        with self._swap:  # the committed parts and their perms, as one snapshot
+            parts, perms, length = list(self.parts), list(self._perms), self.length
+        hi = length if hi is None else hi
+        if not 0 <= lo <= hi <= length:
+            raise ValueError(f"unpack: [{lo}, {hi}) is not within the {length} committed tokens")
+        H, D = self.num_kv_heads, self.head_dim
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        out = torch.empty(H, hi - lo, 2, D, dtype=self.dtype, device=dev)
+        for part, (perm, off) in zip(parts, perms):
+            n = perm.shape[1]
+            if off >= hi or off + n <= lo:
+                continue
+            kv = part.kv.to(dev, non_blocking=True)
+            pos = perm.to(dev, non_blocking=True) + (off - lo)   # [H, n]: each row's token in the result
+            keep = (pos >= 0) & (pos < hi - lo)
+            if bool(keep.all()):
+                out.scatter_(1, pos[:, :, None, None].expand(H, n, 2, D), kv)
+            else:  # a part across the range's edge: its rows inside it (the same count per head)
+                m = int(keep[0].sum())
+                sel = keep.nonzero()[:, 1].view(H, m)
+                rows = kv.gather(1, sel[:, :, None, None].expand(H, m, 2, D))
+                out.scatter_(1, pos.gather(1, sel)[:, :, None, None].expand(H, m, 2, D), rows)
+        return out[:, :, 0], out[:, :, 1]
+
     def free(self) -> None:
         """Release host and device memory now; later use raises."""
         self.parts.clear()

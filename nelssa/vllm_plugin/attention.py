@@ -102,6 +102,33 @@ def read_kv(kv_cache: torch.Tensor, layout: str, blocks: torch.Tensor, offs: tor
     raise ValueError(f"unsupported KV cache layout {layout!r}")
 
 
+def write_kv(kv_cache: torch.Tensor, layout: str, blocks: torch.Tensor, offs: torch.Tensor,
+             keys: torch.Tensor, values: torch.Tensor) -> None:
+    """The inverse of ``read_kv``: K/V [n, KH, D] written at (blocks, offs) [n] of one layer's paged cache."""
+    head_dim = keys.shape[-1]
+    if layout in ("cpu_vec", "cpu_amx"):
+        nb, kh, bs, _ = kv_cache.shape
+        flat = kv_cache.view(nb, kh, 2, bs * head_dim)
+        if layout == "cpu_vec":
+            flat[:, :, 0].unflatten(-1, (head_dim, bs))[blocks, :, :, offs] = keys
+            flat[:, :, 1].unflatten(-1, (bs, head_dim))[blocks, :, offs, :] = values
+            return
+        t, j = offs.unsqueeze(-1), torch.arange(head_dim, device=offs.device)
+        koff = (t // 16) * (head_dim * 16) + (j // 2) * 32 + (t % 16) * 2 + j % 2
+        voff = (j // 16) * (bs * 16) + (t // 2) * 32 + (j % 16) * 2 + t % 2
+        b = blocks.unsqueeze(-1)
+        kc, vc = flat[:, :, 0], flat[:, :, 1]
+        kc[b, :, koff] = keys.transpose(-1, -2)
+        vc[b, :, voff] = values.transpose(-1, -2)
+        return
+    if layout == "flash":
+        kc, vc = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
+        kc[blocks, offs] = keys
+        vc[blocks, offs] = values
+        return
+    raise ValueError(f"unsupported KV cache layout {layout!r}")
+
+
 def window_index(plan: StepPlan, block_table: torch.Tensor, sink: int, bs: int):
     """(blocks, offsets, valid) [n, W] of each offloaded row's window positions [0, sink) + [H, seq_len)."""
     key = ("win", id(block_table))

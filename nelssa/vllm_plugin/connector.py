@@ -53,6 +53,7 @@ class NelssaConnectorMetadata(KVConnectorMetadata):
     # D, with the lane: window admission -> (position, H0, its input token, its block ids up to the position):
     # the lane computes the prompt's last position before the request's first step (handover.py, 6)
     seeds: dict[str, tuple[int, int, int, list[int]]] = field(default_factory=dict)
+    recalls: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # request -> (H, new block row): recall.py
 
 
 @dataclass
@@ -61,10 +62,12 @@ class NelssaWorkerMeta(KVConnectorWorkerMetadata):
     handoffs: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (end, generation)
     lane: dict[str, int] = field(default_factory=dict)  # request -> position the lane computed (lane.py)
     released: list[str] = field(default_factory=list)  # finished requests the lane is done with (lane.py, 6)
+    recalled: list[str] = field(default_factory=list)  # requests loaded back onto the device (recall.py, 3)
 
     def aggregate(self, other: "NelssaWorkerMeta") -> "NelssaWorkerMeta":
         return NelssaWorkerMeta({**self.failed, **other.failed}, {**self.handoffs, **other.handoffs},
-                                {**self.lane, **other.lane}, [*self.released, *other.released])
+                                {**self.lane, **other.lane}, [*self.released, *other.released],
+                                [*self.recalled, *other.recalled])
 
 
 def _ours(obj, cls, children: str):
@@ -108,6 +111,12 @@ def step_seeds(meta) -> dict[str, tuple[int, int, int, list[int]]]:
     """This step's lane seeds of window admissions (handover.py, 6): request -> (position, H0, token, blocks)."""
     m = _ours(meta, NelssaConnectorMetadata, "metadata")
     return m.seeds if m is not None else {}
+
+
+def step_recalls(meta) -> dict[str, tuple[int, list[int]]]:
+    """This step's recalls (recall.py, 1): request -> (H, its new block row)."""
+    m = _ours(meta, NelssaConnectorMetadata, "metadata")
+    return m.recalls if m is not None else {}
 
 
 def step_anchors(meta) -> dict[str, int]:
@@ -263,8 +272,21 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
                                         documentation="KV bytes (all layers, keys and values) those moves read "
                                                       "from device memory")),
             "recalls": per_engine(c(name="nelssa:recalls", labelnames=labelnames,
-                                    documentation="Migrated requests returned to the device once it had room "
-                                                  "(recomputed there, counted by vLLM as preemptions too)")),
+                                    documentation="Migrated requests returned to the device once it had room: "
+                                                  "their KV loaded back from the host tier (engine local), or "
+                                                  "recomputed there (nelssa-node: counted by vLLM as preemptions "
+                                                  "too, and as nelssa:recalls_recomputed)")),
+            "recalls_recomputed": per_engine(c(name="nelssa:recalls_recomputed", labelnames=labelnames,
+                                               documentation="Recalls through vLLM's preemption and recompute "
+                                                             "(nelssa-node has no read-back)")),
+            "recall_s": per_engine(h(name="nelssa:recall_seconds", labelnames=labelnames, buckets=buckets,
+                                     documentation="Recalls by load: start to the request's report as a device "
+                                                   "request (its load, after its moves, and the lane's release)")),
+            "recall_load_s": per_engine(h(name="nelssa:recall_load_seconds", labelnames=labelnames,
+                                          buckets=buckets, documentation="Recalls by load: the read-back from "
+                                          "the host tier and the write into the new device blocks")),
+            "recalled_tokens": per_engine(c(name="nelssa:recalled_tokens", labelnames=labelnames,
+                                            documentation="Tokens loaded back onto the device by recalls")),
             "migration_s": per_engine(h(name="nelssa:migration_seconds", labelnames=labelnames, buckets=buckets,
                                         documentation="Migrations: start (under pressure) to the switch to host "
                                                       "attention, the request decoding on its device blocks "
@@ -361,6 +383,7 @@ class NelssaConnector(KVConnectorBase_V1):
         self.window: dict[str, int] = {}       # set by NelssaScheduler on D: window admission -> H0
         self._adopt_now: dict[str, tuple[str, int]] = {}  # D: window admissions allocated, not yet sent
         self.seeds: dict[str, tuple[int, int, int, list[int]]] = {}  # set by NelssaScheduler (D, lane): not yet sent
+        self.recalls: dict[str, tuple[int, list[int]]] = {}  # set by NelssaScheduler: recalls not yet sent (recall.py)
         self._alloc_next = 0.0                 # worker: when the allocator's counters are read next
         self._alloc_last: dict[str, int] = {}  # worker: their values at the last read
         self._mappings = 0                     # worker: hostmem's new mappings at the last report
@@ -398,10 +421,11 @@ class NelssaConnector(KVConnectorBase_V1):
         adopt = {r: self._adopt.pop(r) for r in [r for r in self._adopt if r in sched]}
         now, self._adopt_now = self._adopt_now, {}
         seeds, self.seeds = self.seeds, {}
+        recalls, self.recalls = self.recalls, {}
         return NelssaConnectorMetadata({r: h for r, h in self.host_ends.items() if r in sched},
                                        {r: a for r, a in self.anchors.items() if r in sched},
                                        {r: h for r, h in self.switching.items() if r in sched}, release, adopt, now,
-                                       seeds)
+                                       seeds, recalls)
 
     def request_finished(self, request, block_ids):
         """P with ``handover`` (handover.py, 1): a long prompt prefilled for remote decode gets a handle in
@@ -411,6 +435,7 @@ class NelssaConnector(KVConnectorBase_V1):
         self._adopt.pop(rid, None)
         self._adopt_now.pop(rid, None)
         self.seeds.pop(rid, None)
+        self.recalls.pop(rid, None)
         f = self.handover_end
         if f is None or not (request.kv_transfer_params or {}).get("do_remote_decode") or request.status not in (
                 RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
@@ -441,9 +466,10 @@ class NelssaConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self):
         new, done, rel = runtime.take_new_failures(), runtime.take_handoffs(), runtime.take_released()
+        back = runtime.take_recalled()
         lane = runtime.lane()
         ln = lane.take_reports() if lane is not None else {}
-        return NelssaWorkerMeta(new, done, ln, rel) if new or done or ln or rel else None
+        return NelssaWorkerMeta(new, done, ln, rel, back) if new or done or ln or rel or back else None
 
     def get_kv_connector_stats(self):
         if self._role == KVConnectorRole.SCHEDULER:

@@ -18,7 +18,7 @@ Contract (worker side; the ranges come from policy.Policy, the switch from the s
      counted as ``handoff_wait_s``): commits the prepared parts so exactly h - sink tokens are
      visible. The scheduler frees the blocks below h in the same step's scheduling; they are written
      again only by this step's forward, which starts after ``ready`` returns.
-  3. ``drop(rid, preempted)`` when the request finishes, is aborted or preempted: waits for its moves
+  3. ``drop(rid, preempted, recalled)`` when the request finishes, is aborted or preempted: waits for its moves
      (they read blocks that are about to be reused) and forgets them; a preemption starts a new
      generation of the request. The caller frees its host KV.
   4. P/D hand-over (handover.py): ``submit(moves, adopt)`` makes a request's first move [sink, H0) an
@@ -26,6 +26,9 @@ Contract (worker side; the ranges come from policy.Policy, the switch from the s
      on_end)`` (instead of ``drop``) releases a finished request on the node after its moves, off the
      step path, then calls ``on_end(rid)``. ``adopt(rid, handle, h0, on_fail)``: a window admission's
      adoption, at once and with no fallback (its [sink, H0) is not on this device: handover.py, 6).
+  5. Recall (recall.py, 2): ``load(rid, blocks, lo, hi)`` reads tokens [lo, hi) of every layer back from
+     the host tier and writes them into the paged cache at ``blocks``, on this thread after the request's
+     moves (and on CUDA on the side stream after the main stream's work so far); ``drop`` waits for it.
 A failed move (the host tier full, gone, or failing) is logged and counted (``handoff_failures``); the
 request's later moves are skipped and none is reported, so it never switches: it decodes from its
 device blocks (exactly: dense attention) to its end, holding them. A range whose move failed is thus
@@ -45,6 +48,7 @@ import torch
 from nelssa.sparse.clustered import cluster_layers, pack, part_stats, settled
 from nelssa.sparse.kmeans import to_device
 from nelssa.vllm_plugin import handover
+from nelssa.vllm_plugin.attention import write_kv
 
 log = logging.getLogger("vllm.nelssa")
 
@@ -172,6 +176,47 @@ class Handoff:
             vs.append(v.transpose(0, 1).contiguous())
         return ks, vs
 
+    # ------------------------------------------------------------------ 5. load (recall.py)
+    LOAD = 1 << 62  # a load's place among a request's moves: after any range ``ready`` may wait for
+
+    def load(self, rid: str, blocks: list[int], lo: int, hi: int) -> Future:
+        """Tokens [lo, hi) of ``rid`` (absolute positions, within its committed host range) read back from the
+        host tier into the paged cache where ``blocks`` (its whole block row) puts them -> the load's future
+        (its seconds). On this thread after the request's moves; on CUDA on the side stream after the main
+        stream's work so far: the blocks were just allocated, and a step in flight may still write them for
+        their former request."""
+        ev = None
+        if self.layers[0].kv_cache.is_cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+            self._side_stream()
+        fut = self._pool.submit(self._load, ev, rid, list(blocks), lo, hi)
+        self._moves.setdefault(rid, []).append((self.LOAD, fut))
+        return fut
+
+    def _load(self, ev, rid: str, blocks: list[int], lo: int, hi: int) -> float:
+        t = time.perf_counter()
+        if ev is None:
+            self._write_back(rid, blocks, lo, hi)
+        else:
+            self._side.wait_event(ev)
+            with torch.cuda.stream(self._side):
+                self._write_back(rid, blocks, lo, hi)
+            self._side.synchronize()
+        dt = time.perf_counter() - t
+        self.host.stats.add(recall_load_s=dt, recalled_tokens=hi - lo)
+        return dt
+
+    def _write_back(self, rid: str, blocks: list[int], lo: int, hi: int) -> None:
+        if hi <= lo:
+            return
+        bs, dev = self.block_size, self.layers[0].kv_cache.device
+        pos = torch.arange(lo, hi, device=dev)
+        b, o = to_device(torch.tensor(blocks, dtype=torch.long), dev)[pos // bs], pos % bs
+        for i, layer in enumerate(self.layers):
+            k, v = self.host.read_back(rid, i, lo - self.sink, hi - self.sink, dev)
+            write_kv(layer.kv_cache, layer.impl.nelssa_kv_layout, b, o, k.transpose(0, 1), v.transpose(0, 1))
+
     # ------------------------------------------------------------------ 0. warm
     def warm(self, tokens: int) -> float:
         """Once before serving: one move's device and host work (read, k-means of all layers, packing one
@@ -218,7 +263,9 @@ class Handoff:
         self.host.commit(rid, h - self.sink)
 
     # ------------------------------------------------------------------ 3. drop
-    def drop(self, rid: str, preempted: bool = False) -> None:
+    def drop(self, rid: str, preempted: bool = False, recalled: bool = False) -> None:
+        """``recalled`` (recall.py, 3): the request goes on, its generation kept (a later migration's moves
+        are reported with it)."""
         self._dropping.add(rid)  # an adoption still waiting for its release gives up (handover.py, 5)
         for _, fut in self._moves.pop(rid, []):
             fut.exception()  # wait; the request is gone, its failure no longer matters
@@ -227,7 +274,7 @@ class Handoff:
         self._failed.discard(rid)
         if preempted:
             self._gen[rid] = self._gen.get(rid, 0) + 1
-        else:
+        elif not recalled:
             self._gen.pop(rid, None)
 
     # ------------------------------------------------------------------ 4. hand-over (P)

@@ -9,6 +9,8 @@ Per step:
     k-means segments while it prefills, the rest of the prompt once processed, each filled chunk of
     generated tokens) are handed off in the background (handoff.Handoff.submit); completions go to
     the scheduler through the connector, which switches the request to them in a later step.
+  * recalls (recall.py): a recalled request's new block row taken, its load started, and once loaded
+    (and let go by the lane) its host KV freed and the request reported recalled;
   * with the long lane (config ``lane``, lane.py): an offloaded row whose next position the lane
     computed is a lane row (its logits are the lane's); after the sampling every offloaded row of the
     step queues the lane job of its next position (none after a request's last token). A finished
@@ -34,9 +36,10 @@ from nelssa.sparse.kmeans import to_device
 from nelssa.vllm_plugin import runtime, sm_split
 from nelssa.vllm_plugin.attention import StepPlan, read_kv, set_plan
 from nelssa.vllm_plugin.connector import (step_adoptions, step_anchors, step_handovers, step_host_ends,
-                                          step_seeds, step_switching)
+                                          step_recalls, step_seeds, step_switching)
 from nelssa.vllm_plugin.handoff import Handoff
 from nelssa.vllm_plugin.policy import Policy, device_only
+from nelssa.vllm_plugin.recall import Recalls
 
 log = logging.getLogger("vllm.nelssa")
 
@@ -50,6 +53,7 @@ class NelssaRunnerMixin:
         self.nelssa_host: LocalHostTier | None = None
         self.nelssa_handoff: Handoff | None = None
         self.nelssa_lane = None
+        self.nelssa_recalls: Recalls | None = None
         self.nelssa_watchdog = self.nelssa_step_timer = None
         self._nelssa_lane_rows = 0  # lane rows of the last forward (StepTimer's log)
         self._nelssa_so = None
@@ -91,6 +95,7 @@ class NelssaRunnerMixin:
             # the lane thread launches between host results; the step thread must get the GIL back
             # within a fraction of a decode step, not Python's 5 ms
             sys.setswitchinterval(min(sys.getswitchinterval(), cfg.lane_switch_us * 1e-6))
+        self.nelssa_recalls = Recalls(self.nelssa_handoff, self.nelssa_host, self.nelssa_lane, self._nelssa_policy)
         if cfg.stall_log_ms > 0:
             from nelssa.vllm_plugin.watchdog import StepTimer, Watchdog
             self.nelssa_watchdog = Watchdog(cfg.stall_log_ms)
@@ -169,7 +174,9 @@ class NelssaRunnerMixin:
                     self.nelssa_handoff.adopt(rid, handle, h0, runtime.fail)
                 except Exception as e:  # noqa: BLE001 - this request fails loudly; others go on
                     runtime.fail(rid, f"adopting its hand-over: {type(e).__name__}: {e}")
-        lane = self.nelssa_lane
+        lane, recalls = self.nelssa_lane, self.nelssa_recalls
+        recalls.forget(finished | preempted)  # dropped below as any other (their load waited for)
+        recalls.start(step_recalls(scheduler_output.kv_connector_metadata), self.requests)  # recall.py, 2
         if lane is not None:  # before this step may reuse their blocks (lane.py, 6; lane_spec.py, 4)
             self._nelssa_lane_seed(step_seeds(scheduler_output.kv_connector_metadata), finished)
             lane.drop(preempted)    # vLLM frees a preempted request's blocks at once: its job waited for
@@ -177,13 +184,15 @@ class NelssaRunnerMixin:
             lane.stale(step_host_ends(scheduler_output.kv_connector_metadata))
             if not scheduler_output.total_num_scheduled_tokens:
                 lane.wait_any(0.002)  # nothing to run but busy lane rows: do not spin against the lane
-            finished = lane.take_released()  # their host KV goes now, their blocks after the report
+            # their host KV goes now, their blocks after the report; recalled ones are the recall's (3)
+            finished = recalls.released(lane.take_released())
         for rid in finished | preempted:
             self.nelssa_handoff.drop(rid, preempted=rid in preempted)
             host.free(rid)
             runtime.forget(rid)
         if lane is not None and finished:
             runtime.released(finished)
+        recalls.poll()
         self._nelssa_so = scheduler_output
         timer = self.nelssa_step_timer
         started = timer.start() if timer is not None else None

@@ -12,6 +12,7 @@ _reported: set[str] = set()
 _handoffs: dict[str, tuple[int, int]] = {}  # request id -> (end of completed hand-offs, generation)
 _released: list[str] = []  # finished requests the lane is done with, not yet reported (lane.py, 6)
 _handed: set[str] = set()  # finished requests whose hand-over ended (handover.py): their blocks can go
+_recalled: list[str] = []  # requests loaded back onto the device, not yet reported (recall.py, 3)
 
 
 def set_host(host) -> None:
@@ -93,4 +94,17 @@ def take_handed_over() -> set[str]:
     global _handed
     with _lock:
         out, _handed = _handed, set()
+    return out
+
+
+def recalled(req_id: str) -> None:
+    """A recalled request's KV is on the device again and its host KV freed (recall.py, 3)."""
+    with _lock:
+        _recalled.append(req_id)
+
+
+def take_recalled() -> list[str]:
+    global _recalled
+    with _lock:
+        out, _recalled = _recalled, []
     return out

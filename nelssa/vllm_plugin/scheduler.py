@@ -143,6 +143,7 @@ class NelssaScheduler(Scheduler):
         self._seeding: dict[str, int] = {}   # D, lane: window admission -> the position its lane seed computes
         self._seeded: set[str] = set()       # ... reported computed: promoted at the next try
         self._fail_soon: dict[str, str] = {}  # requests to finish with an error at the next output
+        self._loading: dict[str, float] = {}  # recalled request -> since (monotonic): loading back (recall.py)
         # the migration rule's clock (policy.ends_within_handoff): the engine's step interval and a hand-off's
         # time, start to switch, each a moving average (None until measured)
         self._step_s: float | None = None
@@ -167,6 +168,7 @@ class NelssaScheduler(Scheduler):
         if len(managers) != 1 or conn is None:
             raise ValueError("NELSSA needs its KV-cache manager and its KV connector (see nelssa.vllm_plugin.engine_args)")
         managers[0].host_ends = conn.host_ends = self._host_end
+        self._manager = managers[0]
         managers[0].window_ends = conn.window = self._window
         conn.anchors = self._anchor
         conn.switching = self._switching
@@ -413,18 +415,20 @@ class NelssaScheduler(Scheduler):
 
     def _recall(self) -> None:
         """A migrated request that grew past T_input returns to the device (config ``recall``) once the
-        device has room for it and for every running request to its end, and nothing waits for room:
-        vLLM recomputes it there (its host KV freed, as for any preemption) and it decodes at the
-        device's pace again. Without it such a request decodes from the host tier to its end although
-        the pressure that moved it is gone (H200 growth run 61: after the others finished, 16 migrated
-        requests decoded for 67 s at ~270 tok/s beside an idle device). One a step, the one with the most
+        device has room for it and for every running request to its end, and nothing waits for room, and
+        decodes at the device's pace again. Without it such a request decodes from the host tier to its end
+        although the pressure that moved it is gone (H200 growth run 61: after the others finished, 16
+        migrated requests decoded for 67 s at ~270 tok/s beside an idle device). With the in-process host
+        tier its KV is loaded back (recall.py: new blocks where its host range's null blocks are, held out of
+        the steps until the worker reports it loaded, ``_recalled``); with nelssa-node (no read-back) vLLM
+        recomputes it (a preemption; its host KV freed as for any). One at a time, the one with the most
         tokens left; only one whose step output is not in flight and that the lane does not compute; never
         while anything would migrate a request, nor where the device's KV use with every running request
         at its end reaches ``migrate_watermark`` (no request goes back and forth)."""
         cfg = self.nelssa
-        if not cfg.recall or not self._anchor or self.waiting or self._held or any(
+        if not cfg.recall or not self._anchor or self.waiting or self._held or self._loading or any(
                 rid in self.requests and not self._host_end.get(rid) for rid in self._anchor):
-            return  # off; room is for waiting requests first; a migration in progress
+            return  # off; room is for waiting requests first; a recall or a migration in progress
         if self._pressure():
             return  # what migrates requests would migrate it again
         cands = [r for r in self.running
@@ -445,11 +449,33 @@ class NelssaScheduler(Scheduler):
         # would migrate again: with the watermark at 0, as the tests set it, nothing is recalled)
         if need > room or 1.0 - (room - need) / max(1, pool.num_gpu_blocks - 1) >= cfg.migrate_watermark:
             return
-        self.running.remove(r)
-        self._preempt_request(r, time.monotonic())
+        rid = r.request_id
+        if cfg.engine == "local":  # by load (recall.py, 1)
+            row = self._manager.recall_blocks(rid, self._host_end[rid])
+            self._loading[rid] = time.monotonic()
+            self._conn.recalls[rid] = (self._host_end[rid], row)
+            how = "loading its KV back from the host tier"
+        else:
+            self.running.remove(r)
+            self._preempt_request(r, time.monotonic())
+            self._count("recalls")
+            self._count("recalls_recomputed")
+            how = "recomputed there (nelssa-node has no read-back)"
+        log.info("NELSSA: recalling request %s (%d tokens, %d to go) to the device, %s: room for it and every "
+                 "running request to its end", rid, r.num_tokens, end(r) - r.num_tokens, how)
+
+    def _recalled(self, rid: str) -> None:
+        """The worker loaded a recalled request back (recall.py, 4): a device request from the next step."""
+        t = self._loading.pop(rid, None)
+        r = self.requests.get(rid)
+        if t is None or r is None:
+            return
+        for d in (self._host_end, self._anchor, self._switched_at, self._done, self._migrating_at):
+            d.pop(rid, None)
+        if not self._long(r):  # (a grown request; a long prompt keeps its reservation)
+            self._reserved.pop(rid, None)
         self._count("recalls")
-        log.info("NELSSA: recalling request %s (%d tokens, %d to go) to the device: room for it and every running "
-                 "request to its end", r.request_id, r.num_tokens, end(r) - r.num_tokens)
+        self._conn.sched_stats.setdefault("recall_s", []).append(time.monotonic() - t)
 
     def _end(self, r: Request) -> int:
         """The tokens a request has when it ends by its ``max_tokens`` (at most the model's length)."""
@@ -465,6 +491,7 @@ class NelssaScheduler(Scheduler):
         self._switched_at.pop(rid, None)
         self._window.pop(rid, None)  # it comes back as a prompt prefilled here (its KV came from P)
         self._migrating_at.pop(rid, None)
+        self._loading.pop(rid, None)
         if self._anchor.pop(rid, None) is not None and not self._long(request):  # it comes back as a short one
             self._reserved.pop(rid, None)
         return super()._preempt_request(request, timestamp)
@@ -657,8 +684,9 @@ class NelssaScheduler(Scheduler):
         # still counted against max_num_seqs, so vLLM admits no more than it has room for — on a P/D
         # decode instance with 128 running it had admitted past it and failed its own assertion);
         # spared ones first, so vLLM's FCFS victim (the list's last) is any other one before them
-        hidden = [r for r in self.running if r.request_id in self._busy]
-        visible = [r for r in self.running if r.request_id not in self._busy] if hidden else self.running
+        hidden = [r for r in self.running if r.request_id in self._busy or r.request_id in self._loading]
+        visible = [r for r in self.running if r.request_id not in self._busy
+                   and r.request_id not in self._loading] if hidden else self.running
         spared = self._spared(visible)
         plan = self._prefill_cap(visible, spared, sc.long_prefill_token_threshold)
         max_running, max_tokens = self.max_num_running_reqs, self.max_num_scheduled_tokens
@@ -777,6 +805,7 @@ class NelssaScheduler(Scheduler):
         if self.nelssa is not None and self.nelssa.lane and (rid in self._host_end or rid in self._switching
                                                                or rid in self._busy):
             self._lane_reqs.add(rid)
+        self._loading.pop(rid, None)
         self._busy.discard(request.request_id)
         self._switching.pop(request.request_id, None)
         self._switched.discard(request.request_id)
@@ -857,6 +886,8 @@ class NelssaScheduler(Scheduler):
             r = self.requests.get(rid)
             if r is not None and gen == r.num_preemptions:  # else a report from before a preemption
                 self._done[rid] = max(self._done.get(rid, 0), end)
+        for rid in getattr(meta, "recalled", None) or ():  # after its moves' reports (recall.py, 3)
+            self._recalled(rid)
         if failed:
             for req in self.finish_requests(failed.keys(), RequestStatus.FINISHED_ERROR):
                 errors.append(self._error_output(req, f"nelssa: {failed[req.request_id]}"))

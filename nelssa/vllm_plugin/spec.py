@@ -86,6 +86,18 @@ class NelssaManager(FullAttentionManager):
         if self._record_new_block_ids:
             self.new_block_ids.extend(b.block_id for b in new)
 
+    def recall_blocks(self, request_id: str, h: int) -> list[int]:
+        """A recall by load (recall.py, 1): new blocks where the null blocks of the request's host range
+        [sink, h) are -> its whole block row (ids). The caller has checked the room. Nothing is freed below
+        h again while the request is not scheduled (this manager frees on allocation); its host range is
+        dropped (``host_ends``) once the worker has loaded the blocks."""
+        blocks = self.req_to_blocks[request_id]
+        first, last = self.policy.freed_blocks(h)
+        nulls = [i for i in range(first, min(last, len(blocks))) if blocks[i] is self._null_block]
+        for i, b in zip(nulls, self.block_pool.get_new_blocks(len(nulls))):
+            blocks[i] = b
+        return [b.block_id for b in blocks]
+
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
         h = self.host_ends.get(request_id, 0)
