@@ -864,6 +864,50 @@ def test_handoff_warm_stores_nothing(device):
         hand.close()
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_handoff_load_writes_back_what_it_moved(device):
+    """A recall's load (recall.py, 2; Handoff.load): tokens moved to the host tier from some blocks come
+    back, every layer, into other blocks at the same positions, exactly; on CUDA on the side stream, after
+    the main stream's work so far (a write queued there before the load lands first, then the load's)."""
+    from types import SimpleNamespace
+
+    from nelssa.config import get_config
+    from nelssa.node.local import LocalHostTier
+    from nelssa.vllm_plugin.attention import read_kv
+    from nelssa.vllm_plugin.handoff import Handoff
+
+    cfg, L, KH, D, bs = get_config(), 2, 2, 64, 16
+    layers = [SimpleNamespace(kv_cache=torch.randn(96, KH, bs, 2 * D, device=device),
+                              impl=SimpleNamespace(nelssa_kv_layout="flash"), num_kv_heads=KH, head_size=D)
+              for _ in range(L)]
+    host = LocalHostTier(cfg, num_layers=L)
+    hand = Handoff(host, layers, bs, cfg.sink, read_kv)
+    hi = 650
+    first, last = -(-cfg.sink // bs), hi // bs  # the blocks a host range [sink, hi) frees (policy.freed_blocks)
+    old = list(range(41))
+    new = old[:first] + list(range(50, 50 + last - first)) + old[last:]  # new blocks where those were
+    try:
+        hand.submit([("r", old, cfg.sink, hi)])
+        hand.wait_all()
+        hand.ready("r", hi)
+        lo, top = first * bs, last * bs
+        pos = torch.arange(lo, top, device=device)
+        want = [read_kv(x.kv_cache, "flash", torch.tensor(old, device=device)[pos // bs], pos % bs, KH, D)
+                for x in layers]
+        for x in layers:  # the main stream's last write to the new blocks, before the load
+            x.kv_cache[50:50 + last - first].fill_(7.0)
+        secs = hand.load("r", new, lo, top).result()
+        got = [read_kv(x.kv_cache, "flash", torch.tensor(new, device=device)[pos // bs], pos % bs, KH, D)
+               for x in layers]
+        assert secs > 0 and host.stats.recalled_tokens == top - lo
+        for (wk, wv), (gk, gv) in zip(want, got):
+            assert torch.equal(wk, gk) and torch.equal(wv, gv)
+        hand.drop("r", recalled=True)  # nothing left to wait for; its generation kept
+        assert hand.end("r") == cfg.sink
+    finally:
+        hand.close()
+
+
 def test_nelssa_stats_aggregate_counts_each_part_once():
     """Steps report per-part sums with different parts (e.g. lane drafts run in one step, verified in
     the next): aggregating adds each part once, lists concatenate, byte gauges keep the latest."""
