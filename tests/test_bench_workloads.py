@@ -595,6 +595,8 @@ def test_point_counters_are_differenced_between_points():
     (["single-long", "--set", 'nelssa={"budget": 5}'], "budget must be in (0, 1]"),
     (["hol", "--preset", "cpu", "--set", "n_long=1.5"], "scenario field n_long: an integer >= 0"),
     (["hol", "--preset", "cpu", "--set", "prompts=foo"], "scenario field prompts"),
+    (["hol", "--preset", "cpu", "--set", "profile_at=3", "--set", "profile_decode_s=1"], "one of them, not both"),
+    (["hol", "--preset", "cpu", "--set", "n_long=0", "--set", "profile_decode_s=1"], "no long decode phase"),
     (["hol", "--preset", "cpu", "--variant", 't={"pool_threadz": 2}', "--modes", "off,on:t"], "pool_threadz"),
     (["report", "/nonexistent-results"], "not a folder"),
     (["accuracy", "--budgets", "0.04,2"], "budgets in (0, 1]"),

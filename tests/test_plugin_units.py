@@ -835,10 +835,9 @@ def test_host_call_bench_paced_on_cpu(tmp_path):
         assert (r["split_us"]["items"] > 0) == (case != "empty"), (case, r)
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-def test_handoff_warm_stores_nothing(device):
-    """Handoff.warm runs a move's work (read, k-means of every layer, packing) on the hand-off thread
-    and leaves the host tier and its counters as they were; a move after it is stored as usual."""
+def _handoff(device, blocks: int):
+    """A Handoff over two fake layers of a paged cache of ``blocks`` blocks (FlashAttention's layout), an
+    in-process host tier -> (cfg, handoff, host, layers, (KH, D, block size))."""
     from types import SimpleNamespace
 
     from nelssa.config import get_config
@@ -847,11 +846,18 @@ def test_handoff_warm_stores_nothing(device):
     from nelssa.vllm_plugin.handoff import Handoff
 
     cfg, L, KH, D, bs = get_config(), 2, 2, 64, 16
-    layers = [SimpleNamespace(kv_cache=torch.randn(64, KH, bs, 2 * D, device=device),
+    layers = [SimpleNamespace(kv_cache=torch.randn(blocks, KH, bs, 2 * D, device=device),
                               impl=SimpleNamespace(nelssa_kv_layout="flash"), num_kv_heads=KH, head_size=D)
               for _ in range(L)]
     host = LocalHostTier(cfg, num_layers=L)
-    hand = Handoff(host, layers, bs, cfg.sink, read_kv)
+    return cfg, Handoff(host, layers, bs, cfg.sink, read_kv), host, layers, (KH, D, bs)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_handoff_warm_stores_nothing(device):
+    """Handoff.warm runs a move's work (read, k-means of every layer, packing) on the hand-off thread
+    and leaves the host tier and its counters as they were; a move after it is stored as usual."""
+    cfg, hand, host, _, _ = _handoff(device, 64)
     try:
         assert hand.warm(0) == 0.0
         assert hand.warm(700) > 0
@@ -869,19 +875,8 @@ def test_handoff_load_writes_back_what_it_moved(device):
     """A recall's load (recall.py, 2; Handoff.load): tokens moved to the host tier from some blocks come
     back, every layer, into other blocks at the same positions, exactly; on CUDA on the side stream, after
     the main stream's work so far (a write queued there before the load lands first, then the load's)."""
-    from types import SimpleNamespace
-
-    from nelssa.config import get_config
-    from nelssa.node.local import LocalHostTier
     from nelssa.vllm_plugin.attention import read_kv
-    from nelssa.vllm_plugin.handoff import Handoff
-
-    cfg, L, KH, D, bs = get_config(), 2, 2, 64, 16
-    layers = [SimpleNamespace(kv_cache=torch.randn(96, KH, bs, 2 * D, device=device),
-                              impl=SimpleNamespace(nelssa_kv_layout="flash"), num_kv_heads=KH, head_size=D)
-              for _ in range(L)]
-    host = LocalHostTier(cfg, num_layers=L)
-    hand = Handoff(host, layers, bs, cfg.sink, read_kv)
+    cfg, hand, host, layers, (KH, D, bs) = _handoff(device, 96)
     hi = 650
     first, last = -(-cfg.sink // bs), hi // bs  # the blocks a host range [sink, hi) frees (policy.freed_blocks)
     old = list(range(41))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -95,6 +96,10 @@ class Scenario:
     # of the run for profile_s seconds; trace and key-average table land in <out>/profile_<mode>/
     profile_at: float | None = None
     profile_s: float = 1.0
+    # ... or from this many seconds into the long decode phase (every long request has its first token),
+    # whenever that comes: e.g. the lane with nothing beside it (rate 0.05, duration 1) without guessing
+    # when the long prefills end
+    profile_decode_s: float | None = None
 
     def __post_init__(self) -> None:
         """Bad values are refused here, before any engine starts (ValueError naming the field)."""
@@ -104,6 +109,11 @@ class Scenario:
             num(name, 0, strict=True)
         num("long_at", 0)
         num("profile_at", 0, none=True)
+        num("profile_decode_s", 0, none=True)
+        if self.profile_at is not None and self.profile_decode_s is not None:
+            raise ValueError("scenario fields profile_at and profile_decode_s: one of them, not both")
+        if self.profile_decode_s is not None and not self.n_long:
+            raise ValueError("scenario field profile_decode_s: there is no long decode phase without long requests")
         for name in ("short_in", "short_out", "long_len", "long_out", "max_model_len", "max_num_seqs",
                      "max_num_batched_tokens", "long_prefill_token_threshold"):
             num(name, 1, integer=True)
@@ -174,7 +184,8 @@ async def _run_mode(mode: str, sc: Scenario, model: str, out_dir: str = "") -> d
         kw["num_gpu_blocks_override"] = sc.kv_blocks
     if mode == "on":
         kw.update(engine_args(sc.nelssa))
-    if sc.profile_at is not None:
+    profiling = sc.profile_at is not None or sc.profile_decode_s is not None
+    if profiling:
         from vllm.config import ProfilerConfig
         kw["profiler_config"] = ProfilerConfig(profiler="torch", torch_profiler_dir=os.path.abspath(
             os.path.join(out_dir, f"profile_{mode}")), torch_profiler_with_stack=False, ignore_frontend=True)
@@ -182,6 +193,9 @@ async def _run_mode(mode: str, sc: Scenario, model: str, out_dir: str = "") -> d
     tok = eng.tokenizer if getattr(eng, "tokenizer", None) is not None else await eng.get_tokenizer()
     plan = _arrivals(sc)
     prompts = {r["id"]: _prompt_ids(sc, tok, r, k) for k, r in enumerate(plan)}
+
+    decoding = asyncio.Event()  # every long request has its first token: the long decode phase
+    firsts: set[str] = set()
 
     async def one(r: dict, t0: float, rec: list | None) -> None:
         sp = SamplingParams(temperature=0, max_tokens=r["n_out"], ignore_eos=True)
@@ -192,6 +206,10 @@ async def _run_mode(mode: str, sc: Scenario, model: str, out_dir: str = "") -> d
             stamps.extend([now] * (len(o.token_ids) - len(ids)))
             ids = list(o.token_ids)
             finish = o.finish_reason
+            if rec is not None and r["kind"] == "long" and ids and r["id"] not in firsts:
+                firsts.add(r["id"])
+                if len(firsts) == sc.n_long:
+                    decoding.set()
         if rec is not None:
             rec.append({**r, "start": start, "stamps": stamps, "token_ids": ids, "finish_reason": finish})
 
@@ -220,14 +238,19 @@ async def _run_mode(mode: str, sc: Scenario, model: str, out_dir: str = "") -> d
             await asyncio.sleep(0.25)
 
     async def profile() -> None:
-        await asyncio.sleep(max(0.0, sc.profile_at - (time.perf_counter() - t0)))
-        print(f"[hol:{mode}] profiling {sc.profile_s:.1f} s", file=sys.stderr, flush=True)
+        if sc.profile_at is not None:
+            await asyncio.sleep(max(0.0, sc.profile_at - (time.perf_counter() - t0)))
+        else:
+            await decoding.wait()
+            await asyncio.sleep(sc.profile_decode_s)
+        print(f"[hol:{mode}] profiling {sc.profile_s:.1f} s from t={time.perf_counter() - t0:.1f} s",
+              file=sys.stderr, flush=True)
         await eng.start_profile()
         await asyncio.sleep(sc.profile_s)
         await eng.stop_profile()
 
     smp = asyncio.create_task(sampler())
-    prof = asyncio.create_task(profile()) if sc.profile_at is not None else None
+    prof = asyncio.create_task(profile()) if profiling else None
     tasks = []
     for r in plan:
         await asyncio.sleep(max(0.0, r["at"] - (time.perf_counter() - t0)))
@@ -235,7 +258,10 @@ async def _run_mode(mode: str, sc: Scenario, model: str, out_dir: str = "") -> d
     await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
     if prof is not None:
-        await prof
+        if sc.profile_at is None and not decoding.is_set():
+            prof.cancel()  # no long decode phase came (its requests failed): nothing to profile
+        with contextlib.suppress(asyncio.CancelledError):
+            await prof
     done.set()
     await smp
     await asyncio.sleep(1.5)  # let the last iteration stats reach the registry

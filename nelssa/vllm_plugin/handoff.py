@@ -18,9 +18,9 @@ Contract (worker side; the ranges come from policy.Policy, the switch from the s
      counted as ``handoff_wait_s``): commits the prepared parts so exactly h - sink tokens are
      visible. The scheduler frees the blocks below h in the same step's scheduling; they are written
      again only by this step's forward, which starts after ``ready`` returns.
-  3. ``drop(rid, preempted, recalled)`` when the request finishes, is aborted or preempted: waits for its moves
-     (they read blocks that are about to be reused) and forgets them; a preemption starts a new
-     generation of the request. The caller frees its host KV.
+  3. ``drop(rid, preempted)`` when the request finishes, is aborted, preempted or recalled: waits for
+     its moves (they read blocks that are about to be reused) and forgets them; a preemption starts a
+     new generation of the request. The caller frees its host KV.
   4. P/D hand-over (handover.py): ``submit(moves, adopt)`` makes a request's first move [sink, H0) an
      adoption of what its prefill instance stored (falling back to the move); ``handover(rid, handle,
      on_end)`` (instead of ``drop``) releases a finished request on the node after its moves, off the
@@ -264,8 +264,8 @@ class Handoff:
 
     # ------------------------------------------------------------------ 3. drop
     def drop(self, rid: str, preempted: bool = False, recalled: bool = False) -> None:
-        """``recalled`` (recall.py, 3): the request goes on, its generation kept (a later migration's moves
-        are reported with it)."""
+        """3 above; ``recalled`` (recall.py, 3): the request goes on as a device request, its generation kept
+        (a later migration's moves are reported with it)."""
         self._dropping.add(rid)  # an adoption still waiting for its release gives up (handover.py, 5)
         for _, fut in self._moves.pop(rid, []):
             fut.exception()  # wait; the request is gone, its failure no longer matters
