@@ -172,6 +172,12 @@ def test_growing_requests_migrate_when_vllm_would_preempt_not_before():
     assert on["host_totals"].get("long_requests", 0) >= 1, on["host_totals"]  # grown ones migrated
 
 
+# c grows past T_input beside a and b, migrates, and comes back once they end (the recall tests)
+RECALLED = [{"id": "a", "text_tokens": 1950, "max_tokens": 250},
+            {"id": "b", "text_tokens": 1950, "offset": 30000, "max_tokens": 250},
+            {"id": "c", "text_tokens": 2000, "offset": 60000, "max_tokens": 450}]
+
+
 def test_migrated_request_returns_to_the_device_once_there_is_room():
     """Recall (config ``recall``, recall.py): c (2,000 tokens, 450 to generate) grows past T_input beside a
     and b (1,950 + 250) in 52 blocks of 128, where the three do not fit once c has ~180 tokens (the
@@ -180,9 +186,7 @@ def test_migrated_request_returns_to_the_device_once_there_is_room():
     host tier into new blocks (nothing recomputed: its computed tokens never go back; no preemption at
     all), and it ends there with all its blocks, its host KV freed. Tokens equal to the baseline's (budget
     1.0, fp32)."""
-    reqs = [{"id": "a", "text_tokens": 1950, "max_tokens": 250},
-            {"id": "b", "text_tokens": 1950, "offset": 30000, "max_tokens": 250},
-            {"id": "c", "text_tokens": 2000, "offset": 60000, "max_tokens": 450}]
+    reqs = RECALLED
     spec = {"model": CUT, "nelssa": {**NELSSA, "migrate_watermark": 1.0, "migrate_lead_steps": 200, "lane": True},
             "engine": {"num_gpu_blocks_override": 52, "max_num_batched_tokens": 2048, "max_model_len": 4096},
             "requests": reqs}
@@ -204,21 +208,25 @@ def test_migrated_request_returns_to_the_device_once_there_is_room():
     assert tokens(on) == tokens(off)
 
 
-def test_a_failed_recall_fails_its_request_loudly():
-    """The recall above with every read-back from the host tier failing (config fault "recall"): c ends
-    with an error that says so — never with text from half-loaded blocks — a and b end normally, and
-    nothing is left behind (host KV freed, every device block back in the pool but vLLM's null block)."""
-    reqs = [{"id": "a", "text_tokens": 1950, "max_tokens": 250},
-            {"id": "b", "text_tokens": 1950, "offset": 30000, "max_tokens": 250},
-            {"id": "c", "text_tokens": 2000, "offset": 60000, "max_tokens": 450}]
+@pytest.mark.parametrize("case", ["read-back fails", "aborted while loading"])
+def test_a_recall_that_fails_or_is_aborted_leaves_nothing_behind(case):
+    """The recall above (a) with every read-back from the host tier failing (config fault "recall"): c ends
+    with an error that says so — never with text from half-loaded blocks; (b) with c aborted in the step
+    after its recall started (loaded, not yet reported). Either way a and b end normally, and nothing is
+    left behind: host KV freed, every device block back in the pool but vLLM's null block."""
+    fault = case == "read-back fails"
+    reqs = [dict(r, abort_on_recall=True) if r["id"] == "c" and not fault else r for r in RECALLED]
     res = run_harness({"model": CUT, "mode": "on", "requests": reqs,
                        "nelssa": {**NELSSA, "migrate_watermark": 1.0, "migrate_lead_steps": 200, "lane": True,
-                                  "fault": "recall"},
+                                  **({"fault": "recall"} if fault else {})},
                        "engine": {"num_gpu_blocks_override": 52, "max_num_batched_tokens": 2048, "max_model_len": 4096}})
     out = {k: (v["finish_reason"], v["stop_reason"]) for k, v in res["results"].items()}
-    print(out)
+    print(case, out, res["aborted_recalling"])
     assert out["a"] == ("length", None) and out["b"] == ("length", None)
-    assert out["c"][0] == "error" and "recall" in out["c"][1] and "NELSSA_FAULT=recall" in out["c"][1], out
+    if fault:
+        assert out["c"][0] == "error" and "recall" in out["c"][1] and "NELSSA_FAULT=recall" in out["c"][1], out
+    else:  # aborted: no result of its own
+        assert res["aborted_recalling"] == ["c"] and "c" not in out, (out, res["aborted_recalling"])
     assert res["final_host_bytes"] == 0 and res["host_requests"] == 0
     assert res["final_free_blocks"] == res["total_blocks"] - 1, (res["final_free_blocks"], res["total_blocks"])
 

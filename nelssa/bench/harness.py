@@ -11,13 +11,15 @@ Spec "sync_handoff" (default true): after each step wait for NELSSA's background
 switch to host attention comes at deterministic steps (a run of `nelssa bench hol` keeps them
 asynchronous, as in serving).
 A request: {"id", "prompt_ids" | "text_tokens": n (+ "offset") | "chat": str, "max_tokens",
-"abort_at_step"?, "abort_on_migrate"?, "abort_in_lane"?, "add_at_step"?, "after"?, "extra_args"?,
+"abort_at_step"?, "abort_on_migrate"?, "abort_on_recall"?, "abort_in_lane"?, "add_at_step"?, "after"?, "extra_args"?,
 "priority"?, "sampling"?}. "sampling": SamplingParams fields over the greedy default (e.g. a seed). "after":
 the id of an earlier request; added in the step after that one finished. "extra_args": the request's
 SamplingParams.extra_args (e.g. {"nelssa_offload": false}). "abort_on_migrate": aborted after
 the first step in which NELSSA's scheduler is migrating it (anchor set, not yet switched); listed in
-the output's "aborted_migrating". "abort_in_lane": aborted before the first step at which the long lane
-is running a job of it (lane.py, 6); listed in "aborted_in_lane".
+the output's "aborted_migrating". "abort_on_recall": aborted after the first step in which the scheduler
+is loading it back to the device (vllm_plugin/recall.py, not yet reported loaded); listed in
+"aborted_recalling". "abort_in_lane": aborted before the first step at which the long lane is running a
+job of it (lane.py, 6); listed in "aborted_in_lane".
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ def run(spec: dict) -> dict:
     results: dict[str, dict] = {}
     aborted_migrating: list[str] = []
     aborted_in_lane: list[str] = []
+    aborted_recalling: list[str] = []
     lane = getattr(runner, "nelssa_lane", None)
     steps: list[dict] = []
     t0 = time.time()
@@ -113,6 +116,10 @@ def run(spec: dict) -> dict:
             if r.get("abort_on_migrate") and r["id"] not in results and rid in getattr(sched, "_anchor", {}) \
                     and not sched._host_end.get(rid) and r["id"] not in aborted_migrating:
                 aborted_migrating.append(r["id"])
+                eng.abort_request([r["id"]])
+            if r.get("abort_on_recall") and r["id"] not in results and rid in getattr(sched, "_loading", {}) \
+                    and r["id"] not in aborted_recalling:
+                aborted_recalling.append(r["id"])
                 eng.abort_request([r["id"]])
             if r.get("abort_at_step") == step and r["id"] not in results:
                 eng.abort_request([r["id"]])
@@ -176,6 +183,7 @@ def run(spec: dict) -> dict:
         "host_requests": len(host.reqs) if host is not None else 0,
         "host_totals": dict(host.stats.totals) if host is not None else {},
         "aborted_migrating": aborted_migrating, "aborted_in_lane": aborted_in_lane,
+        "aborted_recalling": aborted_recalling,
     }
     if spec.get("metrics"):
         out["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
