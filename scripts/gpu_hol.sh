@@ -230,6 +230,9 @@ PY
       grpc_wheels  # the node's tests (the store slot registered with CUDA)
       python3 -m pytest -q -p no:cacheprovider tests/test_cuda_split.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -n 15
       python3 -m pytest -q -p no:cacheprovider tests/test_node.py -k cuda 2>&1 | tee -a "$OUT/cuda_tests.log" | tail -n 5
+      # the hand-off's moves and a recall's load on the side stream (CUDA variants), and write_kv's flash layout
+      python3 -m pytest -q -p no:cacheprovider tests/test_plugin_units.py -k "handoff or write_kv" 2>&1 \
+        | tee -a "$OUT/cuda_tests.log" | tail -n 5
       if python3 -c "import hypothesis" 2>/dev/null; then  # tests/test_sparse.py needs it
         python3 -m pytest -q -p no:cacheprovider tests/test_sparse.py -k "cuda or pinned" 2>&1 | tee -a "$OUT/cuda_tests.log" | tail -n 5
       else
