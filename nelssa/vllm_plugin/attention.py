@@ -72,61 +72,52 @@ def current_plan() -> StepPlan | None:
 
 # ---------------------------------------------------------------- paged KV access (per backend)
 
-def read_kv(kv_cache: torch.Tensor, layout: str, blocks: torch.Tensor, offs: torch.Tensor,
-            num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V [..., KH, D] at (blocks, offs) of one layer's paged cache, in the layout ``wrap_impl`` named.
+def _kv_at(kv_cache: torch.Tensor, layout: str, blocks: torch.Tensor, offs: torch.Tensor, head_dim: int):
+    """Where K and V of (blocks, offs) are in one layer's paged cache, in the layout ``wrap_impl`` named:
+    (K's tensor, its index, V's tensor, its index, heads_last). ``tensor[index]`` reads them (``read_kv``)
+    and assigning to it writes them (``write_kv``); heads_last: indexed they are [..., D, KH], not [..., KH, D].
 
     The cache's logical shape is [NB, KH, bs, 2D] in all three; per (block, head) the CPU layouts store
     K in the first bs*D elements and V in the next:
     cpu_vec (vLLM's vec / vec16 CPU ISAs): K as [D, bs], V as [bs, D];
     cpu_amx (bf16 with a block size multiple of 32 on AMX CPUs): tiles in VNNI pairs, K as
       [bs/16, D/2, 16 tokens, 2 dims] and V as [D/16, bs/2, 16 dims, 2 tokens];
-    flash: read as FlashAttention does (transpose(1, 2).split(D)).
+    flash: as FlashAttention reads it (transpose(1, 2).split(D)).
     """
+    every = slice(None)
     if layout in ("cpu_vec", "cpu_amx"):
         nb, kh, bs, _ = kv_cache.shape
         flat = kv_cache.view(nb, kh, 2, bs * head_dim)
         if layout == "cpu_vec":
-            kc = flat[:, :, 0].unflatten(-1, (head_dim, bs))
-            vc = flat[:, :, 1].unflatten(-1, (bs, head_dim))
-            return kc[blocks, :, :, offs], vc[blocks, :, offs, :]
+            return (flat[:, :, 0].unflatten(-1, (head_dim, bs)), (blocks, every, every, offs),
+                    flat[:, :, 1].unflatten(-1, (bs, head_dim)), (blocks, every, offs, every), False)
         t, j = offs.unsqueeze(-1), torch.arange(head_dim, device=offs.device)  # [..., 1], [D]
         koff = (t // 16) * (head_dim * 16) + (j // 2) * 32 + (t % 16) * 2 + j % 2
         voff = (j // 16) * (bs * 16) + (t // 2) * 32 + (j % 16) * 2 + t % 2
         b = blocks.unsqueeze(-1)
         # advanced indices around a slice: the heads' dimension comes last -> [..., D, KH]
-        return flat[:, :, 0][b, :, koff].transpose(-1, -2), flat[:, :, 1][b, :, voff].transpose(-1, -2)
+        return flat[:, :, 0], (b, every, koff), flat[:, :, 1], (b, every, voff), True
     if layout == "flash":
         kc, vc = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
-        return kc[blocks, offs], vc[blocks, offs]
+        return kc, (blocks, offs), vc, (blocks, offs), False
     raise ValueError(f"unsupported KV cache layout {layout!r}")
+
+
+def read_kv(kv_cache: torch.Tensor, layout: str, blocks: torch.Tensor, offs: torch.Tensor,
+            num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V [..., KH, D] at (blocks, offs) of one layer's paged cache (layouts: ``_kv_at``)."""
+    kc, ki, vc, vi, heads_last = _kv_at(kv_cache, layout, blocks, offs, head_dim)
+    if heads_last:
+        return kc[ki].transpose(-1, -2), vc[vi].transpose(-1, -2)
+    return kc[ki], vc[vi]
 
 
 def write_kv(kv_cache: torch.Tensor, layout: str, blocks: torch.Tensor, offs: torch.Tensor,
              keys: torch.Tensor, values: torch.Tensor) -> None:
     """The inverse of ``read_kv``: K/V [n, KH, D] written at (blocks, offs) [n] of one layer's paged cache."""
-    head_dim = keys.shape[-1]
-    if layout in ("cpu_vec", "cpu_amx"):
-        nb, kh, bs, _ = kv_cache.shape
-        flat = kv_cache.view(nb, kh, 2, bs * head_dim)
-        if layout == "cpu_vec":
-            flat[:, :, 0].unflatten(-1, (head_dim, bs))[blocks, :, :, offs] = keys
-            flat[:, :, 1].unflatten(-1, (bs, head_dim))[blocks, :, offs, :] = values
-            return
-        t, j = offs.unsqueeze(-1), torch.arange(head_dim, device=offs.device)
-        koff = (t // 16) * (head_dim * 16) + (j // 2) * 32 + (t % 16) * 2 + j % 2
-        voff = (j // 16) * (bs * 16) + (t // 2) * 32 + (j % 16) * 2 + t % 2
-        b = blocks.unsqueeze(-1)
-        kc, vc = flat[:, :, 0], flat[:, :, 1]
-        kc[b, :, koff] = keys.transpose(-1, -2)
-        vc[b, :, voff] = values.transpose(-1, -2)
-        return
-    if layout == "flash":
-        kc, vc = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
-        kc[blocks, offs] = keys
-        vc[blocks, offs] = values
-        return
-    raise ValueError(f"unsupported KV cache layout {layout!r}")
+    kc, ki, vc, vi, heads_last = _kv_at(kv_cache, layout, blocks, offs, keys.shape[-1])
+    kc[ki] = keys.transpose(-1, -2) if heads_last else keys
+    vc[vi] = values.transpose(-1, -2) if heads_last else values
 
 
 def window_index(plan: StepPlan, block_table: torch.Tensor, sink: int, bs: int):

@@ -79,11 +79,7 @@ class Handoff:
         taken out of the dict."""
         if not moves:
             return
-        ev = None
-        if self.layers[0].kv_cache.is_cuda:
-            ev = torch.cuda.Event()
-            ev.record()
-            self._side_stream()
+        ev = self._mark()
         for rid, blocks, lo, hi in moves:
             if lo != self.end(rid):
                 raise RuntimeError(f"hand-off of {rid}: range [{lo}, {hi}) does not follow {self.end(rid)}")
@@ -111,6 +107,26 @@ class Handoff:
                          "log); its KV of [sink, H0) is only there")
         raise HandoffFailed(f"adoption of {rid} failed")
 
+    def _mark(self):
+        """CUDA: an event after the main stream's work so far, for the side stream to wait for (``_on_side``);
+        None on CPU."""
+        if not self.layers[0].kv_cache.is_cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        self._side_stream()
+        return ev
+
+    def _on_side(self, ev, fn, *args) -> None:
+        """``fn(*args)`` on this thread: on CUDA on the side stream after ``ev``, done when this returns."""
+        if ev is None:
+            fn(*args)
+            return
+        self._side.wait_event(ev)
+        with torch.cuda.stream(self._side):
+            fn(*args)
+        self._side.synchronize()
+
     def _side_stream(self) -> torch.cuda.Stream:
         """The moves' CUDA stream, made on first use (the paged cache exists only once vLLM bound it), at
         torch's lowest priority: the engine's step stream (config step_priority) and the lane's go first,
@@ -127,13 +143,7 @@ class Handoff:
         if handle is not None and rid in self._dropping:
             return  # not adopted, and the request is gone: nothing to cluster for
         try:
-            if ev is None:
-                self._copy(rid, blocks, lo, hi)
-            else:
-                self._side.wait_event(ev)
-                with torch.cuda.stream(self._side):
-                    self._copy(rid, blocks, lo, hi)
-                self._side.synchronize()
+            self._on_side(ev, self._copy, rid, blocks, lo, hi)
         except Exception as e:
             self._failed.add(rid)
             self.host.stats.add(handoff_failures=1)
@@ -185,24 +195,13 @@ class Handoff:
         (its seconds). On this thread after the request's moves; on CUDA on the side stream after the main
         stream's work so far: the blocks were just allocated, and a step in flight may still write them for
         their former request."""
-        ev = None
-        if self.layers[0].kv_cache.is_cuda:
-            ev = torch.cuda.Event()
-            ev.record()
-            self._side_stream()
-        fut = self._pool.submit(self._load, ev, rid, list(blocks), lo, hi)
+        fut = self._pool.submit(self._load, self._mark(), rid, list(blocks), lo, hi)
         self._moves.setdefault(rid, []).append((self.LOAD, fut))
         return fut
 
     def _load(self, ev, rid: str, blocks: list[int], lo: int, hi: int) -> float:
         t = time.perf_counter()
-        if ev is None:
-            self._write_back(rid, blocks, lo, hi)
-        else:
-            self._side.wait_event(ev)
-            with torch.cuda.stream(self._side):
-                self._write_back(rid, blocks, lo, hi)
-            self._side.synchronize()
+        self._on_side(ev, self._write_back, rid, blocks, lo, hi)
         dt = time.perf_counter() - t
         self.host.stats.add(recall_load_s=dt, recalled_tokens=hi - lo)
         return dt

@@ -684,9 +684,9 @@ class NelssaScheduler(Scheduler):
         # still counted against max_num_seqs, so vLLM admits no more than it has room for — on a P/D
         # decode instance with 128 running it had admitted past it and failed its own assertion);
         # spared ones first, so vLLM's FCFS victim (the list's last) is any other one before them
-        hidden = [r for r in self.running if r.request_id in self._busy or r.request_id in self._loading]
-        visible = [r for r in self.running if r.request_id not in self._busy
-                   and r.request_id not in self._loading] if hidden else self.running
+        held = self._busy | self._loading.keys() if self._loading else self._busy
+        hidden = [r for r in self.running if r.request_id in held]
+        visible = [r for r in self.running if r.request_id not in held] if hidden else self.running
         spared = self._spared(visible)
         plan = self._prefill_cap(visible, spared, sc.long_prefill_token_threshold)
         max_running, max_tokens = self.max_num_running_reqs, self.max_num_scheduled_tokens
