@@ -637,7 +637,8 @@ def test_lane_batch_graph_keys_windows_and_forget():
 def test_lane_batch_captures_a_new_set_at_once_after_a_steady_one():
     """lane_batch.py 2: a request set seen for the first time runs enqueued and is captured the second
     time, except right after a replay (a steady lane): then the new set (a request joined or left, a
-    commit replaced its tables) is captured at once. (The capture itself needs CUDA; here it is a stand-in
+    commit replaced its tables) is captured at once. A set with a request about to end runs enqueued and
+    counts as steady. (The capture itself needs CUDA; here it is a stand-in
     that records what was asked.)"""
     from types import SimpleNamespace
 
@@ -662,11 +663,12 @@ def test_lane_batch_captures_a_new_set_at_once_after_a_steady_one():
     bg._capture, bg._inputs = capture, lambda *a: None
     lane = SimpleNamespace(stream=None)
 
-    def batch(rs):
+    def batch(rs, left=-1):
         n = len(rs)
         inp = LaneInputs(n, np.zeros(n, np.int64), np.zeros(n, np.int64), [64] * n, [100] * n,
                          np.arange(30 * n, dtype=np.int32).reshape(n, 30))
-        bg.run(lane, StepPlan(host, list(rs), list(range(n)), torch.arange(n), [64] * n, [100] * n), inp, None)
+        bg.run(lane, StepPlan(host, list(rs), list(range(n)), torch.arange(n), [64] * n, [100] * n), inp, None,
+               left)
         return bg.path
     assert [batch(("a",)) for _ in range(3)] == ["new_key", "captured", "replay"]
     assert batch(("a", "b")) == "captured"              # after a replay: at once
@@ -675,6 +677,11 @@ def test_lane_batch_captures_a_new_set_at_once_after_a_steady_one():
     kv[("b", 0)] = cluster_kv(torch.randn(2, 310, 16, generator=g), torch.randn(2, 310, 16, generator=g))
     assert batch(("b", "c")) == "captured"              # a commit replaced b's tables in a steady set
     assert captured == [("a",), ("a", "b"), ("b", "c"), ("b", "c")]
+    # a set whose request ends within ENDING positions is not captured; the set after it is, at once
+    assert [batch(("b", "c"), left=5), batch(("a", "c"), left=3), batch(("a", "c"), left=0)] == \
+        ["replay", "ending", "ending"]                  # a graph already there still replays
+    assert batch(("c",)) == "captured"                  # seen once only, but after an ending set: at once
+    assert captured[-1] == ("c",) and ("a", "c") not in bg._graphs
 
 
 def test_stall_watchdog_logs_every_thread_once_per_stall(caplog):

@@ -527,7 +527,8 @@ class Lane:
                 replayed = None
                 if batch is not None and self.batch_graphs is not None:  # one replay (lane_batch.py)
                     n0, f0 = self.batch_graphs.captures, self.batch_graphs.failures
-                    replayed = self.batch_graphs.run(self, plan, inp, ids)
+                    ends = [j.last - j.pos for j in jobs if j.last >= 0]
+                    replayed = self.batch_graphs.run(self, plan, inp, ids, min(ends) if ends else -1)
                     self.host.stats.add(lane_captures=self.batch_graphs.captures - n0,
                                         lane_capture_failures=self.batch_graphs.failures - f0,
                                         lane_paths={self.batch_graphs.path: 1})

@@ -20,6 +20,10 @@ can be captured once and replayed:
      set, or a commit replaced its tables, and the new set is most likely the next steady one (H100,
      hol run 64: the 2-row set's first batch ran enqueued for 165 ms before its 0.27-s capture, in the
      decode phase's first half second). Sets in flux (the previous batch not a replay) keep the rule.
+     A set with a request that ends within ``ENDING`` positions (its last position known: drafts'
+     ``Job.last``) is not captured: it runs enqueued, and the set after it counts as steady (H200 hol run
+     77: the 2-row set was captured in 0.28 s for the one batch left to the first request, then the
+     second request's own set in 0.23 s; both requests waited for both captures).
   3. Static inputs, written on the lane stream before each replay (these and every other tensor made
      before the capture that the graph reads — the capture's plan with its token index and window
      offsets, the pinned buffers held by the host calls — live as long as the graph): the token ids
@@ -62,6 +66,8 @@ from nelssa.vllm_plugin.lane_host import HostStreamBatch
 log = logging.getLogger("vllm.nelssa")
 
 MAX_GRAPHS = 4
+ENDING = 4  # a set with a request this few positions from its end runs enqueued (2): a capture (~0.25 s on
+            # the H200) pays from about three replays (~45 ms each) against enqueued batches (~150 ms)
 
 
 class _Window:
@@ -145,17 +151,18 @@ class BatchGraphs:
             per.extend(_kv_key(c) for c in ckvs)
         return tuple(per)
 
-    def run(self, lane, plan: StepPlan, inp: lane_inputs.LaneInputs, ids: torch.Tensor):
+    def run(self, lane, plan: StepPlan, inp: lane_inputs.LaneInputs, ids: torch.Tensor, left: int = -1):
         """The batch as a replay -> (hidden [n, hidden] on the lane stream, the graph's batch for the
         calls' states), or None: run it enqueued (2, 3, 6). On the lane's stream; ``ids`` the batch's
-        tokens on the device, ``inp`` its other inputs on the host (lane_inputs.py)."""
+        tokens on the device, ``inp`` its other inputs on the host (lane_inputs.py); ``left`` the fewest
+        positions a request of the batch has left after this one (-1: not known)."""
         with self._lock:
             try:
-                return self._run(lane, plan, inp, ids)
+                return self._run(lane, plan, inp, ids, left)
             finally:
                 self._drop_pending()
 
-    def _run(self, lane, plan: StepPlan, inp, ids: torch.Tensor):
+    def _run(self, lane, plan: StepPlan, inp, ids: torch.Tensor, left: int = -1):
         rs = tuple(plan.req_ids)
         if rs in self._broken:
             self.path = "broken"
@@ -170,7 +177,10 @@ class BatchGraphs:
             del self._graphs[rs]
             g = None
         if g is None:
-            if self._seen.get(rs) != key and self.path != "replay":  # (2)
+            if 0 <= left < ENDING:  # (2): not worth a capture
+                self.path = "ending"
+                return None
+            if self._seen.get(rs) != key and self.path not in ("replay", "ending"):  # (2)
                 self._seen[rs] = key
                 self.path = "new_key"
                 return None

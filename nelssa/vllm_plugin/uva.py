@@ -55,6 +55,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, c) if t.dim() != 2 else t
 
 
+# One block width for every copy, so the kernel compiles once per dtype (the lane's warm-up, lane.py):
+# a width per row length compiled the lane's other widths at its first batch, in the middle of serving
+# (H200 run 77: vLLM's JIT monitor flagged _copy_rows; that batch took 312 ms). Rows narrower than it
+# leave lanes masked: these copies are a few KiB.
+BLOCK = 1024
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel():
     import triton
@@ -80,5 +87,4 @@ def copy(src: torch.Tensor, dst: torch.Tensor) -> None:
     if s.stride(-1) != 1 or d.stride(-1) != 1 or s.data_ptr() != src.data_ptr() or d.data_ptr() != dst.data_ptr():
         raise ValueError("uva.copy needs unit stride over the last dimension and collapsible leading ones")
     rows, c = s.shape
-    block = 1024 if c >= 1024 else max(16, 1 << (c - 1).bit_length())
-    _kernel()[(rows, -(-c // block))](s, s.stride(0), d, d.stride(0), c, BLOCK=block)
+    _kernel()[(rows, -(-c // BLOCK))](s, s.stride(0), d, d.stride(0), c, BLOCK=BLOCK)
