@@ -117,6 +117,11 @@ class NelssaConfig:
     lane_switch_us: int = 200     # with the lane: Python's GIL switch interval (us) in the worker
     lane_gather_ms: float = 50.0  # the lane waits up to this long for the long requests it reported to
                                   # come back, so they run as one batch
+    switch_hold_s: float = 2.0    # with the lane: a long prompt done prefilling whose switch waits only for its
+                                  # last two segments' hand-off is left out of the steps until it switches (at
+                                  # most this long), instead of decoding from its device blocks meanwhile: the
+                                  # steps in which the second 100K prompt decoded so took 65-67 ms (H200 hol
+                                  # run 77, the decode phase's first 0.2 s). 0: it decodes on the device
     lane_spec: bool = True        # with the lane: a greedy row's next token is the argmax of the lane's own
                                   # logits (the step samples from them), so the lane computes the next
                                   # positions at once and publishes them without waiting for the steps;
@@ -236,6 +241,8 @@ class NelssaConfig:
         req(isinstance(self.long_chunk, int) and self.long_chunk >= 0,
             f"long_chunk must be an int >= 0, got {self.long_chunk!r}")
         req(self.recall in (True, False), f"recall must be true or false, got {self.recall!r}")
+        req(isinstance(self.switch_hold_s, (int, float)) and self.switch_hold_s >= 0,
+            f"switch_hold_s must be >= 0, got {self.switch_hold_s!r}")
         req(isinstance(self.short_chunk, int) and self.short_chunk >= 0,
             f"short_chunk must be an int >= 0, got {self.short_chunk!r}")
         req(isinstance(self.migrate_lead_steps, int) and self.migrate_lead_steps >= 0,
@@ -328,6 +335,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_MIGRATE_WATERMARK": ("migrate_watermark", float),
     "NELSSA_MIGRATE_LEAD_STEPS": ("migrate_lead_steps", int),
     "NELSSA_RECALL": ("recall", _bool),
+    "NELSSA_SWITCH_HOLD_S": ("switch_hold_s", float),
     "NELSSA_DEFER_BELOW": ("defer_below", int),
     "NELSSA_ENGINE": ("engine", str),
     "NELSSA_NODE_ADDRESS": ("node_address", str),

@@ -10,7 +10,8 @@
 #                                                    # HOL_TAG=x: results in $OUT/hol_x (several runs per call);
 #                                                    # HOL_NODE="nelssa-node args": the host tier as a node;
 #                                                    # HOL_ENGINE_CORES=0-3: the bench's engines pinned there
-#   bash scripts/gpu_hol.sh check [exact|throughput] # CUDA unit tests + benchmarks/gpu_validate.py (dummy 8B);
+#   bash scripts/gpu_hol.sh check [exact|throughput|units] # CUDA unit tests + benchmarks/gpu_validate.py (dummy 8B;
+#                                                    # units: the tests only);
 #                                                    # carry .wheels (grpcio: the node's CUDA test)
 #   bash scripts/gpu_hol.sh select                   # benchmarks/bench_select_gpu.py (centroid search, torch vs kernel)
 #   bash scripts/gpu_hol.sh handoff [args]           # benchmarks/bench_handoff.py (no vLLM needed: no staging) + its report
@@ -238,6 +239,7 @@ PY
       else
         echo "tests/test_sparse.py not run: no hypothesis on this host" | tee -a "$OUT/cuda_tests.log"
       fi
+      [ "${1:-}" = units ] && exit 0  # the unit tests only
       python3 benchmarks/gpu_validate.py --out "$OUT/validate" --model .gpumodel/dummy-llama-3.1-8b \
         ${1:+--only "$1"} 2>&1 | tee "$OUT/validate.log" | grep -vE "^(INFO|WARNING|DEBUG)" | tail -n 60
       exit 0

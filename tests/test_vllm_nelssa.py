@@ -62,6 +62,24 @@ def test_exact_mixed_batch_chunked_prefill(mixed):
     assert on["host_totals"].get("lane_drafts:stale", 0) >= 1, on["host_totals"]
 
 
+def test_long_prompt_waits_out_of_the_steps_for_its_switch(mixed):
+    """With the lane, a long prompt done prefilling is left out of the steps until its last segment's hand-off
+    lets it switch (config switch_hold_s; scheduler._switch_waits): no step decodes it from its device blocks
+    meanwhile. Its tokens are the baseline's all the same (the test above)."""
+    on, _ = mixed
+    prompt = {r["id"]: on["results"][r["id"]]["prompt_len"] for r in MIXED if r["id"] in ("long3k", "long5k", "long7k")}
+    for rid, n in prompt.items():
+        held = [i for i, st in enumerate(on["steps"]) if rid in st["switch_held"]]
+        print(f"{rid}: held out of steps {held}")
+        # long3k's whole range is within two segments: held from its prefill's end on; the longer ones once
+        # their earlier segments' moves are done, which on this CPU may be only when the last is done too
+        assert held or rid != "long3k", (rid, [st["computed"].get(rid) for st in on["steps"]])
+        for i in held:  # after its prefill, and not scheduled: its computed tokens stay where they were
+            assert on["steps"][i]["computed"][rid] == on["steps"][i - 1]["computed"][rid] >= n, (rid, i)
+        # then it switched: decoded on (in the lane), to its last token
+        assert len(on["results"][rid]["token_ids"]) == MAX_TOKENS[rid]
+
+
 def test_device_blocks_given_back(mixed):
     """A 7K-token long request holds only window + chunk blocks once its prompt is on the host."""
     on, off = mixed

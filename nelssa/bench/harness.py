@@ -155,7 +155,8 @@ def run(spec: dict) -> dict:
         row: dict = {"step": step, "free_blocks": kvm.block_pool.get_num_free_blocks(), "rss_mb": _rss_mb(),
                      "host_bytes": host.nbytes if host is not None else 0, "running": len(sched.running),
                      "t": time.time() - t0,
-                     "blocks": {}, "computed": {}}
+                     "blocks": {}, "computed": {},
+                     "switch_held": sorted(o for o, rid in internal.items() if rid in getattr(sched, "switch_held", ()))}
         for ours, rid in internal.items():
             if rid in sched.requests:
                 b = kvm.get_block_ids(rid)[0]

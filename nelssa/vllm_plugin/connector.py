@@ -287,6 +287,12 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
                                           "the host tier and the write into the new device blocks")),
             "recalled_tokens": per_engine(c(name="nelssa:recalled_tokens", labelnames=labelnames,
                                             documentation="Tokens loaded back onto the device by recalls")),
+            "switch_holds": per_engine(c(name="nelssa:switch_holds", labelnames=labelnames,
+                                         documentation="Lane: long prompts left out of the steps from the end of "
+                                                       "their prefill until their switch (config switch_hold_s)")),
+            "switch_hold_s": per_engine(h(name="nelssa:switch_hold_seconds", labelnames=labelnames,
+                                          buckets=buckets, documentation="Lane: per long prompt held so, the "
+                                          "time until its switch (its last segment's hand-off)")),
             "migration_s": per_engine(h(name="nelssa:migration_seconds", labelnames=labelnames, buckets=buckets,
                                         documentation="Migrations: start (under pressure) to the switch to host "
                                                       "attention, the request decoding on its device blocks "

@@ -340,10 +340,14 @@ class Lane:
 
     def wait_any(self, timeout: float) -> None:
         """Block (without the GIL) until a job ends or ``timeout`` passes: an engine step with nothing
-        to schedule but busy requests does not spin against the lane thread."""
+        to schedule but busy requests does not spin against the lane thread. With no job either (the
+        requests wait for a hand-off: a switch, a recall's load) the step sleeps for half of it, so it
+        does not spin against the hand-off's thread."""
         with self._cv:
             if self._queue or self._running:
                 self._cv.wait(timeout)
+                return
+        time.sleep(timeout / 2)
 
     def take_reports(self) -> dict[str, int]:
         with self._cv:

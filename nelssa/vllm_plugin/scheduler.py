@@ -69,7 +69,10 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   itself goes through the lane: the first H of a request is sent as ``switching`` for one step (the
   request keeps its blocks and is computed on the device; the lane computes its next position with
   H), and is in use — its blocks below H freed — from the next scheduling on. So no step of the
-  engine waits for the host tier, not even the switch.
+  engine waits for the host tier, not even the switch. A long prompt done prefilling whose switch waits
+  only for its last segment's hand-off is left out of the steps like a busy request until it switches
+  (at most ``switch_hold_s``): the steps that decoded a 100K-token row from its device blocks meanwhile
+  took 65-67 ms (H200 hol run 77; ``_switch_waits``). A migrating request decodes on the device.
 * P/D hand-over (config ``handover``, a prefill instance with nelssa-node; handover.py): a long prompt
   prefilled for remote decode is never switched here (its blocks stay whole for D's NIXL read); when it
   finishes, the connector names its handle and H0 in its kv_transfer_params (``_handover_end``); P's
@@ -144,6 +147,8 @@ class NelssaScheduler(Scheduler):
         self._seeded: set[str] = set()       # ... reported computed: promoted at the next try
         self._fail_soon: dict[str, str] = {}  # requests to finish with an error at the next output
         self._loading: dict[str, float] = {}  # recalled request -> since (monotonic): loading back (recall.py)
+        self._prefilled: dict[str, float] = {}  # lane: long prompt done prefilling, not switched -> since (monotonic)
+        self.switch_held: set[str] = set()      # lane: the long prompts _switch_waits left out of the last step
         # the migration rule's clock (policy.ends_within_handoff): the engine's step interval and a hand-off's
         # time, start to switch, each a moving average (None until measured)
         self._step_s: float | None = None
@@ -492,6 +497,7 @@ class NelssaScheduler(Scheduler):
         self._window.pop(rid, None)  # it comes back as a prompt prefilled here (its KV came from P)
         self._migrating_at.pop(rid, None)
         self._loading.pop(rid, None)
+        self._prefilled.pop(rid, None)
         if self._anchor.pop(rid, None) is not None and not self._long(request):  # it comes back as a short one
             self._reserved.pop(rid, None)
         return super()._preempt_request(request, timestamp)
@@ -685,6 +691,9 @@ class NelssaScheduler(Scheduler):
         # decode instance with 128 running it had admitted past it and failed its own assertion);
         # spared ones first, so vLLM's FCFS victim (the list's last) is any other one before them
         held = self._busy | self._loading.keys() if self._loading else self._busy
+        waits = self._switch_waits()
+        if waits:
+            held = held | waits
         hidden = [r for r in self.running if r.request_id in held]
         visible = [r for r in self.running if r.request_id not in held] if hidden else self.running
         spared = self._spared(visible)
@@ -711,6 +720,35 @@ class NelssaScheduler(Scheduler):
         if self.nelssa.lane:
             self._busy.update(r for r in out.num_scheduled_tokens if self._host_end.get(r) or r in self._switching)
             self._switched.update(r for r in out.num_scheduled_tokens if r in self._switching)
+        return out
+
+    def _switch_waits(self) -> set[str]:
+        """Lane: the long prompts to leave out of this step (class docstring, long lane): admitted by their
+        length (not migrating, not a hand-over), done prefilling, not yet switching, and with at most two
+        segments of their anchor's range left to hand off (the last whole segment's move may still run
+        when the prefill ends; a decode instance that clusters a whole prompt itself decodes on the device
+        meanwhile); each for at most ``switch_hold_s`` from when it was first seen so."""
+        cfg = self.nelssa
+        if not cfg.lane or cfg.switch_hold_s <= 0 or not self._reserved:
+            return set()
+        pol, now, out = self.nelssa_policy, time.monotonic(), set()
+        for rid in self._reserved:
+            r = self.requests.get(rid)
+            if (r is None or r.status != RequestStatus.RUNNING or rid in self._anchor or self._host_end.get(rid)
+                    or rid in self._switching or rid in self._busy or rid in self._window or self._handed_over(r)):
+                t = self._prefilled.pop(rid, None)
+                if t is not None and (rid in self._switching or self._host_end.get(rid)):  # held until its switch
+                    self._conn.sched_stats.setdefault("switch_hold_s", []).append(min(now - t, cfg.switch_hold_s))
+                continue
+            a = self._anchor_of(r)
+            if not a or r.num_computed_tokens < a or pol.goal(a, a) - self._done.get(rid, 0) > 2 * cfg.segment:
+                continue
+            if rid not in self._prefilled:
+                self._prefilled[rid] = now
+                self._count("switch_holds")
+            if now - self._prefilled[rid] < cfg.switch_hold_s:
+                out.add(rid)
+        self.switch_held = out  # (read by tests: nelssa.bench.harness)
         return out
 
     def _spared(self, running: list[Request]) -> list[Request]:
@@ -806,6 +844,7 @@ class NelssaScheduler(Scheduler):
                                                                or rid in self._busy):
             self._lane_reqs.add(rid)
         self._loading.pop(rid, None)
+        self._prefilled.pop(rid, None)
         self._busy.discard(request.request_id)
         self._switching.pop(request.request_id, None)
         self._switched.discard(request.request_id)
