@@ -55,12 +55,42 @@ def test_full_budget_equals_dense_half(dtype, D, cpp, use_cpp):
     assert (lse.double() - ref_lse).abs().max() <= tol
 
 
+_FORK_SCRIPT = r"""
+import os, select, torch
+from nelssa import config as cfgmod
+from nelssa._ext import ext
+from nelssa.sparse import cluster_kv, sparse_attention
+cfgmod.set_config(cfgmod.get_config().replace(use_cpp=True, pool_threads=2, pool_spin_us=200))
+ext().set_pool(2, [], 200)
+g = torch.Generator().manual_seed(0)
+k, v = torch.randn(4, 3001, 64, generator=g), torch.randn(4, 3001, 64, generator=g)
+q = torch.randn(16, 64, generator=torch.Generator().manual_seed(5))
+ckv = cluster_kv(k, v)
+ref, _ = sparse_attention(q, ckv, budget=1.0)  # the parent's team: built here, its workers spinning
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:  # the child: its thread's team was built by the parent
+    try:
+        torch.set_num_threads(1)  # torch's own OpenMP team is not fork-safe (its bmm hangs here)
+        out, _ = sparse_attention(q, ckv, budget=1.0)
+        os.write(w, b"1" if torch.equal(out, ref) else b"0")
+    finally:
+        os._exit(0)
+os.close(w)
+ready, _, _ = select.select([r], [], [], 60)
+answer = os.read(r, 1) if ready else b"timeout"
+if not ready:
+    os.kill(pid, 9)
+os.waitpid(pid, 0)
+print(answer.decode())
+"""
+
+
 def test_host_team_threads_spin_reconfiguration_fork_and_concurrent_callers(use_cpp):
     """The host call's thread team (csrc/host_team.cpp): the same results with 1, 3 and 2 members, with
     workers that sleep at once or spin (pool_spin_us), rebuilt at each reconfiguration; two Python
     threads calling at once (a team each); a forked child (no workers of its parent's team) gets a team
     of its own and the same answer instead of hanging."""
-    import os
     import threading
 
     from nelssa import config as cfgmod
@@ -97,23 +127,10 @@ def test_host_team_threads_spin_reconfiguration_fork_and_concurrent_callers(use_
         for t in ts:
             t.join(60)
         assert not errs and len(got) == 40 and all(torch.equal(o, outs[-1]) for o in got)
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: its thread's team was built by the parent
-            try:
-                torch.set_num_threads(1)  # torch's own OpenMP team is not fork-safe (its bmm hangs here)
-                out, _ = sparse_attention(q, ckv, budget=1.0)
-                os.write(w, b"1" if torch.equal(out, outs[-1]) else b"0")
-            finally:
-                os._exit(0)
-        os.close(w)
-        import select
-        ready, _, _ = select.select([r], [], [], 60)
-        answer = os.read(r, 1) if ready else b"timeout"
-        if not ready:
-            os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        assert answer == b"1", answer
+        # the fork in a fresh interpreter: a fork of this process (threads of the tests before it: gRPC's,
+        # torch's) hung its child once in a full suite run (2026-12-06), in none of its runs alone
+        r = subprocess.run([sys.executable, "-c", _FORK_SCRIPT], capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0 and r.stdout.strip() == "1", r.stdout + r.stderr
     finally:
         cfgmod.set_config(base)
 
