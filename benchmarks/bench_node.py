@@ -72,10 +72,11 @@ def _start(devices: int, cores: int, memory: str, ingest: int = 0, spin_us: int 
 
 
 def _jobs(tier: NodeHostTier, rids: list[str], q: torch.Tensor, budget: float | None, scale: float, iters: int,
-          warmup: int = 20, gap_s: float = 0.0, lane_width: bool = False) -> dict:
+          warmup: int = 20, gap_s: float = 0.0, lane_width: bool = False, min_s: float = 0.0) -> dict:
     """Round trips of one layer's job for all ``rids`` (budget None: empty selection). ``lane_width``: the
     ids padded as the long lane's captured search pads them (select_graph._bound: a power of two over the
-    budget's tokens), ~8x what a head selects, instead of to the widest head's selection."""
+    budget's tokens), ~8x what a head selects, instead of to the widest head's selection. ``min_s``: jobs
+    go on past ``iters`` until that long has passed (a concurrent store's window)."""
     ckvs = [tier.layer_kv(r, 0) for r in rids]
     if budget is None:
         H = ckvs[0].num_kv_heads
@@ -88,24 +89,27 @@ def _jobs(tier: NodeHostTier, rids: list[str], q: torch.Tensor, budget: float | 
             sel = Selection([torch.nn.functional.pad(i.to(torch.int64), (0, max(0, w - i.shape[1]))) for i in sel.ids],
                             list(sel.counts))
     if tier._native is not None:
-        return _native_jobs(tier, ckvs, q, sel, scale, iters, warmup, gap_s)
+        return _native_jobs(tier, ckvs, q, sel, scale, iters, warmup, gap_s, min_s)
     job = encode_job(1, tier.client_id, 0, scale, q, rids, [c.length for c in ckvs], list(sel.ids), list(sel.counts))
     rt, node, comp = [], [], []
-    for i in range(warmup + iters):
+    end = time.perf_counter() + min_s
+    i = 0
+    while i < warmup + iters or time.perf_counter() < end:
+        i += 1
         t = time.perf_counter()
         res = tier._plane.run(job, 30.0)
         dt = time.perf_counter() - t
         if res.code:
             raise RuntimeError(res.message)
-        if i >= warmup:
+        if i > warmup:
             rt.append(dt)
             node.append(res.node_s)
             comp.append(res.compute_s)
-    return _summary(rt, node, comp, iters)
+    return _summary(rt, node, comp, len(rt))
 
 
 def _native_jobs(tier: NodeHostTier, ckvs: list, q: torch.Tensor, sel: Selection, scale: float, iters: int,
-                 warmup: int, gap_s: float = 0.0) -> dict:
+                 warmup: int, gap_s: float = 0.0, min_s: float = 0.0) -> dict:
     """The native plane: each job a prepared HostCall's run() (the C++ round trip, what the long lane's
     calls do); node and kernel times from the node's answer. ``gap_s`` > 0: that long between jobs (a
     busy wait, so the client's core stays as busy as the lane's), the pace of an engine's lane batch
@@ -114,7 +118,10 @@ def _native_jobs(tier: NodeHostTier, ckvs: list, q: torch.Tensor, sel: Selection
     B, Hq, D = q.shape
     out, lse = torch.empty(B, Hq, D), torch.empty(B, Hq)
     rt, node, comp = [], [], []
-    for i in range(warmup + iters):
+    end = time.perf_counter() + min_s
+    i = 0
+    while i < warmup + iters or time.perf_counter() < end:
+        i += 1
         c = tier._native.call(ckvs, q, sel, scale, 0, out, lse)
         t = time.perf_counter()
         while gap_s and time.perf_counter() - t < gap_s:
@@ -124,11 +131,11 @@ def _native_jobs(tier: NodeHostTier, ckvs: list, q: torch.Tensor, sel: Selection
         dt = time.perf_counter() - t
         if c.state != "done":
             raise RuntimeError(c.error)
-        if i >= warmup:
+        if i > warmup:
             rt.append(dt)
             node.append(c.node_times[0])
             comp.append(c.node_times[1])
-    return _summary(rt, node, comp, iters)
+    return _summary(rt, node, comp, len(rt))
 
 
 def _summary(rt: list[float], node: list[float], comp: list[float], iters: int) -> dict:
@@ -149,8 +156,10 @@ def _store_data(tokens: int, H: int, D: int) -> tuple[int, torch.Tensor, torch.T
     return C, sizes, torch.randn(H * tokens * 2 * D)
 
 
-def _store_loop(port: int, stop: threading.Event, tokens: int, layers: int, H: int, D: int, out: dict) -> None:
-    """Another client storing ``tokens`` x ``layers`` (fp32, pre-clustered random data) again and again."""
+def _store_loop(port: int, stop: threading.Event, tokens: int, layers: int, H: int, D: int, out: dict,
+                streaming: threading.Event) -> None:
+    """Another client storing ``tokens`` x ``layers`` (fp32, pre-clustered random data) again and again;
+    ``streaming`` set once its first data is handed to gRPC, ``out["sent"]`` the bytes so far (live)."""
     ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)])
     stub = pb_grpc.NelssaNodeStub(ch)
     cid = stub.Register(pb.RegisterRequest(name="bench-store", lease_s=60), timeout=10).client_id
@@ -158,6 +167,7 @@ def _store_loop(port: int, stop: threading.Event, tokens: int, layers: int, H: i
     sizes_b, kv = sizes.numpy().tobytes(), kv.numpy().tobytes()
     step = 4 << 20
     n, sent, t0 = 0, [0], time.perf_counter()
+    out["sent"] = sent
     while not stop.is_set():
         rid = f"s{n}"
 
@@ -170,6 +180,7 @@ def _store_loop(port: int, stop: threading.Event, tokens: int, layers: int, H: i
                     if stop.is_set() and n:  # a later store: stop streaming (the first one completes)
                         return
                     sent[0] += min(step, len(kv) - o)  # counted as handed to gRPC: a store in flight counts
+                    streaming.set()
                     yield pb.StoreChunk(data=kv[o:o + step])
 
         try:
@@ -181,6 +192,7 @@ def _store_loop(port: int, stop: threading.Event, tokens: int, layers: int, H: i
         stub.Free(pb.FreeRequest(client_id=cid, req_id=rid), timeout=10)
     # stores = completed ones; store_gbps = bytes streamed (also of a store still in flight) per second
     out.update(stores=n, store_gbps=sent[0] / (time.perf_counter() - t0) / 1e9)
+    del out["sent"]
     ch.close()
 
 
@@ -309,6 +321,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--store-tokens", type=int, default=100_000, help="concurrent store (0: skip isolation)")
     ap.add_argument("--store-layers", type=int, default=2)
+    ap.add_argument("--store-window-s", type=float, default=2.0,
+                    help="the jobs beside the concurrent store run at least this long")
     ap.add_argument("--device-memory", default="4GiB")
     ap.add_argument("--fuzz", type=int, default=0,
                     help="also send this many malformed jobs per plane (nelssa.node.fuzz) and check the node's RSS")
@@ -384,15 +398,25 @@ def main() -> None:
                 if tier._native is not None:
                     tier._native.chan.margin_us = cfg.node_margin_us
                 if a.store_tokens and plane == a.planes.split(",")[0]:
-                    stop, info = threading.Event(), {}
-                    th = threading.Thread(target=_store_loop, args=(port, stop, a.store_tokens, a.store_layers, H, D, info))
+                    stop, info, streaming = threading.Event(), {}, threading.Event()
+                    th = threading.Thread(target=_store_loop,
+                                          args=(port, stop, a.store_tokens, a.store_layers, H, D, info, streaming))
                     th.start()
-                    time.sleep(0.5)
-                    res = timed(tier, rids, q, a.budget, scale, a.iters, warmup=5, gap_s=a.gap_us * 1e-6)
+                    # the jobs only once the store streams (making its data took longer than 200 jobs on the
+                    # H100 host: the first run of this case measured no store at all), for --store-window-s
+                    if not streaming.wait(300):
+                        stop.set()
+                        th.join()
+                        raise SystemExit("the concurrent store did not start streaming within 300 s")
+                    b0, t0 = info["sent"][0], time.perf_counter()
+                    res = timed(tier, rids, q, a.budget, scale, a.iters, warmup=5, gap_s=a.gap_us * 1e-6,
+                                min_s=a.store_window_s)
+                    during, dt = info["sent"][0] - b0, time.perf_counter() - t0
                     stop.set()
                     th.join()
                     case = {"devices": nd, "plane": plane, "job": "real+store", **res, **info,
-                            "store_tokens": a.store_tokens, "store_layers": a.store_layers}
+                            "store_tokens": a.store_tokens, "store_layers": a.store_layers,
+                            "store_bytes_during_jobs": during, "store_gbps_during_jobs": during / dt / 1e9}
                     report["cases"].append(case)
                     print(json.dumps(case), flush=True)
                 if a.fuzz:
