@@ -13,6 +13,8 @@ std::tuple<double, double> block_read(const at::Tensor& buf, int64_t block_bytes
                                       int64_t pf_hint);
 void set_pool(int64_t threads, const std::vector<int64_t>& cores, int64_t spin_us);
 at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype);
+at::Tensor host_empty_on(at::IntArrayRef sizes, at::ScalarType dtype, int64_t node);
+int64_t host_page_node(const at::Tensor& t);
 void host_pool_keep(int64_t bytes);
 std::tuple<int64_t, int64_t> host_pool_reserve(int64_t bytes, int64_t threads, int64_t chunk);
 std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> host_pool_stats();
@@ -172,6 +174,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(seconds, checksum) to read nblocks random blocks of buf (pf_hint -1: no software prefetch)",
         py::arg("buf"), py::arg("block_bytes"), py::arg("nblocks"), py::arg("seed") = 0, py::arg("pf_hint") = -1);
   m.def("host_empty", &nelssa::host_empty, release(), "uninitialised host-tier tensor on huge pages");
+  m.def("host_empty_on", &nelssa::host_empty_on, release(), py::arg("sizes"), py::arg("dtype"), py::arg("node"),
+        "uninitialised host-tier tensor bound to a NUMA node (host_pool.cpp, 6)");
+  m.def("host_page_node", &nelssa::host_page_node, release(), py::arg("t"),
+        "NUMA node of the page holding the tensor's first byte, -1 without NUMA support (host_pool.cpp, 6)");
   m.def("host_pool_keep", &nelssa::host_pool_keep, release(), py::arg("bytes"),
         "host-tier memory kept mapped when freed, for reuse (csrc/host_pool.cpp, 2)");
   m.def("host_pool_reserve", &nelssa::host_pool_reserve, release(), py::arg("bytes"), py::arg("threads"),

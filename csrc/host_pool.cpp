@@ -24,11 +24,21 @@
 //   4. Served from free ranges: a hit; a new mapping: a miss. stats() = (bytes in use, bytes free,
 //      bytes reserved, hits, misses).
 //   5. copy_bytes: a parallel memcpy for the host side of a staged device-to-host copy.
+//   6. host_empty_on(sizes, dtype, node): a range of its own bound (MPOL_PREFERRED) to NUMA node `node`
+//      before anything touches it, so its pages come from that node (nelssa-node's devices on a machine
+//      with several: node/numa.py); not pooled (a freed range is unmapped: the pool's ranges have no
+//      node), counted in stats' bytes in use. node < 0: host_empty. A node the kernel refuses (none such)
+//      raises. host_page_node(t): the node of the page holding t's first byte (-1 without NUMA support).
 #include "common.h"
 
 #include <omp.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
 
 namespace nelssa {
 namespace {
@@ -196,6 +206,9 @@ HostPool& host_pool() {
   return *p;
 }
 
+std::atomic<size_t> node_bytes{0};  // 6: bytes of node-bound ranges in use
+constexpr int MPOL_PREFERRED_ = 1, MPOL_F_NODE_ = 1, MPOL_F_ADDR_ = 2, MAX_NODES = 1024;
+
 }  // namespace
 
 // Host-tier buffer (1): uninitialised, from the pool's free ranges or a new huge-page mapping.
@@ -213,6 +226,40 @@ at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
       at::TensorOptions().dtype(dtype));
 }
 
+// 6: a NUMA-node-bound range of its own
+at::Tensor host_empty_on(at::IntArrayRef sizes, at::ScalarType dtype, int64_t node) {
+  if (node < 0) return host_empty(sizes, dtype);
+  TORCH_CHECK(node < MAX_NODES, "host_empty_on: NUMA node ", node, " >= ", MAX_NODES);
+  int64_t n = 1;
+  for (int64_t s : sizes) {
+    TORCH_CHECK(s >= 0, "host_empty_on: negative size");
+    n *= s;
+  }
+  const size_t bytes = static_cast<size_t>(n) * c10::elementSize(dtype);
+  const size_t len = (std::max<size_t>(bytes, 1) + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+  void* a = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(a != MAP_FAILED, "host_empty_on: mmap of ", len, " bytes failed (host memory exhausted?)");
+  unsigned long mask[MAX_NODES / (8 * sizeof(unsigned long))] = {};
+  mask[node / (8 * sizeof(unsigned long))] |= 1UL << (node % (8 * sizeof(unsigned long)));
+  // the kernel reads maxnode - 1 bits of the mask
+  if (syscall(SYS_mbind, a, len, MPOL_PREFERRED_, mask, MAX_NODES + 1, 0) != 0) {
+    const int err = errno;
+    munmap(a, len);
+    TORCH_CHECK(false, "host_empty_on: binding ", len, " bytes to NUMA node ", node, " failed: ", std::strerror(err));
+  }
+  madvise(a, len, MADV_HUGEPAGE);
+  node_bytes += len;
+  return at::from_blob(
+      a, sizes, [len](void* ptr) { munmap(ptr, len); node_bytes -= len; }, at::TensorOptions().dtype(dtype));
+}
+
+int64_t host_page_node(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.numel() > 0, "host_page_node: a non-empty CPU tensor");
+  int node = -1;
+  if (syscall(SYS_get_mempolicy, &node, nullptr, 0, t.data_ptr(), MPOL_F_NODE_ | MPOL_F_ADDR_) != 0) return -1;
+  return node;
+}
+
 void host_pool_keep(int64_t bytes) {
   TORCH_CHECK(bytes >= 0, "host pool: keep must be >= 0");
   host_pool().set_keep(static_cast<size_t>(bytes));
@@ -224,7 +271,11 @@ std::tuple<int64_t, int64_t> host_pool_reserve(int64_t bytes, int64_t threads, i
   return {static_cast<int64_t>(reinterpret_cast<uintptr_t>(a)), static_cast<int64_t>(len)};
 }
 
-std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> host_pool_stats() { return host_pool().stats(); }
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> host_pool_stats() {
+  auto s = host_pool().stats();
+  std::get<0>(s) += static_cast<int64_t>(node_bytes.load());  // 6
+  return s;
+}
 
 // 5. dst = src, bytewise, split over `threads` threads in contiguous slices (1 MiB at least): a staged
 // device-to-host copy's host side, whose single-threaded copy into fresh pages ran at a few GB/s.

@@ -1004,3 +1004,65 @@ def test_job_ids_travel_as_wide_as_the_largest_count():
     assert torch.equal(torch.frombuffer(bytearray(r.ids), dtype=torch.int64).view(2, 5), ids[:, :5])
     assert encode_job(1, "c", 0, 0.1, q, ["a"], [100], [ids], [torch.tensor([5, 65])]).reqs[0].selected == 64
     assert encode_job(1, "c", 0, 0.1, q, ["a"], [100], [ids], [torch.tensor([0, 0])]).reqs[0].selected == 0
+
+
+def test_devices_are_placed_on_numa_nodes(tmp_path):
+    """node/numa.py: the topology read from sysfs; with two nodes, devices of --cores-per-device spread over
+    them, each device's cores from one node; explicit core lists bound where they sit on one node; with one
+    node the devices take consecutive cores as before and bind nothing."""
+    from nelssa.node import numa
+    for n, cpus in ((0, "0-3,8-11"), (1, "4-7,12-15"), (2, "")):  # node 2: memory only
+        (tmp_path / f"node{n}").mkdir()
+        (tmp_path / f"node{n}" / "cpulist").write_text(cpus + "\n")
+    (tmp_path / "possible").write_text("0-2\n")
+    topo = numa.topology(str(tmp_path))
+    assert topo == {0: (0, 1, 2, 3, 8, 9, 10, 11), 1: (4, 5, 6, 7, 12, 13, 14, 15), 2: ()}
+    cores, nodes = numa.place(4, 2, list(range(16)), topo)
+    assert nodes == (0, 1, 0, 1) and cores == ((0, 1), (4, 5), (2, 3), (6, 7))
+    # the affinity decides which CPUs count: node 1 has none here, so one node, no binding
+    cores, nodes = numa.place(2, 2, [0, 1, 2, 3], topo)
+    assert nodes == (None, None) and cores == ((0, 1), (2, 3))
+    assert numa.node_of((4, 5, 12), topo) == 1 and numa.node_of((3, 4), topo) is None
+    assert numa.topology(str(tmp_path / "absent")) == {}
+    assert numa.place(2, 1, [0, 1], {}) == (((0,), (1,)), (None, None))
+    with pytest.raises(ValueError):
+        numa.place(0, 1, [0], topo)
+
+
+def test_stored_kv_is_bound_to_its_devices_numa_node():
+    """A device placed on a NUMA node (NodeSettings.device_nodes) gets its stored K/V from that node's memory
+    (csrc/host_pool.cpp 6: bound before anything touches it): here node 0, the one this machine has. A node
+    the kernel refuses fails the store loudly and leaves nothing."""
+    from nelssa.node.server import NodeSettings
+    from nelssa.node.state import NodeError, NodeState
+    from nelssa.sparse import hostmem
+    tokens = 8192  # one device's share of a layer: 2 heads x 8,192 x 2 x 32 x 4 B = 4 MiB, a bound range
+
+    def store(node, cid, rid):
+        sizes = torch.full((H, 16), tokens // 16, dtype=torch.int32).numpy().tobytes()
+        kv = torch.randn(H * tokens * 2 * D).numpy().tobytes()
+        node.store(iter([pb.StoreChunk(header=pb.StoreHeader(client_id=cid, req_id=rid, num_layers=L, kv_heads=H,
+                                                             head_dim=D, dtype=pb.FLOAT32, tokens=tokens,
+                                                             clusters=[16] * L))]
+                        + [pb.StoreChunk(data=b) for _ in range(L) for b in (sizes, kv)]), None)
+
+    node = NodeState(NodeSettings(devices=2, device_nodes=(0, 0)))
+    try:
+        cid = node.register("numa", 60).id
+        used = hostmem.stats()["used_bytes"]
+        store(node, cid, "a")
+        r = node.clients[cid].reqs["a"]
+        kvs = [p.kv for layer in r.shards for shard in layer for p in shard.parts] + \
+              [item[1] for layer in r.shards for shard in layer for item in shard.pending]  # not yet committed
+        assert len(kvs) == 2 * L and all(hostmem.page_node(kv) == 0 for kv in kvs)
+        assert hostmem.stats()["used_bytes"] - used >= sum(kv.nbytes for kv in kvs)  # counted in use
+    finally:
+        node.close()
+    node = NodeState(NodeSettings(devices=2, device_nodes=(0, 1000 - 1)))
+    try:
+        cid = node.register("numa", 60).id
+        with pytest.raises((NodeError, RuntimeError), match="NUMA node 999"):
+            store(node, cid, "b")
+        assert not node.clients[cid].reqs and all(d.used == 0 for d in node.devices)
+    finally:
+        node.close()

@@ -11,24 +11,24 @@ import sys
 import threading
 
 from nelssa.config import check_cores, get_config, mem_available, parse_bytes, parse_cores
+from nelssa.node import numa
 
 
-def _device_cores(spec: str, devices: int, per_device: int) -> tuple[tuple[int, ...], ...]:
-    """'0-3;4-7' (one core list per device) or, with --cores-per-device, consecutive cores of this
-    process's affinity, device by device (wrapping around when there are fewer cores than asked)."""
+def _device_cores(spec: str, devices: int, per_device: int
+                  ) -> tuple[tuple[tuple[int, ...], ...], tuple[int | None, ...]]:
+    """(cores per device, NUMA node per device or None): '0-3;4-7' (one core list per device; a device on
+    one node is bound to it) or, with --cores-per-device, cores of this process's affinity, device by
+    device — on a machine with several NUMA nodes each device's from one node, the devices spread over
+    the nodes (node/numa.py)."""
+    topo = numa.topology()
     if spec:
         sets = tuple(parse_cores(s) for s in spec.split(";"))
         if len(sets) != devices:
             raise ValueError(f"--device-cores names {len(sets)} core sets for {devices} devices")
-        return sets
+        return sets, tuple(numa.node_of(c, topo) for c in sets)
     if per_device <= 0:
-        return ()
-    avail = sorted(os.sched_getaffinity(0))
-    if devices * per_device > len(avail):
-        logging.getLogger("nelssa.node").warning(
-            "%d devices x %d cores > %d cores available: devices share cores (emulation only)",
-            devices, per_device, len(avail))
-    return tuple(tuple(avail[(d * per_device + i) % len(avail)] for i in range(per_device)) for d in range(devices))
+        return (), ()
+    return numa.place(devices, per_device, numa.affinity(), topo)
 
 
 def _omp_wait_policy(cores: tuple[tuple[int, ...], ...]) -> None:
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         except OSError as e:
             p.error(f"--token-file: {e}")
     try:
-        cores = _device_cores(a.device_cores, a.devices, a.cores_per_device)
+        cores, nodes = _device_cores(a.device_cores, a.devices, a.cores_per_device)
         check_cores("--device-cores", [c for d in cores for c in d])
         check_cores("--ingest-cores", parse_cores(a.ingest_cores))
     except ValueError as e:
@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     from nelssa.node.wire import Limits
     torch.set_num_threads(1)  # the node's own torch ops are small; the kernels have their teams
     try:
-        s = NodeSettings(host=a.host, port=a.port, devices=a.devices, device_cores=cores, threads_per_device=threads,
+        s = NodeSettings(host=a.host, port=a.port, devices=a.devices, device_cores=cores, device_nodes=nodes,
+                         threads_per_device=threads,
                          device_memory=parse_bytes(a.device_memory) if a.device_memory
                          else int(0.8 * mem_available()) // a.devices, partition=a.partition,
                          ingest_cores=parse_cores(a.ingest_cores), token=token, lease_min_s=a.lease_min_s,
@@ -120,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
         running = serve(s)
     except (ValueError, OSError) as e:  # a --host-reserve beyond the memory available, a port in use
         raise SystemExit(f"nelssa-node: {e}") from None
+    if any(n is not None for n in nodes):
+        logging.getLogger("nelssa.node").info("devices on NUMA nodes: %s", "; ".join(
+            f"device {d}: cores {','.join(map(str, c))} node {n}" for d, (c, n) in enumerate(zip(cores, nodes))))
     # one parseable line for scripts and tests
     print(f"nelssa-node listening on {a.host}:{running.port} metrics {running.metrics_port} pid {os.getpid()}",
           flush=True)

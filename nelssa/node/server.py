@@ -35,6 +35,8 @@ class NodeSettings:
     port: int = 50151
     devices: int = 1
     device_cores: tuple[tuple[int, ...], ...] = ()   # per device; () = not pinned
+    device_nodes: tuple[int | None, ...] = ()        # per device: the NUMA node its stored K/V is bound to
+                                                     # (node/numa.py; None or () = the kernel's placement)
     threads_per_device: int = 1                      # OpenMP threads of a device's kernel calls
     device_memory: int = 1 << 30                     # bytes per device
     partition: str = "head"                          # head | cluster
@@ -61,6 +63,8 @@ class NodeSettings:
             raise ValueError("poll_spin_us >= 0, poll_sleep_us >= 1 and grpc_workers >= 1 required")
         if self.device_cores and len(self.device_cores) != self.devices:
             raise ValueError(f"{len(self.device_cores)} core sets for {self.devices} devices")
+        if self.device_nodes and len(self.device_nodes) != self.devices:
+            raise ValueError(f"{len(self.device_nodes)} NUMA nodes for {self.devices} devices")
         if self.partition not in ("head", "cluster"):
             raise ValueError(f"partition must be 'head' or 'cluster', got {self.partition!r}")
         if self.threads_per_device < 1 or self.device_memory < 0 or self.host_reserve < 0:

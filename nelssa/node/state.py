@@ -40,7 +40,7 @@ from nelssa.node.proto import nelssa_node_pb2 as pb
 from nelssa.node.wire import (DTYPE_IDS, ITEMSIZE, MAX_RELEASED_QUERY, W_REQ_SEQ, NativeChannel, ShmChannel, StoreSlot,
                               WireError, centroid_bytes, decode_job, dtype_of, plan_layout, store_bytes, tensor_bytes,
                               valid_handle)
-from nelssa.sparse import Selection, host_empty, hostmem, merge_states, prepare_attend
+from nelssa.sparse import Selection, host_empty, host_empty_on, hostmem, merge_states, prepare_attend
 from nelssa.node.storage import (Client, Device, Devices, NodeError, NodeRequest, even_share, split_heads,
                                  table_bytes)
 
@@ -94,7 +94,8 @@ class NodeState:
     def __init__(self, s: NodeSettings):
         self.s = s
         cores = s.device_cores or ((),) * s.devices
-        self.devices = [Device(i, tuple(cores[i]), s.device_memory) for i in range(s.devices)]
+        nodes = s.device_nodes or (None,) * s.devices
+        self.devices = [Device(i, tuple(cores[i]), s.device_memory, nodes[i]) for i in range(s.devices)]
         self.workers = Devices(self.devices, s.poll_spin_us)
         self.clients: dict[str, Client] = {}
         self.lock = threading.Lock()   # clients map and byte accounting
@@ -373,8 +374,8 @@ class NodeState:
             starts = torch.cumsum(sizes, 1, dtype=torch.int64) - sizes
             if head:
                 row_parts = []
-                for h0, h1 in ranges:
-                    kv = host_empty((h1 - h0, n, 2, D), dtype)
+                for dev, (h0, h1) in zip(self.devices, ranges):
+                    kv = host_empty_on((h1 - h0, n, 2, D), dtype, dev.numa_node)  # its node's memory (numa.py)
                     if h1 > h0:
                         it.into(kv.view(-1).view(torch.uint8))
                     row_parts.append((n, kv, starts[h0:h1].contiguous(), sizes[h0:h1].contiguous()))
@@ -403,7 +404,7 @@ class NodeState:
             mine = (owner == d).unsqueeze(0).expand(H, C)
             sz = torch.where(mine, sizes, torch.zeros_like(sizes))
             rows_h = sz.sum(1, dtype=torch.int64)
-            kv = host_empty((H, max(1, int(rows_h.max())), 2, D), full.dtype)
+            kv = host_empty_on((H, max(1, int(rows_h.max())), 2, D), full.dtype, self.devices[d].numa_node)
             for hh in range(H):  # rows of this device's clusters, in cluster order (a stable boolean gather)
                 if rows_h[hh]:
                     kv[hh, :int(rows_h[hh])] = full[hh][owner[row_cluster[hh]] == d]

@@ -123,8 +123,8 @@ class Device:
     ``DeviceGroup`` (csrc/device_group.cpp), pinned to the cores; the OpenMP team a kernel call starts
     from it inherits the mask."""
 
-    def __init__(self, index: int, cores: tuple[int, ...], capacity: int):
-        self.index, self.cores, self.capacity = index, cores, capacity
+    def __init__(self, index: int, cores: tuple[int, ...], capacity: int, numa_node: int | None = None):
+        self.index, self.cores, self.capacity, self.numa_node = index, cores, capacity, numa_node
         self.used = 0  # held + reserved (guarded by the node's accounting lock)
 
     def info(self) -> pb.DeviceInfo:

@@ -23,6 +23,9 @@
      owner keeps it, so ``to_host`` copies into it in one DMA as into the reservation. Unlike 3 the owner
      unmaps it: ``unpin`` first (a range unmapped while registered stays locked in the driver). Never
      during vLLM's global-mode graph capture (3); the lane's captures are thread-local.
+  7. ``host_empty_on(shape, dtype, node)``: as 1, its pages bound to a NUMA node before anything touches
+     them (nelssa-node's devices, node/numa.py); a range of its own, unmapped when freed (host_pool.cpp,
+     6). ``page_node(t)``: where a page landed.
 """
 
 from __future__ import annotations
@@ -52,6 +55,22 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Uninitialised host-tier tensor (1)."""
     mod = ext()
     return mod.host_empty(list(shape), dtype) if mod is not None else torch.empty(shape, dtype=dtype)
+
+
+def host_empty_on(shape: tuple[int, ...], dtype: torch.dtype, node: int | None) -> torch.Tensor:
+    """Uninitialised host-tier tensor whose pages come from NUMA node ``node`` (7); None: ``host_empty``."""
+    if node is None:
+        return host_empty(shape, dtype)
+    mod = ext()
+    if mod is None:
+        raise RuntimeError(f"binding host memory to NUMA node {node} needs the C++ extension (nelssa._C)")
+    return mod.host_empty_on(list(shape), dtype, node)
+
+
+def page_node(t: torch.Tensor) -> int:
+    """The NUMA node of the page holding ``t``'s first byte (-1: not known)."""
+    mod = ext()
+    return mod.host_page_node(t) if mod is not None else -1
 
 
 def copy(dst: torch.Tensor, src: torch.Tensor, threads: int) -> None:
