@@ -65,7 +65,8 @@ def test_exact_mixed_batch_chunked_prefill(mixed):
 def test_long_prompt_waits_out_of_the_steps_for_its_switch(mixed):
     """With the lane, a long prompt done prefilling is left out of the steps until its last segment's hand-off
     lets it switch (config switch_hold_s; scheduler._switch_waits): no step decodes it from its device blocks
-    meanwhile. Its tokens are the baseline's all the same (the test above)."""
+    meanwhile, and its switch is a lane seed, not a switch step. Its tokens are the baseline's all the same
+    (the test above)."""
     on, _ = mixed
     prompt = {r["id"]: on["results"][r["id"]]["prompt_len"] for r in MIXED if r["id"] in ("long3k", "long5k", "long7k")}
     for rid, n in prompt.items():
@@ -78,6 +79,8 @@ def test_long_prompt_waits_out_of_the_steps_for_its_switch(mixed):
             assert on["steps"][i]["computed"][rid] == on["steps"][i - 1]["computed"][rid] >= n, (rid, i)
         # then it switched: decoded on (in the lane), to its last token
         assert len(on["results"][rid]["token_ids"]) == MAX_TOKENS[rid]
+    # a held one's switch is a lane seed (scheduler._seed_switch), not a switch step on the device
+    assert on["sched_counts"].get("switch_seeds", 0) >= 1, on["sched_counts"]
 
 
 def test_device_blocks_given_back(mixed):

@@ -185,6 +185,7 @@ def run(spec: dict) -> dict:
         "host_totals": dict(host.stats.totals) if host is not None else {},
         "aborted_migrating": aborted_migrating, "aborted_in_lane": aborted_in_lane,
         "aborted_recalling": aborted_recalling,
+        "sched_counts": dict(getattr(sched, "nelssa_counts", {})),
     }
     if spec.get("metrics"):
         out["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()

@@ -108,7 +108,8 @@ def step_adoptions(meta) -> dict[str, tuple[str, int]]:
 
 
 def step_seeds(meta) -> dict[str, tuple[int, int, int, list[int]]]:
-    """This step's lane seeds of window admissions (handover.py, 6): request -> (position, H0, token, blocks)."""
+    """This step's lane seeds — window admissions' first positions (handover.py, 6) and the switches of long
+    prompts held for them (scheduler._seed_switch): request -> (position, H, token, blocks)."""
     m = _ours(meta, NelssaConnectorMetadata, "metadata")
     return m.seeds if m is not None else {}
 
@@ -290,6 +291,10 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
             "switch_holds": per_engine(c(name="nelssa:switch_holds", labelnames=labelnames,
                                          documentation="Lane: long prompts left out of the steps from the end of "
                                                        "their prefill until their switch (config switch_hold_s)")),
+            "switch_seeds": per_engine(c(name="nelssa:switch_seeds", labelnames=labelnames,
+                                         documentation="Lane: long prompts held so whose switch was a lane seed "
+                                                       "(their next position computed by the lane, no switch "
+                                                       "step on the device)")),
             "switch_hold_s": per_engine(h(name="nelssa:switch_hold_seconds", labelnames=labelnames,
                                           buckets=buckets, documentation="Lane: per long prompt held so, the "
                                           "time until its switch (its last segment's hand-off)")),
@@ -388,7 +393,7 @@ class NelssaConnector(KVConnectorBase_V1):
         self._adopt: dict[str, str] = {}       # D: hand-overs not yet scheduled
         self.window: dict[str, int] = {}       # set by NelssaScheduler on D: window admission -> H0
         self._adopt_now: dict[str, tuple[str, int]] = {}  # D: window admissions allocated, not yet sent
-        self.seeds: dict[str, tuple[int, int, int, list[int]]] = {}  # set by NelssaScheduler (D, lane): not yet sent
+        self.seeds: dict[str, tuple[int, int, int, list[int]]] = {}  # set by NelssaScheduler (lane): not yet sent
         self.recalls: dict[str, tuple[int, list[int]]] = {}  # set by NelssaScheduler: recalls not yet sent (recall.py)
         self._alloc_next = 0.0                 # worker: when the allocator's counters are read next
         self._alloc_last: dict[str, int] = {}  # worker: their values at the last read

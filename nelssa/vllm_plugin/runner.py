@@ -378,7 +378,9 @@ class NelssaRunnerMixin:
         """Queue the lane jobs of window admissions' first positions (handover.py, 6): the prompt's last
         token at its position, with H0 and the block ids the scheduler allocated (the window's KV is
         in: NIXL read it, and the node holds [sink, H0)). Not scheduled yet, these requests are not in
-        this runner's batch; the step that schedules one finds its position computed (a lane row)."""
+        this runner's batch; the step that schedules one finds its position computed (a lane row). The
+        same for a long prompt held for its switch (scheduler._seed_switch): its sampled token at its
+        next position, with its first H (its moves done: ``ready`` commits them)."""
         from nelssa.vllm_plugin.lane import Job
         ev = torch.cuda.Event() if self.device.type == "cuda" else None
         jobs = []

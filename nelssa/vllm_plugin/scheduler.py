@@ -72,7 +72,8 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   engine waits for the host tier, not even the switch. A long prompt done prefilling whose switch waits
   only for its last segment's hand-off is left out of the steps like a busy request until it switches
   (at most ``switch_hold_s``): the steps that decoded a 100K-token row from its device blocks meanwhile
-  took 65-67 ms (H200 hol run 77; ``_switch_waits``). A migrating request decodes on the device.
+  took 65-67 ms (H200 hol run 77; ``_switch_waits``). Its switch is then no switch step either: its next
+  position goes to the lane as a seed (``_seed_switch``). A migrating request decodes on the device.
 * P/D hand-over (config ``handover``, a prefill instance with nelssa-node; handover.py): a long prompt
   prefilled for remote decode is never switched here (its blocks stay whole for D's NIXL read); when it
   finishes, the connector names its handle and H0 in its kv_transfer_params (``_handover_end``); P's
@@ -149,6 +150,7 @@ class NelssaScheduler(Scheduler):
         self._loading: dict[str, float] = {}  # recalled request -> since (monotonic): loading back (recall.py)
         self._prefilled: dict[str, float] = {}  # lane: long prompt done prefilling, not switched -> since (monotonic)
         self.switch_held: set[str] = set()      # lane: the long prompts _switch_waits left out of the last step
+        self.nelssa_counts: dict[str, int] = {}  # what _count counted, since the start
         # the migration rule's clock (policy.ends_within_handoff): the engine's step interval and a hand-off's
         # time, start to switch, each a moving average (None until measured)
         self._step_s: float | None = None
@@ -340,9 +342,29 @@ class NelssaScheduler(Scheduler):
                 h = pol.in_use(a, done)
                 if h > self._host_end.get(rid, 0):
                     if not self._host_end.get(rid) and self.nelssa.lane:
+                        if rid in self._prefilled and self._seed_switch(r, h):
+                            continue  # held for its switch: its next position is the lane's, no switch step
                         self._switching[rid] = h  # its switch step: computed on the device, then the lane
                         continue
                     self._use_host(rid, h)
+
+    def _seed_switch(self, r: Request, h: int) -> bool:
+        """A long prompt held for its switch (``_switch_waits``) whose hand-off is done: H in use now and its
+        next position (its sampled token's) computed by the lane as a seed, as a window admission's first
+        position on D (runner._nelssa_lane_seed) — so it never decodes from its device blocks, not even in a
+        switch step; the lane's report makes the step that schedules it a lane row. False (a switch step
+        instead) while a step's output for it may be in flight."""
+        rid, pos = r.request_id, r.num_computed_tokens
+        if r.status != RequestStatus.RUNNING or r.num_output_placeholders or len(r.all_token_ids) <= pos:
+            return False
+        blocks = self.kv_cache_manager.get_block_ids(rid)[0]
+        self._conn.seeds[rid] = (pos, h, int(r.all_token_ids[pos]), list(blocks[:pos // self.block_size + 1]))
+        t = self._prefilled.pop(rid)
+        self._conn.sched_stats.setdefault("switch_hold_s", []).append(min(time.monotonic() - t, self.nelssa.switch_hold_s))
+        self._use_host(rid, h)
+        self._busy.add(rid)
+        self._count("switch_seeds")
+        return True
 
     def _use_host(self, rid: str, h: int) -> None:
         """H of ``rid`` in use from now on; its first completes a migration and stamps the switch."""
@@ -359,6 +381,7 @@ class NelssaScheduler(Scheduler):
 
     def _count(self, name: str, n: int = 1) -> None:
         self._conn.sched_stats[name] = self._conn.sched_stats.get(name, 0) + n
+        self.nelssa_counts[name] = self.nelssa_counts.get(name, 0) + n  # (read by tests: bench.harness)
 
     def _pressure(self) -> str:
         """Why host-backing should grow now ('' when it should not): device KV use at the watermark; fewer
