@@ -70,7 +70,7 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   request keeps its blocks and is computed on the device; the lane computes its next position with
   H), and is in use — its blocks below H freed — from the next scheduling on. So no step of the
   engine waits for the host tier, not even the switch. A long prompt done prefilling whose switch waits
-  only for its last segment's hand-off is left out of the steps like a busy request until it switches
+  only for its last segments' hand-off is left out of the steps like a busy request until it switches
   (at most ``switch_hold_s``): the steps that decoded a 100K-token row from its device blocks meanwhile
   took 65-67 ms (H200 hol run 77; ``_switch_waits``). Its switch is then no switch step either: its next
   position goes to the lane as a seed (``_seed_switch``). A migrating request decodes on the device.
