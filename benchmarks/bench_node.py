@@ -92,20 +92,17 @@ def _jobs(tier: NodeHostTier, rids: list[str], q: torch.Tensor, budget: float | 
         return _native_jobs(tier, ckvs, q, sel, scale, iters, warmup, gap_s, min_s)
     job = encode_job(1, tier.client_id, 0, scale, q, rids, [c.length for c in ckvs], list(sel.ids), list(sel.counts))
     rt, node, comp = [], [], []
-    end = time.perf_counter() + min_s
-    i = 0
-    while i < warmup + iters or time.perf_counter() < end:
-        i += 1
+    for measured in _rounds(warmup, iters, min_s):
         t = time.perf_counter()
         res = tier._plane.run(job, 30.0)
         dt = time.perf_counter() - t
         if res.code:
             raise RuntimeError(res.message)
-        if i > warmup:
+        if measured:
             rt.append(dt)
             node.append(res.node_s)
             comp.append(res.compute_s)
-    return _summary(rt, node, comp, len(rt))
+    return _summary(rt, node, comp)
 
 
 def _native_jobs(tier: NodeHostTier, ckvs: list, q: torch.Tensor, sel: Selection, scale: float, iters: int,
@@ -118,10 +115,7 @@ def _native_jobs(tier: NodeHostTier, ckvs: list, q: torch.Tensor, sel: Selection
     B, Hq, D = q.shape
     out, lse = torch.empty(B, Hq, D), torch.empty(B, Hq)
     rt, node, comp = [], [], []
-    end = time.perf_counter() + min_s
-    i = 0
-    while i < warmup + iters or time.perf_counter() < end:
-        i += 1
+    for measured in _rounds(warmup, iters, min_s):
         c = tier._native.call(ckvs, q, sel, scale, 0, out, lse)
         t = time.perf_counter()
         while gap_s and time.perf_counter() - t < gap_s:
@@ -131,20 +125,30 @@ def _native_jobs(tier: NodeHostTier, ckvs: list, q: torch.Tensor, sel: Selection
         dt = time.perf_counter() - t
         if c.state != "done":
             raise RuntimeError(c.error)
-        if i > warmup:
+        if measured:
             rt.append(dt)
             node.append(c.node_times[0])
             comp.append(c.node_times[1])
-    return _summary(rt, node, comp, len(rt))
+    return _summary(rt, node, comp)
 
 
-def _summary(rt: list[float], node: list[float], comp: list[float], iters: int) -> dict:
+def _rounds(warmup: int, iters: int, min_s: float):
+    """Each job's turn -> whether it is measured: ``warmup`` jobs not, then ``iters`` jobs, and more until
+    ``min_s`` has passed since the first."""
+    end = time.perf_counter() + min_s
+    i = 0
+    while i < warmup + iters or time.perf_counter() < end:
+        i += 1
+        yield i > warmup
+
+
+def _summary(rt: list[float], node: list[float], comp: list[float]) -> dict:
     over = [a - b for a, b in zip(rt, node)]
     outside = [a - c for a, c in zip(rt, comp)]
     return {"rt_p50_us": _pct(rt, 0.5) * 1e6, "rt_p99_us": _pct(rt, 0.99) * 1e6, "node_p50_us": _pct(node, 0.5) * 1e6,
             "compute_p50_us": _pct(comp, 0.5) * 1e6, "transport_p50_us": _pct(over, 0.5) * 1e6,
             "outside_compute_p50_us": _pct(outside, 0.5) * 1e6,
-            "outside_compute_share": sum(outside) / sum(rt), "n": iters}
+            "outside_compute_share": sum(outside) / sum(rt), "n": len(rt)}
 
 
 def _store_data(tokens: int, H: int, D: int) -> tuple[int, torch.Tensor, torch.Tensor]:

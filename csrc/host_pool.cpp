@@ -45,6 +45,31 @@ namespace {
 
 constexpr size_t HUGE_PAGE = 2u << 20;
 
+size_t round_up(size_t b) { return (b + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE; }
+
+// `len` (a multiple of HUGE_PAGE) of anonymous memory starting on a huge page, MADV_HUGEPAGE (1)
+char* map_aligned(size_t len) {
+  // over-map by one huge page to align the start
+  void* raw = mmap(nullptr, len + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(raw != MAP_FAILED, "host_empty: mmap of ", len, " bytes failed (host memory exhausted?)");
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(raw) + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
+  const size_t head = a - reinterpret_cast<uintptr_t>(raw);
+  if (head) munmap(raw, head);
+  if (HUGE_PAGE - head) munmap(reinterpret_cast<char*>(a) + len, HUGE_PAGE - head);
+  madvise(reinterpret_cast<void*>(a), len, MADV_HUGEPAGE);
+  return reinterpret_cast<char*>(a);
+}
+
+// bytes of a tensor of `sizes` and `dtype`
+size_t tensor_bytes(at::IntArrayRef sizes, at::ScalarType dtype, const char* who) {
+  int64_t n = 1;
+  for (int64_t s : sizes) {
+    TORCH_CHECK(s >= 0, who, ": negative size");
+    n *= s;
+  }
+  return static_cast<size_t>(n) * c10::elementSize(dtype);
+}
+
 struct Range {
   size_t len;
   int region;  // the reservation it belongs to (3), 0: none
@@ -150,20 +175,6 @@ class HostPool {
   }
 
  private:
-  static size_t round_up(size_t b) { return (b + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE; }
-
-  static char* map_aligned(size_t len) {
-    // over-map by one huge page to align the start
-    void* raw = mmap(nullptr, len + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    TORCH_CHECK(raw != MAP_FAILED, "host_empty: mmap of ", len, " bytes failed (host memory exhausted?)");
-    const uintptr_t a = (reinterpret_cast<uintptr_t>(raw) + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
-    const size_t head = a - reinterpret_cast<uintptr_t>(raw);
-    if (head) munmap(raw, head);
-    if (HUGE_PAGE - head) munmap(reinterpret_cast<char*>(a) + len, HUGE_PAGE - head);
-    madvise(reinterpret_cast<void*>(a), len, MADV_HUGEPAGE);
-    return reinterpret_cast<char*>(a);
-  }
-
   // free bytes beyond keep_, largest unreserved ranges first, into `drop` (unmapped by the caller)
   void trim_locked(std::vector<std::pair<char*, size_t>>* drop) {
     while (free_bytes_ - reserved_free_locked() > 0 && free_bytes_ > keep_) {
@@ -213,12 +224,7 @@ constexpr int MPOL_PREFERRED_ = 1, MPOL_F_NODE_ = 1, MPOL_F_ADDR_ = 2, MAX_NODES
 
 // Host-tier buffer (1): uninitialised, from the pool's free ranges or a new huge-page mapping.
 at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
-  int64_t n = 1;
-  for (int64_t s : sizes) {
-    TORCH_CHECK(s >= 0, "host_empty: negative size");
-    n *= s;
-  }
-  const size_t bytes = static_cast<size_t>(n) * c10::elementSize(dtype);
+  const size_t bytes = tensor_bytes(sizes, dtype, "host_empty");
   if (bytes < HUGE_PAGE) return at::empty(sizes, at::TensorOptions().dtype(dtype));
   auto [a, len, region] = host_pool().take(bytes);
   return at::from_blob(
@@ -230,15 +236,8 @@ at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
 at::Tensor host_empty_on(at::IntArrayRef sizes, at::ScalarType dtype, int64_t node) {
   if (node < 0) return host_empty(sizes, dtype);
   TORCH_CHECK(node < MAX_NODES, "host_empty_on: NUMA node ", node, " >= ", MAX_NODES);
-  int64_t n = 1;
-  for (int64_t s : sizes) {
-    TORCH_CHECK(s >= 0, "host_empty_on: negative size");
-    n *= s;
-  }
-  const size_t bytes = static_cast<size_t>(n) * c10::elementSize(dtype);
-  const size_t len = (std::max<size_t>(bytes, 1) + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-  void* a = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK(a != MAP_FAILED, "host_empty_on: mmap of ", len, " bytes failed (host memory exhausted?)");
+  const size_t len = round_up(std::max<size_t>(tensor_bytes(sizes, dtype, "host_empty_on"), 1));
+  char* a = map_aligned(len);  // nothing touched yet: the binding decides where its pages come from
   unsigned long mask[MAX_NODES / (8 * sizeof(unsigned long))] = {};
   mask[node / (8 * sizeof(unsigned long))] |= 1UL << (node % (8 * sizeof(unsigned long)));
   // the kernel reads maxnode - 1 bits of the mask
@@ -247,7 +246,6 @@ at::Tensor host_empty_on(at::IntArrayRef sizes, at::ScalarType dtype, int64_t no
     munmap(a, len);
     TORCH_CHECK(false, "host_empty_on: binding ", len, " bytes to NUMA node ", node, " failed: ", std::strerror(err));
   }
-  madvise(a, len, MADV_HUGEPAGE);
   node_bytes += len;
   return at::from_blob(
       a, sizes, [len](void* ptr) { munmap(ptr, len); node_bytes -= len; }, at::TensorOptions().dtype(dtype));

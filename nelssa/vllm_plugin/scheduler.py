@@ -359,8 +359,7 @@ class NelssaScheduler(Scheduler):
             return False
         blocks = self.kv_cache_manager.get_block_ids(rid)[0]
         self._conn.seeds[rid] = (pos, h, int(r.all_token_ids[pos]), list(blocks[:pos // self.block_size + 1]))
-        t = self._prefilled.pop(rid)
-        self._conn.sched_stats.setdefault("switch_hold_s", []).append(min(time.monotonic() - t, self.nelssa.switch_hold_s))
+        self._end_hold(rid, time.monotonic())
         self._use_host(rid, h)
         self._busy.add(rid)
         self._count("switch_seeds")
@@ -759,9 +758,10 @@ class NelssaScheduler(Scheduler):
             r = self.requests.get(rid)
             if (r is None or r.status != RequestStatus.RUNNING or rid in self._anchor or self._host_end.get(rid)
                     or rid in self._switching or rid in self._busy or rid in self._window or self._handed_over(r)):
-                t = self._prefilled.pop(rid, None)
-                if t is not None and (rid in self._switching or self._host_end.get(rid)):  # held until its switch
-                    self._conn.sched_stats.setdefault("switch_hold_s", []).append(min(now - t, cfg.switch_hold_s))
+                if rid in self._switching or self._host_end.get(rid):  # held until its switch (if it was)
+                    self._end_hold(rid, now)
+                else:
+                    self._prefilled.pop(rid, None)
                 continue
             a = self._anchor_of(r)
             if not a or r.num_computed_tokens < a or pol.goal(a, a) - self._done.get(rid, 0) > 2 * cfg.segment:
@@ -773,6 +773,12 @@ class NelssaScheduler(Scheduler):
                 out.add(rid)
         self.switch_held = out  # (read by tests: nelssa.bench.harness)
         return out
+
+    def _end_hold(self, rid: str, now: float) -> None:
+        """A request held for its switch (``_switch_waits``) switches: its hold timed (at most switch_hold_s)."""
+        t = self._prefilled.pop(rid, None)
+        if t is not None:
+            self._conn.sched_stats.setdefault("switch_hold_s", []).append(min(now - t, self.nelssa.switch_hold_s))
 
     def _spared(self, running: list[Request]) -> list[Request]:
         """Running requests vLLM preempts only after all others (policy.Policy.spared), in their order.
