@@ -150,6 +150,18 @@ def test_node_equals_local_and_dense(nodes, name, transport):
                         do, dl = dense_attention(q[0], ka, va, SCALE)
                         torch.testing.assert_close(ro[0].double(), do, atol=1e-5, rtol=1e-5)
                         torch.testing.assert_close(rl[0].double(), dl, atol=1e-5, rtol=1e-5)
+        # read-back (a recall, vllm_plugin/recall.py): every layer's tokens back in token order from the node,
+        # across the two parts' edge too, as the in-process tier reads them
+        for layer in range(L):
+            for lo, hi in ((0, 370), (250, 320), (301, 302)):
+                rk, rv = remote.read_back("a", layer, lo, hi)
+                torch.testing.assert_close(rk, torch.cat([a1[0][layer], a2[0][layer]], 1)[:, lo:hi], atol=0, rtol=0)
+                torch.testing.assert_close(rv, torch.cat([a1[1][layer], a2[1][layer]], 1)[:, lo:hi], atol=0, rtol=0)
+                lk, lv = local.read_back("a", layer, lo, hi)
+                assert torch.equal(lk, rk) and torch.equal(lv, rv)
+        assert torch.equal(remote.read_back("b", 1, 0, 200)[1], b[1][1])
+        with pytest.raises(HostError, match="not within"):
+            remote.read_back("a", 0, 0, 371)  # past the committed tokens
         # the native plane where it serves (head-wise, or one device), else the protobuf planes; stores
         # through the store slot on the same-host transports
         assert (remote._native is not None) == (transport == "native" and name != "cluster2")
@@ -918,6 +930,38 @@ def _store(stub, cid: str, rid: str, *, tokens=64, clusters=8, layers=L, heads=H
         if extra:
             yield pb.StoreChunk(data=extra)
     return stub.Store(chunks(), timeout=10)
+
+
+def test_read_back_returns_the_part_as_stored_and_refuses_what_the_caller_does_not_hold(nodes):
+    """ReadBack (a recall's read of a migrated request): one layer's stored part comes back byte for byte as
+    it was stored, also cluster-wise where the node split its clusters over two devices; an unknown or
+    another client's request, a layer or part outside the stored ones and a freed request are refused."""
+    node = nodes("cluster2")
+    ch, stub = node.stub()
+    cid, other = (stub.Register(pb.RegisterRequest(name=n, lease_s=30), timeout=5).client_id for n in ("rb", "rb2"))
+    sizes = torch.tensor([[1, 0, 15, 8, 8, 16, 4, 12]] * H, dtype=torch.int32)  # uneven, one empty cluster
+    kv = torch.randn(H, 64, 2, D)
+    _store(stub, cid, "r", sizes=sizes, data=kv.numpy().tobytes())
+
+    def read(client, rid, layer=0, part=0) -> torch.Tensor:
+        data = b"".join(m.data for m in stub.ReadBack(pb.ReadBackRequest(client_id=client, req_id=rid, layer=layer,
+                                                                         part=part), timeout=10))
+        return torch.frombuffer(bytearray(data), dtype=torch.float32).view(H, 64, 2, D)
+
+    for layer in range(L):
+        assert torch.equal(read(cid, "r", layer), kv)
+    for client, rid, layer, part, code in ((cid, "nope", 0, 0, grpc.StatusCode.NOT_FOUND),
+                                           (other, "r", 0, 0, grpc.StatusCode.NOT_FOUND),
+                                           (cid, "r", L, 0, grpc.StatusCode.INVALID_ARGUMENT),
+                                           (cid, "r", 0, 1, grpc.StatusCode.INVALID_ARGUMENT)):
+        with pytest.raises(grpc.RpcError) as e:
+            read(client, rid, layer, part)
+        assert e.value.code() == code, (client == other, rid, layer, part)
+    stub.Free(pb.FreeRequest(client_id=cid, req_id="r"), timeout=5)
+    with pytest.raises(grpc.RpcError) as e:
+        read(cid, "r")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    ch.close()
 
 
 def test_malformed_stores_leave_nothing_and_store_free_cycles_keep_rss_flat(nodes):

@@ -199,19 +199,40 @@ RECALLED = [{"id": "a", "text_tokens": 1950, "max_tokens": 250},
             {"id": "c", "text_tokens": 2000, "offset": 60000, "max_tokens": 450}]
 
 
-def test_migrated_request_returns_to_the_device_once_there_is_room():
+RECALL_SPEC = {"model": CUT, "nelssa": {**NELSSA, "migrate_watermark": 1.0, "migrate_lead_steps": 200, "lane": True},
+               "engine": {"num_gpu_blocks_override": 52, "max_num_batched_tokens": 2048, "max_model_len": 4096},
+               "requests": RECALLED}
+
+
+@pytest.fixture(scope="module")
+def recall_baseline():
+    return run_harness({**RECALL_SPEC, "mode": "off"})
+
+
+@pytest.mark.parametrize("engine", ["local", "node"])
+def test_migrated_request_returns_to_the_device_once_there_is_room(recall_baseline, engine):
     """Recall (config ``recall``, recall.py): c (2,000 tokens, 450 to generate) grows past T_input beside a
     and b (1,950 + 250) in 52 blocks of 128, where the three do not fit once c has ~180 tokens (the
     baseline preempts); it migrates — the largest context — and decodes from the host tier through the
     lane. Once a and b have finished, the device has room for c to its end: its KV is loaded back from the
     host tier into new blocks (nothing recomputed: its computed tokens never go back; no preemption at
     all), and it ends there with all its blocks, its host KV freed. Tokens equal to the baseline's (budget
-    1.0, fp32)."""
-    reqs = RECALLED
-    spec = {"model": CUT, "nelssa": {**NELSSA, "migrate_watermark": 1.0, "migrate_lead_steps": 200, "lane": True},
-            "engine": {"num_gpu_blocks_override": 52, "max_num_batched_tokens": 2048, "max_model_len": 4096},
-            "requests": reqs}
-    on, off = both(spec)
+    1.0, fp32). With nelssa-node (a subprocess, two head-wise devices) the node sends c's parts back as
+    stored (ReadBack) and the engine's client puts them in token order: the same, and the node is empty after."""
+    spec, node = RECALL_SPEC, None
+    if engine == "node":
+        from test_node import Node
+        node = Node("--devices", "2", "--device-memory", "256MiB")
+        spec = {**spec, "nelssa": {**spec["nelssa"], "engine": "node", "node_address": node.address,
+                                   "node_transport": "native", "host_capacity": "4GiB"}}
+    try:
+        on, off = run_harness({**spec, "mode": "on"}), recall_baseline
+        stats = node.stats() if node else None
+    finally:
+        if node:
+            node.stop()
+    if stats is not None:
+        assert stats.requests == 0 and all(d.used_bytes == 0 for d in stats.devices), stats
     assert on["block_size"] == 128, on["block_size"]
     held = [(st["blocks"].get("c", 0), "a" in st["blocks"] or "b" in st["blocks"]) for st in on["steps"]]
     print(f"preemptions: baseline {off['preemptions']}, NELSSA {on['preempted']}; host {on['host_totals']}; "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import queue
 import threading
@@ -40,7 +41,7 @@ from nelssa.node.wire import (DTYPE_IDS, ITEMSIZE, MAX_RELEASED_QUERY, TOKEN_HEA
                               W_RESP_SEQ, Limits, NativeChannel, PlanLayout, ShmChannel, StoreSlot, WireError,
                               decode_result, encode_job, plan_layout, store_bytes)
 from nelssa.sparse import Selection, hostmem, pack
-from nelssa.sparse.clustered import cluster_part, part_stats, settled
+from nelssa.sparse.clustered import cluster_part, part_stats, settled, unpack_parts
 
 log = logging.getLogger("nelssa.node.client")
 
@@ -110,6 +111,11 @@ class _Req:
         self.req_id = req_id
         self.layers: list[RemoteKV | None] = [None] * num_layers
         self.parts = 0
+        self.part_tokens: list[int] = []
+        # per stored part and layer its token order (int32 perm [H, n], host): what ReadBack's rows need to
+        # be put back in token order; None where this tier did not store every part (an adopted request)
+        # or keeps no order (``recall`` off, or a prefill instance's tier)
+        self.orders: list[list[torch.Tensor]] | None = []
         self.bytes = 0          # on the node
         self.lost = ""          # why the node no longer holds it
 
@@ -462,6 +468,10 @@ class NodeHostTier:
         """``keep_centroids``: stores also leave each part's centroid state on the node, so a request
         this client releases can be adopted without it (a prefill instance's tier: ``adopt``)."""
         self.cfg, self.num_layers, self.keep_centroids = cfg, num_layers, keep_centroids
+        # a recall (config ``recall``) reads a migrated request back (read_back): each part's token order is
+        # kept here, int32 per token, KV head and layer (1/512 of the K/V in bf16 with 128-wide heads); a
+        # prefill instance's tier (keep_centroids) hands its requests over and never recalls
+        self._keep_order = cfg.recall and not keep_centroids
         self.reqs: dict[str, _Req] = {}
         self.stats = HostStats()
         self._lock = threading.Lock()
@@ -621,12 +631,15 @@ class NodeHostTier:
             step = max(1 << 16, min(4 << 20, self.limits.max_message_bytes - (1 << 12)))
             rep = self._rpc("Store", _stream_chunks(header, keys, values, stats, step), timeout=timeout)
         self.stats.add(move_split_s={"kmeans": kmeans_s, "pack": t2 - t1, "store": time.perf_counter() - t2})
+        order = [perm.to("cpu", torch.int32) for _, perm, _, _ in stats] if self._keep_order else None
         with self._lock:
             for i, (sizes, _, cent, vmean) in enumerate(stats):
                 if r.layers[i] is None:
                     r.layers[i] = RemoteKV(req_id, i, H, D, dtype, keys[i].device)
                 r.layers[i].pending.append((n, cent, sizes.to(torch.int32), vmean))
             r.parts += 1
+            r.part_tokens.append(n)
+            r.orders = r.orders + [order] if r.orders is not None and order is not None else None
             r.bytes = rep.bytes
             if req_id not in self.reqs:
                 self.reqs[req_id] = r
@@ -661,6 +674,50 @@ class NodeHostTier:
         if c is None:
             raise HostError(f"request {req_id}: layer {layer} has no host KV")
         return c
+
+    def read_back(self, req_id: str, layer: int, lo: int, hi: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As LocalHostTier.read_back: keys, values [H, hi - lo, D] of committed tokens [lo, hi) of one layer
+        in token order, on ``device``. Each part the range touches comes from the node as stored
+        (ReadBack) and is put back in token order by the order kept at its store (``unpack_parts``)."""
+        if self.cfg.fault == "recall":
+            raise HostError("injected host-tier fault (NELSSA_FAULT=recall)")
+        c = self.layer_kv(req_id, layer)
+        r = self.reqs[req_id]
+        orders = r.orders
+        if orders is None or len(orders) != r.parts:
+            raise HostError(f"request {req_id}: this tier did not keep the token order of its parts "
+                            f"(adopted from another client, or stored with recall off): no read-back")
+        H, D, dtype = c.num_kv_heads, c.head_dim, c.dtype
+        parts, off = [], 0
+        for p, (n, order) in enumerate(zip(r.part_tokens, orders)):
+            parts.append((off, order[layer], lambda p=p, n=n: self._read_part(req_id, layer, p, (H, n, 2, D), dtype)))
+            off += n
+        try:
+            return unpack_parts(parts, lo, hi, c.length, H, D, dtype, device)
+        except ValueError as e:
+            raise HostError(f"read-back of {req_id}: {e}") from None
+
+    def _read_part(self, req_id: str, layer: int, part: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """One stored part of one layer from the node (ReadBack), as stored: [H, n, 2, D] of ``dtype``."""
+        want = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        buf = torch.empty(want, dtype=torch.uint8)
+        off = 0
+        try:
+            for m in self._stub.ReadBack(pb.ReadBackRequest(client_id=self.client_id, req_id=req_id, layer=layer,
+                                                            part=part),
+                                         timeout=self.cfg.host_timeout_s + want / STORE_BYTES_PER_S, metadata=self._md):
+                k = len(m.data)
+                if off + k > want:
+                    raise HostError(f"read-back of {req_id}: the node sent more than the {want} bytes of "
+                                    f"layer {layer}'s part {part}")
+                buf[off:off + k] = torch.frombuffer(m.data, dtype=torch.uint8)
+                off += k
+        except grpc.RpcError as e:
+            raise HostError(f"nelssa-node ReadBack at {self.cfg.node_address}: {_status(e)}") from None
+        if off != want:
+            raise HostError(f"read-back of {req_id}: the node sent {off} of the {want} bytes of layer {layer}'s "
+                            f"part {part}")
+        return buf.view(dtype).view(shape)
 
     def has(self, req_id: str) -> bool:
         return req_id in self.reqs
@@ -745,6 +802,7 @@ class NodeHostTier:
             self._free_remote(req_id)
             raise HostError(f"adopt {req_id}: {problem}")
         r = _Req(req_id, self.num_layers)
+        r.orders = None  # stored by another client: the token order of its parts is not here
         for i, c in enumerate(layers):
             k = RemoteKV(req_id, i, c.num_kv_heads, c.head_dim, c.dtype, c.device)
             k.centroids, k.sizes, k.vmeans, k.length = c.centroids.clone(), c.sizes.clone(), c.vmeans.clone(), c.length

@@ -207,6 +207,15 @@ class Servicer(pb_grpc.NelssaNodeServicer):
         except (NodeError, WireError) as e:
             _abort(context, e)
 
+    def ReadBack(self, request, context):
+        _need_deadline(context)
+        try:
+            step = max(1 << 16, int(self.node.s.limits.max_message_bytes) - (1 << 12))
+            yield from self.node.read_back(self.node.client(request.client_id), request.req_id, request.layer,
+                                           request.part, step)
+        except (NodeError, WireError) as e:
+            _abort(context, e)
+
     def DropPlan(self, request, context):
         return self._call(context, lambda: pb.FreeReply(
             existed=self.node.drop_plan(self.node.client(request.client_id), request.plan_id)))

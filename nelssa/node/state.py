@@ -278,6 +278,41 @@ class NodeState:
                 for o in range(0, flat.size, step):
                     yield pb.DataChunk(data=flat[o:o + step].tobytes())
 
+    def read_back(self, c: Client, req_id: str, layer: int, part: int, step: int):
+        """One stored part of one layer of the client's request as it was stored (ReadBack in the .proto):
+        [kv_heads, tokens, 2, head_dim], each head's rows grouped by cluster in id order, as data chunks of
+        at most ``step`` bytes. The devices' shares put back together: head-wise their heads in order;
+        cluster-wise each cluster's rows taken from the device that holds it (_split_clusters inverted)."""
+        with self.lock:
+            r = c.reqs.get(req_id)
+        if r is None:
+            raise NodeError(grpc.StatusCode.NOT_FOUND, f"request {req_id} is not stored for this client")
+        with r.lock:
+            if not r.shards:
+                raise NodeError(grpc.StatusCode.NOT_FOUND, f"request {req_id} was freed")
+            if not 0 <= layer < r.num_layers:
+                raise WireError(f"layer {layer} outside [0, {r.num_layers})")
+            if not 0 <= part < len(r.part_tokens):
+                raise WireError(f"part {part} outside the request's {len(r.part_tokens)} stored parts")
+            items = [s.stored[part] for s in r.shards[layer]]
+            base = sum(pc[layer] for pc in r.part_clusters[:part])  # global id of the part's cluster 0
+        n = items[0][0]
+        if self.s.partition == "head":
+            kv = torch.cat([it[1][:, :n] for it in items], 0)
+        else:
+            sizes = sum(it[3] for it in items)  # [H, C]: a cluster's rows are on one device, zero elsewhere
+            owner = (torch.arange(sizes.shape[1]) + base) % len(items)
+            kv = torch.empty(r.H, n, 2, r.D, dtype=r.dtype)
+            for hh in range(r.H):
+                row_owner = owner.repeat_interleave(sizes[hh].long())
+                for d, it in enumerate(items):
+                    m = int(it[3][hh].sum())
+                    if m:
+                        kv[hh][row_owner == d] = it[1][hh, :m]
+        flat = kv.reshape(-1).view(torch.uint8).numpy()
+        for o in range(0, flat.size, step):
+            yield pb.DataChunk(data=flat[o:o + step].tobytes())
+
     # -------- ingestion
     def store(self, chunks, context) -> pb.StoreReply:
         first = next(chunks, None)
@@ -341,6 +376,7 @@ class NodeState:
                 for li, row_parts in enumerate(built):
                     for d, item in enumerate(row_parts):
                         r.shards[li][d].pending.append(item)
+                        r.shards[li][d].stored.append(item)
                 r.part_tokens.append(n)
                 r.part_clusters.append(list(h.clusters))
                 r.kept.append(kept)

@@ -44,6 +44,7 @@ class Shard:
         self.num_kv_heads, self.head_dim = heads, head_dim
         self.parts: list[KVPart] = []
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # n, kv, starts, sizes
+        self.stored: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []   # every part so, for ReadBack
         self.cpart = torch.empty(0, dtype=torch.int32)
         self.cstart = torch.empty(heads, 0, dtype=torch.int64)
         self.csize = torch.empty(heads, 0, dtype=torch.int32)

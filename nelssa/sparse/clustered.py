@@ -129,6 +129,38 @@ class KVPart:
     kv: torch.Tensor
 
 
+def unpack_parts(parts, lo: int, hi: int, length: int, H: int, D: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [lo, hi) of clustered parts back in token order: keys, values [H, hi - lo, D] on ``device``
+    (default: the host). ``parts``: (first position, perm [H, n], kv) per part in position order, ``kv()``
+    returning its packed rows [H, n, 2, D] (``pack``'s layout; called only for a part the range touches:
+    nelssa-node's client fetches it from the node); ``length`` tokens in all. The inverse of the packing:
+    each part's rows are scattered to their tokens by its perm where the result lives (on a GPU: the part
+    copied there once, the scatter run there)."""
+    if not 0 <= lo <= hi <= length:
+        raise ValueError(f"unpack: [{lo}, {hi}) is not within the {length} committed tokens")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    out = torch.empty(H, hi - lo, 2, D, dtype=dtype, device=dev)
+    for off, perm, get in parts:
+        n = perm.shape[1]
+        if off >= hi or off + n <= lo:
+            continue
+        kv = get().to(dev, non_blocking=True)
+        if kv.shape != (H, n, 2, D) or kv.dtype != dtype:
+            raise ValueError(f"unpack: a part of {n} tokens holds {tuple(kv.shape)} {kv.dtype}, "
+                             f"{(H, n, 2, D)} {dtype} expected")
+        pos = perm.to(dev, torch.int64, non_blocking=True) + (off - lo)   # [H, n]: each row's token in the result
+        keep = (pos >= 0) & (pos < hi - lo)
+        if bool(keep.all()):
+            out.scatter_(1, pos[:, :, None, None].expand(H, n, 2, D), kv)
+        else:  # a part across the range's edge: its rows inside it (the same count per head)
+            m = int(keep[0].sum())
+            sel = keep.nonzero()[:, 1].view(H, m)
+            rows = kv.gather(1, sel[:, :, None, None].expand(H, m, 2, D))
+            out.scatter_(1, pos.gather(1, sel)[:, :, None, None].expand(H, m, 2, D), rows)
+    return out[:, :, 0], out[:, :, 1]
+
+
 @dataclass
 class _Pending:
     """A clustered part prepared by ``append(commit=False)``, not yet visible to readers."""
@@ -320,34 +352,14 @@ class ClusteredKV:
     def unpack(self, lo: int = 0, hi: int | None = None, device: torch.device | str | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Committed tokens [lo, hi) (positions relative to this store's first token) back in token order:
-        keys, values [H, hi - lo, D] on ``device`` (default: the host). The inverse of the parts' packing:
-        each part's rows are scattered to their tokens by its ``perm`` where the result lives (on a GPU:
-        the part copied there once, the scatter run there). A recall loads a migrated request's device
-        blocks from it (vllm_plugin/recall.py)."""
+        keys, values [H, hi - lo, D] on ``device`` (default: the host), by ``unpack_parts``. A recall loads
+        a migrated request's device blocks from it (vllm_plugin/recall.py)."""
         self.check_alive()
         with self._swap:  # the committed parts and their perms, as one snapshot
             parts, perms, length = list(self.parts), list(self._perms), self.length
         hi = length if hi is None else hi
-        if not 0 <= lo <= hi <= length:
-            raise ValueError(f"unpack: [{lo}, {hi}) is not within the {length} committed tokens")
-        H, D = self.num_kv_heads, self.head_dim
-        dev = torch.device(device) if device is not None else torch.device("cpu")
-        out = torch.empty(H, hi - lo, 2, D, dtype=self.dtype, device=dev)
-        for part, (perm, off) in zip(parts, perms):
-            n = perm.shape[1]
-            if off >= hi or off + n <= lo:
-                continue
-            kv = part.kv.to(dev, non_blocking=True)
-            pos = perm.to(dev, non_blocking=True) + (off - lo)   # [H, n]: each row's token in the result
-            keep = (pos >= 0) & (pos < hi - lo)
-            if bool(keep.all()):
-                out.scatter_(1, pos[:, :, None, None].expand(H, n, 2, D), kv)
-            else:  # a part across the range's edge: its rows inside it (the same count per head)
-                m = int(keep[0].sum())
-                sel = keep.nonzero()[:, 1].view(H, m)
-                rows = kv.gather(1, sel[:, :, None, None].expand(H, m, 2, D))
-                out.scatter_(1, pos.gather(1, sel)[:, :, None, None].expand(H, m, 2, D), rows)
-        return out[:, :, 0], out[:, :, 1]
+        return unpack_parts([(off, perm, lambda kv=part.kv: kv) for part, (perm, off) in zip(parts, perms)],
+                            lo, hi, length, self.num_kv_heads, self.head_dim, self.dtype, device)
 
     def free(self) -> None:
         """Release host and device memory now; later use raises."""

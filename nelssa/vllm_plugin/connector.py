@@ -274,12 +274,7 @@ class NelssaPromMetrics(KVConnectorPromMetrics):
                                                       "from device memory")),
             "recalls": per_engine(c(name="nelssa:recalls", labelnames=labelnames,
                                     documentation="Migrated requests returned to the device once it had room: "
-                                                  "their KV loaded back from the host tier (engine local), or "
-                                                  "recomputed there (nelssa-node: counted by vLLM as preemptions "
-                                                  "too, and as nelssa:recalls_recomputed)")),
-            "recalls_recomputed": per_engine(c(name="nelssa:recalls_recomputed", labelnames=labelnames,
-                                               documentation="Recalls through vLLM's preemption and recompute "
-                                                             "(nelssa-node has no read-back)")),
+                                                  "their KV loaded back from the host tier")),
             "recall_s": per_engine(h(name="nelssa:recall_seconds", labelnames=labelnames, buckets=buckets,
                                      documentation="Recalls by load: start to the request's report as a device "
                                                    "request (its load, after its moves, and the lane's release)")),

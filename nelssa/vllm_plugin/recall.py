@@ -2,8 +2,8 @@
 
 A request that grew past T_input and migrated under pressure (scheduler.py, ``_migrate``) decodes from the
 host tier at the host's pace. Once the device has room for it and for every running request to its end,
-and nothing waits for room (the room rule: NelssaScheduler._recall), it comes back. With the in-process
-host tier (engine ``local``) nothing is recomputed and vLLM does not preempt it:
+and nothing waits for room (the room rule: NelssaScheduler._recall), it comes back. Nothing is recomputed
+and vLLM does not preempt it, with either host tier:
 
   1. Scheduler (NelssaScheduler._recall): the request (running, not in the lane, no step output in flight)
      is held out of the steps (``loading``: left out of the list vLLM schedules, like a busy lane request,
@@ -15,7 +15,9 @@ host tier (engine ``local``) nothing is recomputed and vLLM does not preempt it:
      running draft is cancelled, not waited for); its block row in the runner's request state becomes the
      new one (vLLM re-adds a request it did not schedule to its batch from that state); the hand-off's
      thread loads tokens [first block, last block) of the host range — every layer, read back in token
-     order (ClusteredKV.unpack) and written into the new blocks (attention.write_kv) — after the request's
+     order (the in-process tier's ClusteredKV.unpack; nelssa-node sends each part back as stored and its
+     client puts the rows in token order by the order it kept: node/client.py read_back) and written into
+     the new blocks (attention.write_kv) — after the request's
      moves and, on CUDA, on the hand-off's side stream after the main stream's work so far (a step in
      flight may still write the blocks for their former request).
   3. Worker (Recalls.poll, each step): once the load is done and the lane has released the request, its
@@ -27,8 +29,6 @@ host tier (engine ``local``) nothing is recomputed and vLLM does not preempt it:
 A failed load (the host tier failing) fails the request loudly (runtime.fail): its host range is no longer
 served by the lane, and the blocks may hold a partial load. A request that finishes or is aborted while it
 loads is dropped as any other: the hand-off's ``drop`` waits for its load before the blocks can go.
-With nelssa-node (engine ``node``), which has no read-back, the recall preempts the request and vLLM
-recomputes it (counted by vLLM as a preemption): scheduler.py.
 """
 
 from __future__ import annotations

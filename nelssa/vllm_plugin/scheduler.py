@@ -445,10 +445,10 @@ class NelssaScheduler(Scheduler):
         device has room for it and for every running request to its end, and nothing waits for room, and
         decodes at the device's pace again. Without it such a request decodes from the host tier to its end
         although the pressure that moved it is gone (H200 growth run 61: after the others finished, 16
-        migrated requests decoded for 67 s at ~270 tok/s beside an idle device). With the in-process host
-        tier its KV is loaded back (recall.py: new blocks where its host range's null blocks are, held out of
-        the steps until the worker reports it loaded, ``_recalled``); with nelssa-node (no read-back) vLLM
-        recomputes it (a preemption; its host KV freed as for any). One at a time, the one with the most
+        migrated requests decoded for 67 s at ~270 tok/s beside an idle device). Its KV is loaded back from
+        the host tier (recall.py: new blocks where its host range's null blocks are, held out of
+        the steps until the worker reports it loaded, ``_recalled``; nelssa-node sends it back as stored,
+        node/client.py ``read_back``). One at a time, the one with the most
         tokens left; only one whose step output is not in flight and that the lane does not compute; never
         while anything would migrate a request, nor where the device's KV use with every running request
         at its end reaches ``migrate_watermark`` (no request goes back and forth)."""
@@ -476,20 +476,13 @@ class NelssaScheduler(Scheduler):
         # would migrate again: with the watermark at 0, as the tests set it, nothing is recalled)
         if need > room or 1.0 - (room - need) / max(1, pool.num_gpu_blocks - 1) >= cfg.migrate_watermark:
             return
-        rid = r.request_id
-        if cfg.engine == "local":  # by load (recall.py, 1)
-            row = self._manager.recall_blocks(rid, self._host_end[rid])
-            self._loading[rid] = time.monotonic()
-            self._conn.recalls[rid] = (self._host_end[rid], row)
-            how = "loading its KV back from the host tier"
-        else:
-            self.running.remove(r)
-            self._preempt_request(r, time.monotonic())
-            self._count("recalls")
-            self._count("recalls_recomputed")
-            how = "recomputed there (nelssa-node has no read-back)"
-        log.info("NELSSA: recalling request %s (%d tokens, %d to go) to the device, %s: room for it and every "
-                 "running request to its end", rid, r.num_tokens, end(r) - r.num_tokens, how)
+        rid = r.request_id  # by load (recall.py, 1)
+        row = self._manager.recall_blocks(rid, self._host_end[rid])
+        self._loading[rid] = time.monotonic()
+        self._conn.recalls[rid] = (self._host_end[rid], row)
+        log.info("NELSSA: recalling request %s (%d tokens, %d to go) to the device, loading its KV back from the "
+                 "host tier: room for it and every running request to its end", rid, r.num_tokens,
+                 end(r) - r.num_tokens)
 
     def _recalled(self, rid: str) -> None:
         """The worker loaded a recalled request back (recall.py, 4): a device request from the next step."""

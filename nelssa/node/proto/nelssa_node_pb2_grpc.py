@@ -114,6 +114,11 @@ class NelssaNodeStub:
                 request_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleasedRequest.SerializeToString,
                 response_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleasedReply.FromString,
                 _registered_method=True)
+        self.ReadBack = channel.unary_stream(
+                '/nelssa.node.v1.NelssaNode/ReadBack',
+                request_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReadBackRequest.SerializeToString,
+                response_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.DataChunk.FromString,
+                _registered_method=True)
 
 
 class NelssaNodeServicer:
@@ -216,6 +221,12 @@ class NelssaNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadBack(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NelssaNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -298,6 +309,11 @@ def add_NelssaNodeServicer_to_server(servicer, server):
                     servicer.Released,
                     request_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleasedRequest.FromString,
                     response_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleasedReply.SerializeToString,
+            ),
+            'ReadBack': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBack,
+                    request_deserializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReadBackRequest.FromString,
+                    response_serializer=nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.DataChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -732,6 +748,33 @@ class NelssaNode:
             '/nelssa.node.v1.NelssaNode/Released',
             nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleasedRequest.SerializeToString,
             nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReleasedReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/nelssa.node.v1.NelssaNode/ReadBack',
+            nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.ReadBackRequest.SerializeToString,
+            nelssa_dot_node_dot_proto_dot_nelssa__node__pb2.DataChunk.FromString,
             options,
             channel_credentials,
             insecure,
