@@ -5,7 +5,10 @@
 #   bash scripts/gpu_bench.sh calibrate [args]         # nelssa calibrate (needs no vLLM)
 #   bash scripts/gpu_bench.sh mixed|single-long|multi-long|growth|hol-http [args]   # NELSSA, then NELSSA_OFF
 #                                                      # (BENCH_TIMEOUT=s: the bench stopped there, its files kept;
-#                                                      # BENCH_PRESET=h100 on an 80-GB GPU: the same KV)
+#                                                      # BENCH_PRESET=h100 on an 80-GB GPU: the same KV;
+#                                                      # BENCH_NODE="nelssa-node args": the host tier as a node on
+#                                                      # 127.0.0.1:50151 (the nelssa config names "engine": "node",
+#                                                      # "node_address": "127.0.0.1:50151"; carry .wheels))
 # Carried folders as for gpu_hol.sh: .bundle/N, .ninja, .gpumodel/dummy-llama-3.1-8b. Results come back as
 # $OUT/<what>.tgz (the whole results folder) plus its summary/calibration JSON and report.md.
 set -euo pipefail
@@ -27,6 +30,16 @@ else
   mkdir -p /tmp/site/nelssa-0.1.0.dist-info
   printf 'Metadata-Version: 2.1\nName: nelssa\nVersion: 0.1.0\n' > /tmp/site/nelssa-0.1.0.dist-info/METADATA
   printf '[vllm.general_plugins]\nnelssa = nelssa.vllm_plugin:register\n' > /tmp/site/nelssa-0.1.0.dist-info/entry_points.txt
+  if [ -n "${BENCH_NODE:-}" ]; then  # the host tier as nelssa-node on this host, stopped when the bench ends
+    [ -d /tmp/wheels/grpc ] || pip install -q --no-deps --target /tmp/wheels .wheels/*.whl
+    export PYTHONPATH=/tmp/wheels:$PYTHONPATH
+    # shellcheck disable=SC2086
+    python3 -m nelssa.node --port 50151 --log-level WARNING $BENCH_NODE > "$OUT/node.log" 2>&1 &
+    node_pid=$!
+    trap 'kill $node_pid 2>/dev/null; wait $node_pid 2>/dev/null' EXIT
+    for _ in $(seq 120); do grep -q "listening" "$OUT/node.log" && break; sleep 0.5; done
+    grep "listening" "$OUT/node.log" || { cat "$OUT/node.log"; exit 2; }
+  fi
   # BENCH_TIMEOUT (seconds): stop the bench there, so what it wrote still comes back (the device call's limit)
   ${BENCH_TIMEOUT:+timeout "$BENCH_TIMEOUT"} python3 -m nelssa.cli bench "$what" --preset "${BENCH_PRESET:-$(bash scripts/gpu_hol.sh preset)}" --model .gpumodel/dummy-llama-3.1-8b --out "$res" "$@" 2>&1 \
     | tee "$OUT/$what.log" | grep -v "left \[" || rc=$?
