@@ -935,7 +935,8 @@ def _store(stub, cid: str, rid: str, *, tokens=64, clusters=8, layers=L, heads=H
 def test_read_back_returns_the_part_as_stored_and_refuses_what_the_caller_does_not_hold(nodes):
     """ReadBack (a recall's read of a migrated request): one layer's stored part comes back byte for byte as
     it was stored, also cluster-wise where the node split its clusters over two devices; an unknown or
-    another client's request, a layer or part outside the stored ones and a freed request are refused."""
+    another client's request, a layer or part outside the stored ones, a read into a store slot the client
+    has not opened and a freed request are refused. (The store slot's path: test_node_equals_local_and_dense.)"""
     node = nodes("cluster2")
     ch, stub = node.stub()
     cid, other = (stub.Register(pb.RegisterRequest(name=n, lease_s=30), timeout=5).client_id for n in ("rb", "rb2"))
@@ -957,6 +958,9 @@ def test_read_back_returns_the_part_as_stored_and_refuses_what_the_caller_does_n
         with pytest.raises(grpc.RpcError) as e:
             read(client, rid, layer, part)
         assert e.value.code() == code, (client == other, rid, layer, part)
+    with pytest.raises(grpc.RpcError) as e:  # into a store slot the client never opened
+        list(stub.ReadBack(pb.ReadBackRequest(client_id=cid, req_id="r", to_slot=True), timeout=10))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     stub.Free(pb.FreeRequest(client_id=cid, req_id="r"), timeout=5)
     with pytest.raises(grpc.RpcError) as e:
         read(cid, "r")

@@ -698,26 +698,37 @@ class NodeHostTier:
             raise HostError(f"read-back of {req_id}: {e}") from None
 
     def _read_part(self, req_id: str, layer: int, part: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """One stored part of one layer from the node (ReadBack), as stored: [H, n, 2, D] of ``dtype``."""
-        want = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        """One stored part of one layer from the node (ReadBack), as stored: [H, n, 2, D] of ``dtype``. On the
+        node's host through the store slot (the node writes it there: one copy each side), else streamed."""
+        want = math.prod(shape) * ITEMSIZE[dtype]
+        timeout = self.cfg.host_timeout_s + want / STORE_BYTES_PER_S
+        with self._slot_lock:
+            slot = self._store_slot(want)
+            if slot is not None:
+                for _ in self._read_stream(req_id, layer, part, timeout, to_slot=True):
+                    raise HostError(f"read-back of {req_id}: the node sent data where the store slot was asked for")
+                return slot.data[:want].clone().view(dtype).view(shape)
         buf = torch.empty(want, dtype=torch.uint8)
         off = 0
-        try:
-            for m in self._stub.ReadBack(pb.ReadBackRequest(client_id=self.client_id, req_id=req_id, layer=layer,
-                                                            part=part),
-                                         timeout=self.cfg.host_timeout_s + want / STORE_BYTES_PER_S, metadata=self._md):
-                k = len(m.data)
-                if off + k > want:
-                    raise HostError(f"read-back of {req_id}: the node sent more than the {want} bytes of "
-                                    f"layer {layer}'s part {part}")
-                buf[off:off + k] = torch.frombuffer(m.data, dtype=torch.uint8)
-                off += k
-        except grpc.RpcError as e:
-            raise HostError(f"nelssa-node ReadBack at {self.cfg.node_address}: {_status(e)}") from None
+        for m in self._read_stream(req_id, layer, part, timeout):
+            k = len(m.data)
+            if off + k > want:
+                raise HostError(f"read-back of {req_id}: the node sent more than the {want} bytes of "
+                                f"layer {layer}'s part {part}")
+            buf[off:off + k] = torch.frombuffer(m.data, dtype=torch.uint8)
+            off += k
         if off != want:
             raise HostError(f"read-back of {req_id}: the node sent {off} of the {want} bytes of layer {layer}'s "
                             f"part {part}")
         return buf.view(dtype).view(shape)
+
+    def _read_stream(self, req_id: str, layer: int, part: int, timeout: float, to_slot: bool = False):
+        try:
+            yield from self._stub.ReadBack(pb.ReadBackRequest(client_id=self.client_id, req_id=req_id, layer=layer,
+                                                              part=part, to_slot=to_slot),
+                                           timeout=timeout, metadata=self._md)
+        except grpc.RpcError as e:
+            raise HostError(f"nelssa-node ReadBack at {self.cfg.node_address}: {_status(e)}") from None
 
     def has(self, req_id: str) -> bool:
         return req_id in self.reqs

@@ -212,7 +212,7 @@ class Servicer(pb_grpc.NelssaNodeServicer):
         try:
             step = max(1 << 16, int(self.node.s.limits.max_message_bytes) - (1 << 12))
             yield from self.node.read_back(self.node.client(request.client_id), request.req_id, request.layer,
-                                           request.part, step)
+                                           request.part, step, request.to_slot)
         except (NodeError, WireError) as e:
             _abort(context, e)
 

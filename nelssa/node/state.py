@@ -278,13 +278,14 @@ class NodeState:
                 for o in range(0, flat.size, step):
                     yield pb.DataChunk(data=flat[o:o + step].tobytes())
 
-    def read_back(self, c: Client, req_id: str, layer: int, part: int, step: int):
+    def read_back(self, c: Client, req_id: str, layer: int, part: int, step: int, to_slot: bool = False):
         """One stored part of one layer of the client's request as it was stored (ReadBack in the .proto):
         [kv_heads, tokens, 2, head_dim], each head's rows grouped by cluster in id order, as data chunks of
-        at most ``step`` bytes. The devices' shares put back together: head-wise their heads in order;
-        cluster-wise each cluster's rows taken from the device that holds it (_split_clusters inverted)."""
+        at most ``step`` bytes, or (``to_slot``) written at the start of the client's store slot, yielding
+        nothing. The devices' shares put back together: head-wise their heads in order; cluster-wise each
+        cluster's rows taken from the device that holds it (_split_clusters inverted)."""
         with self.lock:
-            r = c.reqs.get(req_id)
+            r, slot = c.reqs.get(req_id), c.store_slot
         if r is None:
             raise NodeError(grpc.StatusCode.NOT_FOUND, f"request {req_id} is not stored for this client")
         with r.lock:
@@ -297,19 +298,30 @@ class NodeState:
             items = [s.stored[part] for s in r.shards[layer]]
             base = sum(pc[layer] for pc in r.part_clusters[:part])  # global id of the part's cluster 0
         n = items[0][0]
+        want = r.H * n * 2 * r.D * ITEMSIZE[r.dtype]
+        if to_slot:
+            if slot is None or slot.slot < want:
+                raise NodeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"read-back of {want} bytes into the store slot, but the client has "
+                                f"{'no slot' if slot is None else f'a slot of {slot.slot} bytes'} (OpenShm store)")
+            kv = slot.data[:want].view(r.dtype).view(r.H, n, 2, r.D)
+        else:
+            kv = torch.empty(r.H, n, 2, r.D, dtype=r.dtype)
         if self.s.partition == "head":
-            kv = torch.cat([it[1][:, :n] for it in items], 0)
+            for it, (h0, h1) in zip(items, r.head_ranges):
+                kv[h0:h1] = it[1][:, :n]
         else:
             sizes = sum(it[3] for it in items)  # [H, C]: a cluster's rows are on one device, zero elsewhere
             owner = (torch.arange(sizes.shape[1]) + base) % len(items)
-            kv = torch.empty(r.H, n, 2, r.D, dtype=r.dtype)
             for hh in range(r.H):
                 row_owner = owner.repeat_interleave(sizes[hh].long())
                 for d, it in enumerate(items):
                     m = int(it[3][hh].sum())
                     if m:
                         kv[hh][row_owner == d] = it[1][hh, :m]
-        flat = kv.reshape(-1).view(torch.uint8).numpy()
+        if to_slot:
+            return
+        flat = kv.view(-1).view(torch.uint8).numpy()
         for o in range(0, flat.size, step):
             yield pb.DataChunk(data=flat[o:o + step].tobytes())
 
