@@ -270,6 +270,11 @@ def test_recalls_are_shown_within_the_preemptions():
             for i, x in enumerate(samples)]
     mixed = wl.point_stats([rec], both, [0.0, 3.0])
     assert "preemptions 3 (2 recalls)" in wl._table({**summ, "modes": {"on": {"g": mixed}}})
+    # every recall by load (no recalls_recomputed metric any more): none of the preemptions is a recall
+    loads = [{**x, "nelssa:recalls_total": 5.0 * (i >= 2), "nelssa:recall_load_seconds_count": 5.0 * (i >= 2)}
+             for i, x in enumerate(samples)]
+    by_load = wl.point_stats([rec], loads, [0.0, 3.0])
+    assert "preemptions 3\n" in wl._table({**summ, "modes": {"on": {"g": by_load}}}) + "\n"
 
 
 def test_plots_and_report(tmp_path):

@@ -44,10 +44,13 @@ def preemptions_text(point: dict, fmt) -> str:
     """A point's vLLM preemptions, with how many of them were NELSSA's recalls by recompute: such a recall
     hands a migrated request back to the device through vLLM's preemption, so vllm:num_preemptions counts it
     too (H100 growth run of 2026-12-05: 16 preemptions, all 16 of them recalls). A recall by load (the
-    in-process host tier, recall.py) is no preemption. Metrics from before the two kinds were told apart
-    have only ``nelssa:recalls``, and every recall then was a recompute."""
+    in-process host tier, recall.py) is no preemption, and since nelssa-node reads back (2026-12-06) every
+    recall is one: such metrics have the recall by load's ``nelssa:recall_load_seconds`` and no
+    ``nelssa:recalls_recomputed``. Metrics from before the recall by load have only ``nelssa:recalls``, and
+    every recall then was a recompute."""
     nel = point.get("nelssa") or {}
-    rec = nel.get("nelssa:recalls_recomputed_total", nel.get("nelssa:recalls_total"))
+    rec = nel.get("nelssa:recalls_recomputed_total",
+                  0 if "nelssa:recall_load_seconds_count" in nel else nel.get("nelssa:recalls_total"))
     return fmt(point.get("preemptions"), 0) + (f" ({fmt(rec, 0)} recalls)" if rec else "")
 
 
