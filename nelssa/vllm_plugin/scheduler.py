@@ -375,6 +375,7 @@ class NelssaScheduler(Scheduler):
                 dt = time.monotonic() - t
                 self._conn.sched_stats.setdefault("migration_s", []).append(dt)
                 self._handoff_s = dt if self._handoff_s is None else 0.5 * (self._handoff_s + dt)
+                log.info("NELSSA: request %s on the host tier after a %.2f-s hand-off (%d tokens there)", rid, dt, h)
             self._switched_at[rid] = time.monotonic()
         self._host_end[rid] = h
 
