@@ -266,8 +266,9 @@ def test_node_host_reserve_serves_stores_from_touched_memory():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="registration with CUDA")
 def test_device_stores_go_through_the_store_slot_registered_with_cuda(nodes):
     """Keys on a CUDA device: the client registers its store slot with CUDA once (hostmem.pin), each
-    layer's packed K/V is one DMA into it, the node's results equal dense attention; a larger store
-    replaces the slot (the old one unregistered first), and close unregisters the last one."""
+    layer's packed K/V is one DMA into it, the node's results equal dense attention, and a read-back to the
+    device comes out of it by DMA; a larger store replaces the slot (the old one unregistered first), and
+    close unregisters the last one."""
     from nelssa.sparse import hostmem
     node = nodes("head1")
     t = NodeHostTier(_cfg(node, "native"), L)
@@ -285,6 +286,8 @@ def test_device_stores_go_through_the_store_slot_registered_with_cuda(nodes):
             do, dl = dense_attention(q[0], keys[1], values[1], SCALE)
             torch.testing.assert_close(out[0].double().cpu(), do, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(lse[0].double().cpu(), dl, atol=1e-4, rtol=1e-4)
+            rk, rv = t.read_back(rid, 1, 7, n, "cuda")  # a recall's read: out of the registered slot by DMA
+            assert rk.is_cuda and torch.equal(rk.cpu(), keys[1][:, 7:]) and torch.equal(rv.cpu(), values[1][:, 7:])
             assert t.free(rid)
         assert sizes[0] == sizes[1] < sizes[2]
     finally:

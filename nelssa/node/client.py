@@ -688,18 +688,23 @@ class NodeHostTier:
             raise HostError(f"request {req_id}: this tier did not keep the token order of its parts "
                             f"(adopted from another client, or stored with recall off): no read-back")
         H, D, dtype = c.num_kv_heads, c.head_dim, c.dtype
+        dev = torch.device(device) if device is not None else None
         parts, off = [], 0
         for p, (n, order) in enumerate(zip(r.part_tokens, orders)):
-            parts.append((off, order[layer], lambda p=p, n=n: self._read_part(req_id, layer, p, (H, n, 2, D), dtype)))
+            parts.append((off, order[layer],
+                          lambda p=p, n=n: self._read_part(req_id, layer, p, (H, n, 2, D), dtype, dev)))
             off += n
         try:
             return unpack_parts(parts, lo, hi, c.length, H, D, dtype, device)
         except ValueError as e:
             raise HostError(f"read-back of {req_id}: {e}") from None
 
-    def _read_part(self, req_id: str, layer: int, part: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    def _read_part(self, req_id: str, layer: int, part: int, shape: tuple, dtype: torch.dtype,
+                   device: torch.device | None = None) -> torch.Tensor:
         """One stored part of one layer from the node (ReadBack), as stored: [H, n, 2, D] of ``dtype``. On the
-        node's host through the store slot (the node writes it there: one copy each side), else streamed."""
+        node's host through the store slot (the node writes it there), copied out of it before the slot is
+        let go: to a CUDA ``device`` as one DMA (the slot registered with CUDA, as for device stores), else
+        into host memory; from a remote node streamed."""
         want = math.prod(shape) * ITEMSIZE[dtype]
         timeout = self.cfg.host_timeout_s + want / STORE_BYTES_PER_S
         with self._slot_lock:
@@ -707,7 +712,14 @@ class NodeHostTier:
             if slot is not None:
                 for _ in self._read_stream(req_id, layer, part, timeout, to_slot=True):
                     raise HostError(f"read-back of {req_id}: the node sent data where the store slot was asked for")
-                return slot.data[:want].clone().view(dtype).view(shape)
+                src = slot.data[:want].view(dtype).view(shape)
+                if device is not None and device.type == "cuda":
+                    self._pin_slot(slot, device)
+                    if self._slot_pinned:
+                        out = src.to(device, non_blocking=True)
+                        torch.cuda.current_stream(device).synchronize()  # the next store or read reuses the slot
+                        return out
+                return src.clone()
         buf = torch.empty(want, dtype=torch.uint8)
         off = 0
         for m in self._read_stream(req_id, layer, part, timeout):
