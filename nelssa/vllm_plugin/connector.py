@@ -176,7 +176,8 @@ _BY_PART = {
                         "Steps with offloaded rows: forward-thread seconds per part of the split-batch layers (select, "
                         "stock, window, wait, merge)"),
     "lane_split_s": ("nelssa:lane_split_seconds", "part",
-                     "Long lane: its thread's seconds per part of the split attention (select, window, wait, merge)"),
+                     "Long lane: its thread's seconds per part (search: the centroid search, select: the host call's "
+                     "preparation and launch, window, merge, wait, dense, replay)"),
     "move_split_s": ("nelssa:move_split_seconds", "part",
                      "Moves to the host tier (nelssa:clustering_seconds): the hand-off thread's seconds per part "
                      "(read, kmeans, pack: tables, packing and the copy to host memory, store: nelssa-node's store "

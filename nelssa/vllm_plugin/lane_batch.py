@@ -248,7 +248,9 @@ class BatchGraphs:
             g.graph.capture_begin(s.pool, capture_error_mode="thread_local")
             try:
                 for i in range(L + 1):
+                    t_seg = time.perf_counter()
                     segment(self.model, self.decoder, self.layers, s, i)
+                    cp.lap("dense", t_seg)  # the record's time by part (logged below; attend laps the rest)
                     if i < L:
                         attn = self.layers[i]
                         g.batch.attend(attn.impl, attn, s.q[i].reshape(n, hq, d), attn.kv_cache, s.attn, md, cp)
@@ -270,6 +272,7 @@ class BatchGraphs:
         self._graphs[rs] = g
         self.captures += 1
         log.info("NELSSA lane: batch of %d rows captured as one CUDA graph (%d host calls) in %.3f s (prepare %.3f, "
-                 "record %.3f, instantiate %.3f, replay %.3f)", n, len(g.batch.calls), time.perf_counter() - t,
-                 parts[0] - t, parts[1] - parts[0], parts[2] - parts[1], parts[3] - parts[2])
+                 "record %.3f [%s], instantiate %.3f, replay %.3f)", n, len(g.batch.calls), time.perf_counter() - t,
+                 parts[0] - t, parts[1] - parts[0], ", ".join(f"{k} {v:.3f}" for k, v in sorted(cp.split.items())),
+                 parts[2] - parts[1], parts[3] - parts[2])
         return g

@@ -194,6 +194,7 @@ class HostStreamBatch:
                 sel, q_host, q_off = self._search_captured(li, q, tok, ckvs, cfg, impl.scale, plan.cache["target"])
             else:
                 ckvs, sel, q_host, q_off = layer_search(plan, li, q, tok, cfg, impl.scale)
+            t = plan.lap("search", t)  # the centroid search; "select" below: the host call's preparation and launch
             if q_host.is_cuda:  # the eager search (1): its queries to pinned memory
                 staged = self._pinned("q", li, q_host.shape, q_host.dtype)
                 self._to_host(q_host, staged)
