@@ -107,4 +107,10 @@ def test_growth_smallest_migrates(servers, tmp_path):
     # contexts grew past T_input and outgrew the device KV: NELSSA moved some of them to the host tier
     assert _counter(s, "nelssa:migrations_completed_total") >= 1, st.get("nelssa")
     assert st["handoff"]["windows"] >= 1 and st["handoff"]["itl_during_n"] > 0
-    assert "Migrations (hand-offs in the background)" in (tmp_path / "growth" / "report.md").read_text()
+    report = (tmp_path / "growth" / "report.md").read_text()
+    assert "Migrations (hand-offs in the background)" in report
+    # hand-off time vs context length (issue 13), from nelssa:migrations_by_context and its seconds
+    by_ctx = {k: v for k, v in st["nelssa"].items() if k.startswith("nelssa:migrations_by_context_total{")}
+    assert sum(by_ctx.values()) == _counter(s, "nelssa:migrations_completed_total"), by_ctx
+    assert set(by_ctx) == {"nelssa:migrations_by_context_total{<4K}"}, by_ctx  # contexts of <= 1,200 tokens
+    assert "Hand-off time vs context" in report and "<4K " in report

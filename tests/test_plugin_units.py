@@ -1031,3 +1031,15 @@ def test_nixl_progress_thread_off_reads_when_both_sides_poll(monkeypatch):
     while not notes and time.monotonic() - t < 30:
         notes = p.get_new_notifs()
     assert st == "DONE" and torch.equal(src, dst) and notes == {"nelssa-test-D": [b"done"]}
+
+
+def test_context_buckets_of_the_hand_off_metrics():
+    """nelssa:migrations_by_context's buckets (scheduler.context_bucket) and the report's reading of them."""
+    from nelssa.bench.report import CONTEXTS, handoff_by_context
+    from nelssa.vllm_plugin.scheduler import context_bucket
+    got = [context_bucket(n) for n in (1, 4095, 4096, 8191, 8192, 65535, 65536, 131071, 131072, 10 ** 6)]
+    assert got == ["<4K", "<4K", "4K-8K", "4K-8K", "8K-16K", "32K-64K", "64K-128K", "64K-128K", ">=128K", ">=128K"]
+    assert {context_bucket(2 ** k) for k in range(20)} <= set(CONTEXTS)
+    c = {"nelssa:migrations_by_context_total{8K-16K}": 2.0, "nelssa:migration_by_context_seconds_total{8K-16K}": 3.0,
+         "nelssa:migrations_by_context_total{<4K}": 1.0, "nelssa:migration_by_context_seconds_total{<4K}": 0.5}
+    assert handoff_by_context(c) == [("<4K", 1.0, 0.5), ("8K-16K", 2.0, 3.0)]

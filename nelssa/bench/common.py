@@ -19,10 +19,12 @@ def pct(v: list[float], p: float) -> float | None:
 
 
 def metric_key(name: str, labels: dict[str, str]) -> str:
-    """A Prometheus sample's key in the benches' metric dicts: its name, and its "part", "path", "outcome"
-    or "beside" label as name{part} (a lane batch's or a move's time by part, batches by path, drafts by
-    outcome, lane batches by the requests beside them); every other label (engine, model) is summed over."""
-    lab = labels.get("part") or labels.get("path") or labels.get("outcome") or labels.get("beside")
+    """A Prometheus sample's key in the benches' metric dicts: its name, and its "part", "path", "outcome",
+    "beside" or "context" label as name{part} (a lane batch's or a move's time by part, batches by path,
+    drafts by outcome, lane batches by the requests beside them, migrations by context); every other label
+    (engine, model) is summed over."""
+    lab = (labels.get("part") or labels.get("path") or labels.get("outcome") or labels.get("beside")
+           or labels.get("context"))
     return f"{name}{{{lab}}}" if lab else name
 
 

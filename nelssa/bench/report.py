@@ -76,6 +76,12 @@ def workload_md(s: dict, rel: str) -> list[str]:
                        f"{_f(c.get('nelssa:clustering_seconds_sum'))} | {_f(mig)} | {_f(h['window_s'])} | "
                        f"{_f(h['itl_ms_during_p50'])} / {_f(h['itl_ms_during_p99'])} / {_f(h['itl_ms_during_max'])} | "
                        f"{_f(h['itl_ms_outside_p50'])} / {_f(h['itl_ms_outside_p99'])} |")
+        by_ctx = [(mode, name, handoff_by_context(c)) for mode, name, _, c in moves]
+        if any(b for _, _, b in by_ctx):
+            out += ["", "Hand-off time vs context (migrations, start to switch, by the tokens on the host tier "
+                    "then): count x mean seconds", ""]
+            out += [f"- {mode} / {name}: " + ", ".join(f"{ctx} {n:.0f} x {sec / n:.2f} s" for ctx, n, sec in b)
+                    for mode, name, b in by_ctx if b]
     if s.get("ratios_on_over_off"):
         keys = [k for r in s["ratios_on_over_off"].values() for k in r]
         keys = list(dict.fromkeys(keys))
@@ -86,6 +92,20 @@ def workload_md(s: dict, rel: str) -> list[str]:
     for p in s.get("plots", []):
         out += ["", _img(os.path.join(rel, p), p)]
     return out + [""]
+
+
+CONTEXTS = ("<4K", "4K-8K", "8K-16K", "16K-32K", "32K-64K", "64K-128K", ">=128K")  # scheduler.context_bucket
+
+
+def handoff_by_context(c: dict) -> list[tuple[str, float, float]]:
+    """A point's migrations by context bucket from its NELSSA counters -> [(bucket, count, seconds)] in
+    bucket order (nelssa:migrations_by_context, nelssa:migration_by_context_seconds)."""
+    out = []
+    for ctx in CONTEXTS:
+        n = c.get(f"nelssa:migrations_by_context_total{{{ctx}}}")
+        if n:
+            out.append((ctx, n, c.get(f"nelssa:migration_by_context_seconds_total{{{ctx}}}", 0.0)))
+    return out
 
 
 def calibration_md(d: dict, rel: str) -> list[str]:

@@ -203,6 +203,13 @@ _BY_PART = {
     "lane_paths": ("nelssa:lane_batches", "path",
                    "Long lane: batches by how they ran (replay, captured, or why enqueued: new_key, no_window, broken, "
                    "capture_failed)"),
+    "migration_context_s": ("nelssa:migration_by_context_seconds", "context",
+                            "Migrations: start to the switch (as nelssa:migration_seconds) summed by the tokens the "
+                            "request has on the host tier then (<4K, 4K-8K, ... 64K-128K, >=128K): hand-off time vs "
+                            "context length"),
+    "migration_context_n": ("nelssa:migrations_by_context", "context",
+                            "Migrations completed, by the tokens the request has on the host tier at its switch (as "
+                            "nelssa:migration_by_context_seconds)"),
     "lane_drafts": ("nelssa:lane_drafts", "outcome",
                     "Long lane: drafts (a long request's next position computed before the step sampled its token, "
                     "lane_spec.py) by outcome: run, verified, mismatch (the step sampled another token: the request "

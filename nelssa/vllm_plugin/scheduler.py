@@ -115,6 +115,17 @@ from nelssa.vllm_plugin.spec import NelssaSpec
 log = logging.getLogger("vllm.nelssa")
 
 
+def context_bucket(tokens: int) -> str:
+    """A context length's power-of-two bucket for the hand-off-time-vs-context metrics: <4K, 4K-8K, ...,
+    64K-128K, >=128K."""
+    if tokens < 4096:
+        return "<4K"
+    k = 4
+    while k < 128 and tokens >= 2 * k * 1024:
+        k *= 2
+    return f"{k}K-{2 * k}K" if k < 128 else ">=128K"
+
+
 class NelssaScheduler(Scheduler):
     def __new__(cls, *args, **kwargs):
         vllm_config = kwargs.get("vllm_config", args[0] if args else None)
@@ -374,6 +385,10 @@ class NelssaScheduler(Scheduler):
             if t is not None:  # its hand-off time: start to switch, the request decoding on its device blocks
                 dt = time.monotonic() - t
                 self._conn.sched_stats.setdefault("migration_s", []).append(dt)
+                ctx = context_bucket(h)
+                for k, x in (("migration_context_s", dt), ("migration_context_n", 1)):
+                    by = self._conn.sched_stats.setdefault(k, {})
+                    by[ctx] = by.get(ctx, 0) + x
                 self._handoff_s = dt if self._handoff_s is None else 0.5 * (self._handoff_s + dt)
                 log.info("NELSSA: request %s on the host tier after a %.2f-s hand-off (%d tokens there)", rid, dt, h)
             self._switched_at[rid] = time.monotonic()
