@@ -283,7 +283,7 @@ def test_plots_and_report(tmp_path):
     s = wl.summarise(runs, {"workload": "mixed", "time": "t", "preset": {"nelssa": {"T_input": 2048}, "server": []},
                             "T_input": 2048, "command": "nelssa bench mixed", "model": "m", "failed_modes": {}})
     s["plots"] = wl.plot_all(runs, s, str(tmp_path))
-    assert s["plots"] == ["throughput.png", "running.png", "short_tpot_cdf.png"]
+    assert s["plots"] == ["throughput.png", "running.png", "short_tpot_cdf.png", "itl.png"]
     for p in s["plots"]:
         assert os.path.getsize(tmp_path / p) > 5_000
     (tmp_path / "summary.json").write_text(json.dumps(s))

@@ -20,7 +20,7 @@ streaming completion with exact-length token-id prompts and ``ignore_eos`` (vLLM
 Writes ``results/<UTC time>-<workload>/`` (or ``--out``): ``requests_<mode>.jsonl`` (per request: class,
 sweep point, arrival, token times), ``metrics_<mode>.jsonl`` (the /metrics samples), ``summary.json``
 (per mode and point: per-class TTFT/TPOT percentiles, decode tok/s, batch/KV/queue/preemptions; the
-NELSSA/OFF ratios), ``throughput.png``, ``running.png``, ``short_tpot_cdf.png`` (and ``sweep.png`` for
+NELSSA/OFF ratios), ``throughput.png``, ``running.png``, ``short_tpot_cdf.png``, ``itl.png`` (and ``sweep.png`` for
 sweeps), ``server_<mode>.log``; ``nelssa bench report DIR`` renders ``report.md``.
 
 One mode per invocation (``--serve on``, then ``--serve off``: e.g. one device call each) and
@@ -326,6 +326,24 @@ def plot_all(runs: dict[str, dict], summ: dict, out: str) -> list[str]:
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     files.append("short_tpot_cdf.png")
+    fig.savefig(os.path.join(out, files[-1]), dpi=110)
+    plt.close(fig)
+    # every token's inter-token latency over time, per mode: stalls (a preempted request's wait, a lane
+    # capture's) stand out where a percentile hides them
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.6 * max(1, len(runs))), sharex=True, sharey=True,
+                             squeeze=False)
+    for ax, (mode, run) in zip(axes[:, 0], runs.items()):
+        pts = [(b, 1e3 * (b - a)) for r in run["requests"] for a, b in zip(r["stamps"], r["stamps"][1:])]
+        if pts:
+            t, itl = zip(*pts)
+            ax.scatter(t, itl, s=2, alpha=0.4, linewidths=0)
+            ax.set_yscale("log")
+        ax.set_ylabel("ITL (ms)")
+        ax.set_title(f"{_mode_name(mode)}: every token's inter-token latency", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+    axes[-1, 0].set_xlabel("seconds since start")
+    fig.tight_layout()
+    files.append("itl.png")
     fig.savefig(os.path.join(out, files[-1]), dpi=110)
     plt.close(fig)
     # sweep: decode tok/s and short P99 TPOT vs rate, per long fraction (mixed only)
