@@ -31,14 +31,10 @@ else
   printf 'Metadata-Version: 2.1\nName: nelssa\nVersion: 0.1.0\n' > /tmp/site/nelssa-0.1.0.dist-info/METADATA
   printf '[vllm.general_plugins]\nnelssa = nelssa.vllm_plugin:register\n' > /tmp/site/nelssa-0.1.0.dist-info/entry_points.txt
   if [ -n "${BENCH_NODE:-}" ]; then  # the host tier as nelssa-node on this host, stopped when the bench ends
-    [ -d /tmp/wheels/grpc ] || pip install -q --no-deps --target /tmp/wheels .wheels/*.whl
-    export PYTHONPATH=/tmp/wheels:$PYTHONPATH
+    # shellcheck source=gpu_node.sh
+    source "$(dirname "$0")/gpu_node.sh"
     # shellcheck disable=SC2086
-    python3 -m nelssa.node --port 50151 --log-level WARNING $BENCH_NODE > "$OUT/node.log" 2>&1 &
-    node_pid=$!
-    trap 'kill $node_pid 2>/dev/null; wait $node_pid 2>/dev/null' EXIT
-    for _ in $(seq 120); do grep -q "listening" "$OUT/node.log" && break; sleep 0.5; done
-    grep "listening" "$OUT/node.log" || { cat "$OUT/node.log"; exit 2; }
+    start_node "$OUT/node.log" $BENCH_NODE
   fi
   # BENCH_TIMEOUT (seconds): stop the bench there, so what it wrote still comes back (the device call's limit)
   ${BENCH_TIMEOUT:+timeout "$BENCH_TIMEOUT"} python3 -m nelssa.cli bench "$what" --preset "${BENCH_PRESET:-$(bash scripts/gpu_hol.sh preset)}" --model .gpumodel/dummy-llama-3.1-8b --out "$res" "$@" 2>&1 \

@@ -43,11 +43,9 @@ what=${1:?usage: gpu_hol.sh stage DIR... | bench [args]}
 shift
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ATTENTION_BACKEND=FLASH_ATTN
 export NELSSA_CACHE=/tmp/nelssa-cache PYTHONUNBUFFERED=1
-# grpcio/protobuf newer than the host's (the generated stubs need them), and the extension once
-grpc_wheels() {  # once per machine: .wheels carried by a call before (or this one)
-  [ -d /tmp/wheels/grpc ] || pip install -q --no-deps --target /tmp/wheels .wheels/*.whl
-  export PYTHONPATH=/tmp/wheels:$PYTHONPATH
-}
+# grpcio/protobuf newer than the host's (grpc_wheels), nelssa-node (start_node); the extension once
+# shellcheck source=gpu_node.sh
+source "$(dirname "$0")/gpu_node.sh"
 # the extension once per machine; with .ninja carried (the ninja wheel: pip download ninja), torch builds
 # its files in parallel (without ninja it compiles them one by one: 103 s on the H100 host)
 # .gpubuild (optional): a build of an earlier session brought back ($OUT/gpubuild: the library and the hashes of
@@ -249,13 +247,8 @@ PY
     if [ -n "${HOL_NODE:-}" ]; then
       # the host tier as nelssa-node on this host (HOL_NODE: its arguments; the run's nelssa config names
       # "engine": "node", "node_address": "127.0.0.1:50151"); stopped when the bench ends
-      grpc_wheels
       # shellcheck disable=SC2086
-      python3 -m nelssa.node --port 50151 --log-level WARNING $HOL_NODE > "$out/node.log" 2>&1 &
-      node_pid=$!
-      trap 'kill $node_pid 2>/dev/null; wait $node_pid 2>/dev/null' EXIT
-      for _ in $(seq 120); do grep -q "listening" "$out/node.log" && break; sleep 0.5; done
-      grep "listening" "$out/node.log" || { cat "$out/node.log"; exit 2; }
+      start_node "$out/node.log" $HOL_NODE
     fi
     set -o pipefail
     rc=0

@@ -110,14 +110,17 @@ class _Req:
     def __init__(self, req_id: str, num_layers: int):
         self.req_id = req_id
         self.layers: list[RemoteKV | None] = [None] * num_layers
-        self.parts = 0
-        self.part_tokens: list[int] = []
+        self.part_tokens: list[int] = []   # tokens of each stored part
         # per stored part and layer its token order (int32 perm [H, n], host): what ReadBack's rows need to
         # be put back in token order; None where this tier did not store every part (an adopted request)
         # or keeps no order (``recall`` off, or a prefill instance's tier)
         self.orders: list[list[torch.Tensor]] | None = []
         self.bytes = 0          # on the node
         self.lost = ""          # why the node no longer holds it
+
+    @property
+    def parts(self) -> int:
+        return len(self.part_tokens)
 
 
 class _GrpcPlane:
@@ -637,7 +640,6 @@ class NodeHostTier:
                 if r.layers[i] is None:
                     r.layers[i] = RemoteKV(req_id, i, H, D, dtype, keys[i].device)
                 r.layers[i].pending.append((n, cent, sizes.to(torch.int32), vmean))
-            r.parts += 1
             r.part_tokens.append(n)
             r.orders = r.orders + [order] if r.orders is not None and order is not None else None
             r.bytes = rep.bytes
@@ -706,12 +708,14 @@ class NodeHostTier:
         let go: to a CUDA ``device`` as one DMA (the slot registered with CUDA, as for device stores), else
         into host memory; from a remote node streamed."""
         want = math.prod(shape) * ITEMSIZE[dtype]
-        timeout = self.cfg.host_timeout_s + want / STORE_BYTES_PER_S
+
+        def ask(to_slot: bool):
+            return self._stream("ReadBack", pb.ReadBackRequest(client_id=self.client_id, req_id=req_id, layer=layer,
+                                                               part=part, to_slot=to_slot), want)
         with self._slot_lock:
             slot = self._store_slot(want)
             if slot is not None:
-                for _ in self._read_stream(req_id, layer, part, timeout, to_slot=True):
-                    raise HostError(f"read-back of {req_id}: the node sent data where the store slot was asked for")
+                self._receive(ask(True), 0, f"{req_id}'s layer {layer} part {part} (written to the store slot)")
                 src = slot.data[:want].view(dtype).view(shape)
                 if device is not None and device.type == "cuda":
                     self._pin_slot(slot, device)
@@ -720,27 +724,32 @@ class NodeHostTier:
                         torch.cuda.current_stream(device).synchronize()  # the next store or read reuses the slot
                         return out
                 return src.clone()
+        return self._receive(ask(False), want, f"{req_id}'s layer {layer} part {part}").view(dtype).view(shape)
+
+    def _stream(self, method: str, request, nbytes: int):
+        """A server-streaming call's DataChunks (Centroids, ReadBack), its deadline host_timeout_s plus
+        ``nbytes`` at STORE_BYTES_PER_S; a gRPC failure is a HostError naming the node and the status."""
+        try:
+            yield from getattr(self._stub, method)(request, timeout=self.cfg.host_timeout_s + nbytes / STORE_BYTES_PER_S,
+                                                   metadata=self._md)
+        except grpc.RpcError as e:
+            raise HostError(f"nelssa-node {method} at {self.cfg.node_address}: {_status(e)}") from None
+
+    @staticmethod
+    def _receive(chunks, want: int, what: str) -> torch.Tensor:
+        """Exactly ``want`` bytes of ``what`` from a stream of DataChunks -> uint8 [want]; a byte more or fewer
+        is an error, never a guess."""
         buf = torch.empty(want, dtype=torch.uint8)
         off = 0
-        for m in self._read_stream(req_id, layer, part, timeout):
+        for m in chunks:
             k = len(m.data)
             if off + k > want:
-                raise HostError(f"read-back of {req_id}: the node sent more than the {want} bytes of "
-                                f"layer {layer}'s part {part}")
+                raise HostError(f"the node sent more than the {want} bytes of {what}")
             buf[off:off + k] = torch.frombuffer(m.data, dtype=torch.uint8)
             off += k
         if off != want:
-            raise HostError(f"read-back of {req_id}: the node sent {off} of the {want} bytes of layer {layer}'s "
-                            f"part {part}")
-        return buf.view(dtype).view(shape)
-
-    def _read_stream(self, req_id: str, layer: int, part: int, timeout: float, to_slot: bool = False):
-        try:
-            yield from self._stub.ReadBack(pb.ReadBackRequest(client_id=self.client_id, req_id=req_id, layer=layer,
-                                                              part=part, to_slot=to_slot),
-                                           timeout=timeout, metadata=self._md)
-        except grpc.RpcError as e:
-            raise HostError(f"nelssa-node ReadBack at {self.cfg.node_address}: {_status(e)}") from None
+            raise HostError(f"the node sent {off} of the {want} bytes of {what}")
+        return buf
 
     def has(self, req_id: str) -> bool:
         return req_id in self.reqs
@@ -831,7 +840,7 @@ class NodeHostTier:
             k.centroids, k.sizes, k.vmeans, k.length = c.centroids.clone(), c.sizes.clone(), c.vmeans.clone(), c.length
             k.pending = [(n, cent.clone(), sz.clone(), vm.clone()) for n, cent, sz, vm in c.pending]
             r.layers[i] = k
-        r.parts, r.bytes = P, rep.bytes
+        r.part_tokens, r.bytes = [int(n) for n in rep.part_tokens], rep.bytes
         with self._lock:
             self.reqs[req_id] = r
             self.stats.add(long_requests=1)
@@ -850,21 +859,8 @@ class NodeHostTier:
         if len(rep.part_clusters) != P * L:
             raise HostError(f"the node's record has {len(rep.part_clusters)} cluster counts for {P} parts of {L} layers")
         want = sum(H * C * (4 + 2 * D * es) for C in rep.part_clusters)
-        buf = torch.empty(want, dtype=torch.uint8)
-        off = 0
-        try:
-            for m in self._stub.Centroids(pb.CentroidsRequest(client_id=self.client_id, req_id=req_id),
-                                          timeout=self.cfg.host_timeout_s + want / STORE_BYTES_PER_S,
-                                          metadata=self._md):
-                k = len(m.data)
-                if off + k > want:
-                    raise HostError(f"the node sent more than the {want} bytes of centroid state its record implies")
-                buf[off:off + k] = torch.frombuffer(m.data, dtype=torch.uint8)
-                off += k
-        except grpc.RpcError as e:
-            raise HostError(f"nelssa-node Centroids at {self.cfg.node_address}: {_status(e)}") from None
-        if off != want:
-            raise HostError(f"the node sent {off} of the {want} bytes of centroid state its record implies")
+        buf = self._receive(self._stream("Centroids", pb.CentroidsRequest(client_id=self.client_id, req_id=req_id),
+                                         want), want, "centroid state its record implies")
         layers = [RemoteKV(req_id, i, H, D, dtype, device) for i in range(L)]
         off = 0
         for p in range(P):

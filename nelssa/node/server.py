@@ -199,20 +199,22 @@ class Servicer(pb_grpc.NelssaNodeServicer):
     def Released(self, request, context):
         return self._call(context, lambda: pb.ReleasedReply(handles=self.node.released_handles(list(request.handles))))
 
+    def _chunk_bytes(self) -> int:
+        """A streamed answer's DataChunk size: the node's message limit less room for the framing."""
+        return max(1 << 16, int(self.node.s.limits.max_message_bytes) - (1 << 12))
+
     def Centroids(self, request, context):
         _need_deadline(context)
         try:
-            step = max(1 << 16, int(self.node.s.limits.max_message_bytes) - (1 << 12))
-            yield from self.node.centroids(self.node.client(request.client_id), request.req_id, step)
+            yield from self.node.centroids(self.node.client(request.client_id), request.req_id, self._chunk_bytes())
         except (NodeError, WireError) as e:
             _abort(context, e)
 
     def ReadBack(self, request, context):
         _need_deadline(context)
         try:
-            step = max(1 << 16, int(self.node.s.limits.max_message_bytes) - (1 << 12))
             yield from self.node.read_back(self.node.client(request.client_id), request.req_id, request.layer,
-                                           request.part, step, request.to_slot)
+                                           request.part, self._chunk_bytes(), request.to_slot)
         except (NodeError, WireError) as e:
             _abort(context, e)
 

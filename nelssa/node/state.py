@@ -274,9 +274,7 @@ class NodeState:
                             f"request {req_id}: not every part was stored with keep_centroids")
         for part in kept:
             for t in (t for layer in part for t in layer):
-                flat = t.reshape(-1).view(torch.uint8).numpy()
-                for o in range(0, flat.size, step):
-                    yield pb.DataChunk(data=flat[o:o + step].tobytes())
+                yield from _data_chunks(t, step)
 
     def read_back(self, c: Client, req_id: str, layer: int, part: int, step: int, to_slot: bool = False):
         """One stored part of one layer of the client's request as it was stored (ReadBack in the .proto):
@@ -312,18 +310,14 @@ class NodeState:
                 kv[h0:h1] = it[1][:, :n]
         else:
             sizes = sum(it[3] for it in items)  # [H, C]: a cluster's rows are on one device, zero elsewhere
-            owner = (torch.arange(sizes.shape[1]) + base) % len(items)
+            _, row_owner = _cluster_owners(sizes, base, len(items))
             for hh in range(r.H):
-                row_owner = owner.repeat_interleave(sizes[hh].long())
                 for d, it in enumerate(items):
                     m = int(it[3][hh].sum())
                     if m:
-                        kv[hh][row_owner == d] = it[1][hh, :m]
-        if to_slot:
-            return
-        flat = kv.view(-1).view(torch.uint8).numpy()
-        for o in range(0, flat.size, step):
-            yield pb.DataChunk(data=flat[o:o + step].tobytes())
+                        kv[hh][row_owner[hh] == d] = it[1][hh, :m]
+        if not to_slot:
+            yield from _data_chunks(kv, step)
 
     # -------- ingestion
     def store(self, chunks, context) -> pb.StoreReply:
@@ -445,8 +439,7 @@ class NodeState:
         H, n, _, D = full.shape
         N = len(self.devices)
         C = sizes.shape[1]
-        owner = (torch.arange(C) + base) % N
-        row_cluster = [torch.repeat_interleave(torch.arange(C), sizes[hh].long()) for hh in range(H)]  # per stored row
+        owner, row_owner = _cluster_owners(sizes, base, N)
         out = []
         for d in range(N):
             mine = (owner == d).unsqueeze(0).expand(H, C)
@@ -455,7 +448,7 @@ class NodeState:
             kv = host_empty_on((H, max(1, int(rows_h.max())), 2, D), full.dtype, self.devices[d].numa_node)
             for hh in range(H):  # rows of this device's clusters, in cluster order (a stable boolean gather)
                 if rows_h[hh]:
-                    kv[hh, :int(rows_h[hh])] = full[hh][owner[row_cluster[hh]] == d]
+                    kv[hh, :int(rows_h[hh])] = full[hh][row_owner[hh] == d]
             new_start = torch.cumsum(sz, 1, dtype=torch.int64) - sz
             out.append((n, kv, torch.where(mine, new_start, torch.zeros_like(new_start)).contiguous(), sz.contiguous()))
         # settle the reservation to the exact bytes of this layer (it was estimated evenly)
@@ -773,6 +766,20 @@ class NodeState:
         for r in gone:
             self._drop_request(r)
         self.workers.close()
+
+
+def _cluster_owners(sizes: torch.Tensor, base: int, N: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Cluster-wise partitioning: of a part's clusters (sizes [H, C], ids offset by ``base``) the device each
+    lives on, (base + c) % N -> (owner [C], per head the owner of each of its stored rows [n])."""
+    owner = (torch.arange(sizes.shape[1]) + base) % N
+    return owner, [owner.repeat_interleave(sizes[hh].long()) for hh in range(sizes.shape[0])]
+
+
+def _data_chunks(t: torch.Tensor, step: int):
+    """A contiguous tensor's bytes as DataChunks of at most ``step`` bytes (Centroids, ReadBack)."""
+    flat = t.reshape(-1).view(torch.uint8).numpy()
+    for o in range(0, flat.size, step):
+        yield pb.DataChunk(data=flat[o:o + step].tobytes())
 
 
 class _StoreReader:
