@@ -637,15 +637,22 @@ def test_lane_batch_graph_keys_windows_and_forget():
 def test_lane_batch_captures_a_new_set_at_once_after_a_steady_one():
     """lane_batch.py 2: a request set seen for the first time runs enqueued and is captured the second
     time, except right after a replay (a steady lane): then the new set (a request joined or left, a
-    commit replaced its tables) is captured at once. A set with a request about to end runs enqueued and
-    counts as steady. (The capture itself needs CUDA; here it is a stand-in
-    that records what was asked.)"""
+    commit replaced its tables) is captured at once; so are the lane's first set and a set after the lane
+    idled. A set with a request about to end runs enqueued and counts as steady. (The capture itself
+    needs CUDA; here it is a stand-in that records what was asked.)"""
     from types import SimpleNamespace
 
     from nelssa.config import NelssaConfig
     from nelssa.vllm_plugin.attention import StepPlan
-    from nelssa.vllm_plugin.lane_batch import BatchGraphs
+    from nelssa.vllm_plugin.lane_batch import ENDING, IDLE_S, BatchGraphs, decide
     from nelssa.vllm_plugin.lane_inputs import LaneInputs
+    # the rule alone: (previous batch's path, key seen last time, idle seconds, positions left)
+    assert decide("", False, None, -1) == "capture"                 # the lane's first set
+    assert decide("new_key", False, 0.01, -1) == "new_key"          # in flux
+    assert decide("new_key", True, 0.01, -1) == "capture"           # seen twice in a row
+    assert decide("captured", False, IDLE_S, -1) == "capture"       # after an idle lane
+    assert decide("replay", False, 0.0, -1) == decide("ending", False, 0.0, 9) == "capture"
+    assert decide("replay", True, None, ENDING - 1) == "ending"     # about to end: never captured
     g = torch.Generator().manual_seed(1)
     kv = {(r, li): cluster_kv(torch.randn(2, 300, 16, generator=g), torch.randn(2, 300, 16, generator=g))
           for r in "abc" for li in range(2)}
@@ -669,14 +676,20 @@ def test_lane_batch_captures_a_new_set_at_once_after_a_steady_one():
                          np.arange(30 * n, dtype=np.int32).reshape(n, 30))
         bg.run(lane, StepPlan(host, list(rs), list(range(n)), torch.arange(n), [64] * n, [100] * n), inp, None,
                left)
+        bg.ended()  # as the lane does after every batch
         return bg.path
-    assert [batch(("a",)) for _ in range(3)] == ["new_key", "captured", "replay"]
+    assert [batch(("a",)) for _ in range(2)] == ["captured", "replay"]  # the lane's first set: at once
     assert batch(("a", "b")) == "captured"              # after a replay: at once
+    assert [batch(("a", "c")), batch(("b",))] == ["new_key", "new_key"]  # in flux: enqueued first
+    bg._ended -= IDLE_S                                 # the lane idled
+    assert batch(("b",)) == "captured"                  # its set is no set in flux
+    bg.forget(["a", "b", "c"])
+    bg.path = "new_key"                                 # as after a set in flux
     assert [batch(("c",)), batch(("b", "c"))] == ["new_key", "new_key"]   # in flux: enqueued first
     assert [batch(("b", "c")), batch(("b", "c"))] == ["captured", "replay"]
     kv[("b", 0)] = cluster_kv(torch.randn(2, 310, 16, generator=g), torch.randn(2, 310, 16, generator=g))
     assert batch(("b", "c")) == "captured"              # a commit replaced b's tables in a steady set
-    assert captured == [("a",), ("a", "b"), ("b", "c"), ("b", "c")]
+    assert captured == [("a",), ("a", "b"), ("b",), ("b", "c"), ("b", "c")]
     # a set whose request ends within ENDING positions is not captured; the set after it is, at once
     assert [batch(("b", "c"), left=5), batch(("a", "c"), left=3), batch(("a", "c"), left=0)] == \
         ["replay", "ending", "ending"]                  # a graph already there still replays

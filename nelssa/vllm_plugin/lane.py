@@ -380,6 +380,8 @@ class Lane:
                 logits, failed = None, {j.req_id: f"lane: {type(e).__name__}: {e}" for j in jobs}
             dt = time.perf_counter() - t0
             path = self.batch_graphs.path if self.batch_graphs is not None else ""
+            if self.batch_graphs is not None:
+                self.batch_graphs.ended()
             if self.cfg.stall_log_ms > 0 and (dt * 1e3 > self.cfg.stall_log_ms / 2 or path not in ("", "replay")):
                 log.info("NELSSA lane: batch of %d rows (%s) ran t=%.3f..%.3f: %.0f ms", len(jobs), path or "-",
                          t0, t0 + dt, dt * 1e3)  # perf_counter: the clock of the watchdog and the hol stamps

@@ -19,7 +19,11 @@ can be captured once and replayed:
      replay (the lane was steady) a new key is captured at once: a request joined or left a steady
      set, or a commit replaced its tables, and the new set is most likely the next steady one (H100,
      hol run 64: the 2-row set's first batch ran enqueued for 165 ms before its 0.27-s capture, in the
-     decode phase's first half second). Sets in flux (the previous batch not a replay) keep the rule.
+     decode phase's first half second). So is the lane's first set, and a set after the lane idled
+     (no batch for ``IDLE_S``): its requests have just switched, and their tables change only with a
+     commit ``chunk`` tokens later (H200 hol run 84: the first long request's first batch ran enqueued
+     for 231 ms, then its capture's batch took 330 ms). Sets in flux (the previous batch ended less
+     than ``IDLE_S`` ago and was not a replay) keep the rule. ``decide`` is the rule.
      A set with a request that ends within ``ENDING`` positions (its last position known: drafts'
      ``Job.last``) is not captured: it runs enqueued, and the set after it counts as steady (H200 hol run
      77: the 2-row set was captured in 0.28 s for the one batch left to the first request, then the
@@ -68,6 +72,19 @@ log = logging.getLogger("vllm.nelssa")
 MAX_GRAPHS = 4
 ENDING = 4  # a set with a request this few positions from its end runs enqueued (2): a capture (~0.25 s on
             # the H200) pays from about three replays (~45 ms each) against enqueued batches (~150 ms)
+IDLE_S = 0.25  # a lane without a batch this long is no set in flux (2)
+
+
+def decide(prev: str, seen: bool, idle_s: float | None, left: int) -> str:
+    """How a request set without a graph for its key runs (2) -> "ending" or "new_key" (enqueued) or
+    "capture". ``prev``: how the lane's previous batch ran ("" none yet); ``seen``: this key was the set's
+    last key; ``idle_s``: seconds since the lane's previous batch ended (None: none yet); ``left``: the
+    fewest positions a request of the set has left (-1: not known)."""
+    if 0 <= left < ENDING:
+        return "ending"
+    if seen or prev in ("replay", "ending") or idle_s is None or idle_s >= IDLE_S:
+        return "capture"
+    return "new_key"
 
 
 class _Window:
@@ -109,6 +126,7 @@ class BatchGraphs:
         self.replays = 0
         self.failures = 0               # captures that failed (6)
         self.path = ""                  # how the last batch ran: replay, captured, or why it ran enqueued
+        self._ended: float | None = None  # when the lane's last batch ended (monotonic; ``ended``)
         self._lock = threading.Lock()   # the graphs: run (lane thread) and forget (step thread)
         self._plock = threading.Lock()  # requests to forget
         self._pending: set[str] = set()
@@ -155,12 +173,17 @@ class BatchGraphs:
         """The batch as a replay -> (hidden [n, hidden] on the lane stream, the graph's batch for the
         calls' states), or None: run it enqueued (2, 3, 6). On the lane's stream; ``ids`` the batch's
         tokens on the device, ``inp`` its other inputs on the host (lane_inputs.py); ``left`` the fewest
-        positions a request of the batch has left after this one (-1: not known)."""
+        positions a request of the batch has left after this one (-1: not known). The lane calls
+        ``ended`` when the batch has run."""
         with self._lock:
             try:
                 return self._run(lane, plan, inp, ids, left)
             finally:
                 self._drop_pending()
+
+    def ended(self) -> None:
+        """A lane batch has run, however it ran (2: the lane's idle time counts from here)."""
+        self._ended = time.monotonic()
 
     def _run(self, lane, plan: StepPlan, inp, ids: torch.Tensor, left: int = -1):
         rs = tuple(plan.req_ids)
@@ -177,12 +200,12 @@ class BatchGraphs:
             del self._graphs[rs]
             g = None
         if g is None:
-            if 0 <= left < ENDING:  # (2): not worth a capture
-                self.path = "ending"
-                return None
-            if self._seen.get(rs) != key and self.path not in ("replay", "ending"):  # (2)
-                self._seen[rs] = key
-                self.path = "new_key"
+            idle = None if self._ended is None else time.monotonic() - self._ended
+            how = decide(self.path, self._seen.get(rs) == key, idle, left)  # (2)
+            if how != "capture":
+                if how == "new_key":
+                    self._seen[rs] = key
+                self.path = how
                 return None
             g = self._capture(lane, plan, rs, key, inp, ids, win)
             if g is None:
