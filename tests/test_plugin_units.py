@@ -638,7 +638,8 @@ def test_lane_batch_captures_a_new_set_at_once_after_a_steady_one():
     """lane_batch.py 2: a request set seen for the first time runs enqueued and is captured the second
     time, except right after a replay (a steady lane): then the new set (a request joined or left, a
     commit replaced its tables) is captured at once; so are the lane's first set and a set after the lane
-    idled. A set with a request about to end runs enqueued and counts as steady. (The capture itself
+    idled (not the process's first: it makes the host calls' flags outside a capture). A set with a
+    request about to end runs enqueued and counts as steady. (The capture itself
     needs CUDA; here it is a stand-in that records what was asked.)"""
     from types import SimpleNamespace
 
@@ -647,7 +648,7 @@ def test_lane_batch_captures_a_new_set_at_once_after_a_steady_one():
     from nelssa.vllm_plugin.lane_batch import ENDING, IDLE_S, BatchGraphs, decide
     from nelssa.vllm_plugin.lane_inputs import LaneInputs
     # the rule alone: (previous batch's path, key seen last time, idle seconds, positions left)
-    assert decide("", False, None, -1) == "capture"                 # the lane's first set
+    assert decide("", False, None, -1) == "new_key"                 # the process's first batch (its flags)
     assert decide("new_key", False, 0.01, -1) == "new_key"          # in flux
     assert decide("new_key", True, 0.01, -1) == "capture"           # seen twice in a row
     assert decide("captured", False, IDLE_S, -1) == "capture"       # after an idle lane
@@ -678,7 +679,7 @@ def test_lane_batch_captures_a_new_set_at_once_after_a_steady_one():
                left)
         bg.ended()  # as the lane does after every batch
         return bg.path
-    assert [batch(("a",)) for _ in range(2)] == ["captured", "replay"]  # the lane's first set: at once
+    assert [batch(("a",)) for _ in range(3)] == ["new_key", "captured", "replay"]  # the first set: enqueued
     assert batch(("a", "b")) == "captured"              # after a replay: at once
     assert [batch(("a", "c")), batch(("b",))] == ["new_key", "new_key"]  # in flux: enqueued first
     bg._ended -= IDLE_S                                 # the lane idled

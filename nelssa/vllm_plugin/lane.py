@@ -158,10 +158,8 @@ class Lane:
         self.drafts = Drafts(block_size) if cfg.lane_spec else None  # lane_spec.py
         self._logits_end = torch.cuda.Event() if self.cuda else None  # a replayed batch's end after its logits
         self._blas_warm = False
-        self._bound = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="nelssa-lane", daemon=True)
         self._thread.start()
-        self._bound.wait()  # _bind
 
     def warm(self, max_len: int) -> None:
         """CUDA: capture the dense graphs of small batches now, with the engine's own graphs
@@ -357,21 +355,7 @@ class Lane:
         return out
 
     # ------------------------------------------------------------ lane thread
-    def _bind(self) -> None:
-        """The device's primary context current on the lane thread, before the constructor returns (so no
-        graph capture of the engine's is under way): the host calls' flags (csrc/flag_wait.cpp) are made
-        once per process, by their first caller, and are device-mapped only where that thread has a
-        context. A first batch that launched kernels before its first call bound it; a first batch that
-        is captured does not (H100 hol run 87: every host call failed, loudly)."""
-        try:
-            if self.cuda:
-                torch.cuda.set_device(self.device)
-                torch.cuda.synchronize(self.device)
-        finally:
-            self._bound.set()
-
     def _loop(self) -> None:
-        self._bind()
         while True:
             with self._cv:
                 while not self._queue:

@@ -19,11 +19,13 @@ can be captured once and replayed:
      replay (the lane was steady) a new key is captured at once: a request joined or left a steady
      set, or a commit replaced its tables, and the new set is most likely the next steady one (H100,
      hol run 64: the 2-row set's first batch ran enqueued for 165 ms before its 0.27-s capture, in the
-     decode phase's first half second). So is the lane's first set, and a set after the lane idled
-     (no batch for ``IDLE_S``): its requests have just switched, and their tables change only with a
-     commit ``chunk`` tokens later (H200 hol run 84: the first long request's first batch ran enqueued
-     for 231 ms, then its capture's batch took 330 ms). Sets in flux (the previous batch ended less
-     than ``IDLE_S`` ago and was not a replay) keep the rule. ``decide`` is the rule.
+     decode phase's first half second). So is a set after the lane idled (no batch for ``IDLE_S``):
+     its requests have just switched, and their tables change only with a commit ``chunk`` tokens
+     later. Sets in flux (the previous batch ended less than ``IDLE_S`` ago and was not a replay) keep
+     the rule, and so does the lane's first batch of the process: it makes the host calls' flags
+     (csrc/flag_wait.cpp: once per process, at their first use, by ``cuMemHostAlloc``, which a capture
+     forbids — H100 hol runs 87/88, a first batch captured at once: every host call failed, loudly).
+     ``decide`` is the rule.
      A set with a request that ends within ``ENDING`` positions (its last position known: drafts'
      ``Job.last``) is not captured: it runs enqueued, and the set after it counts as steady (H200 hol run
      77: the 2-row set was captured in 0.28 s for the one batch left to the first request, then the
@@ -82,7 +84,9 @@ def decide(prev: str, seen: bool, idle_s: float | None, left: int) -> str:
     fewest positions a request of the set has left (-1: not known)."""
     if 0 <= left < ENDING:
         return "ending"
-    if seen or prev in ("replay", "ending") or idle_s is None or idle_s >= IDLE_S:
+    if idle_s is None and not seen:  # the process's first batch: enqueued (its flags outside a capture)
+        return "new_key"
+    if seen or prev in ("replay", "ending") or idle_s >= IDLE_S:
         return "capture"
     return "new_key"
 
