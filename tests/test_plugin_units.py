@@ -138,6 +138,28 @@ def test_long_prefill_chunk_keeps_step_cost_flat():
     assert prefill_chunk(64, 10**7, leq, 16) == 16  # never below one block
 
 
+def test_prefill_steps_bound_the_steps_of_the_shrinking_chunks():
+    """policy.prefill_steps (the scheduler's horizon for what short requests grow to beside a long prefill):
+    never fewer steps than prefill_chunk's chunks take, and close to them (within 15% here)."""
+    from nelssa.vllm_plugin.policy import prefill_steps
+
+    def simulated(done, total, budget, leq, bs):
+        n = 0
+        while done < total:
+            done += prefill_chunk(budget, done, leq, bs)
+            n += 1
+        return n
+    leq = 26_624.0
+    for done, total, budget, bs in ((0, 100_000, 1024, 16), (60_000, 100_000, 1024, 16), (0, 100_000, 2048, 16),
+                                    (99_990, 100_000, 1024, 16), (0, 3_000, 256, 128)):
+        sim, bound = simulated(done, total, budget, leq, bs), prefill_steps(done, total, budget, leq, bs)
+        assert sim <= bound <= max(sim + 1, 1.15 * sim), (done, total, budget, bs, sim, bound)
+    # chunks of a block or a few: a step a block (5,324 steps take 6,250 blocks)
+    assert simulated(0, 100_000, 64, leq, 16) <= prefill_steps(0, 100_000, 64, leq, 16) == 6_250
+    assert prefill_steps(100, 100, 1024, leq, 16) == 0
+    assert prefill_steps(0, 5_000, 1024, float("inf"), 16) == 5  # vLLM's own threshold: a fixed chunk
+
+
 def test_step_plan_gives_every_decode_its_token_and_caps_the_prompts():
     from nelssa.vllm_plugin.policy import step_plan
     kinds = ["prompt", "decode", "long", "spared", "decode", "prompt", "long"]

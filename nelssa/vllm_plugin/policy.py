@@ -145,6 +145,23 @@ def prefill_chunk(budget: int, done: int, l_eq: float, block_size: int) -> int:
     return max(block_size, c // block_size * block_size)
 
 
+def prefill_steps(done: int, total: int, budget: int, l_eq: float, block_size: int) -> int:
+    """At most how many steps a long prompt at ``done`` of ``total`` tokens still prefills at
+    ``prefill_chunk(budget, ...)`` tokens a step (the scheduler's reserve for what the requests decoding
+    beside it grow to meanwhile). Unrounded chunks take the integral of (1 + d / l_eq) / budget over the
+    context still to go; rounding a chunk down to whole blocks loses less than a block, at most
+    ``block_size / c_last`` of the last (smallest) unrounded chunk, so that integral divided by
+    (1 - block_size / c_last) bounds the steps; chunks of one block (c_last <= 2 blocks): a step a block."""
+    left = total - done
+    if left <= 0:
+        return 0
+    c_last = budget / (1.0 + total / l_eq)
+    if c_last <= 2 * block_size:
+        return -(-left // block_size)
+    ideal = (left + (total * total - done * done) / (2.0 * l_eq)) / budget
+    return min(math.ceil(ideal / (1.0 - block_size / c_last)), -(-left // block_size))
+
+
 def step_plan(kinds: list[str], new_tokens: list[int], cap: int) -> tuple[list[int], int]:
     """The order in which vLLM is to schedule running requests, and its token budget, for a step that
     may add at most ``cap`` tokens of short prompts to its decodes and long-prompt chunks (the

@@ -109,7 +109,7 @@ from nelssa.config import engine_config, mem_available
 from nelssa.vllm_plugin import handover, runtime
 from nelssa.vllm_plugin.connector import find_connector, nelssa_worker_meta
 from nelssa.vllm_plugin.policy import (attention_balance, blocks_to_finish, blocks_within, device_only,
-                                       ends_within_handoff, host_bytes, prefill_chunk, step_plan)
+                                       ends_within_handoff, host_bytes, prefill_chunk, prefill_steps, step_plan)
 from nelssa.vllm_plugin.spec import NelssaSpec
 
 log = logging.getLogger("vllm.nelssa")
@@ -692,6 +692,30 @@ class NelssaScheduler(Scheduler):
                 n += max(0, self._blocks(r.num_prompt_tokens) - self._blocks(r.num_computed_tokens))
         return n
 
+    def _growth_reserve(self, thr: int) -> int:
+        """Blocks the requests decoding on the device (not offloaded, migrating or long) still allocate
+        while the running long prefills last (policy.prefill_steps at this step's chunk budget — vLLM's
+        threshold ``thr`` without ``long_chunk``, else its token budget), each at most to its end
+        (``max_tokens``); a request
+        still prefilling its own prompt counts its steps from the prompt's end."""
+        steps = 0
+        for rid in self._reserved:
+            r = self.requests.get(rid)
+            if r is not None and r.status == RequestStatus.RUNNING and r.num_computed_tokens < r.num_prompt_tokens:
+                budget = self.nelssa.long_chunk or thr or self.scheduler_config.max_num_batched_tokens
+                steps = max(steps, prefill_steps(r.num_computed_tokens, r.num_prompt_tokens, budget,
+                                                 self._l_eq if self.nelssa.long_chunk else float("inf"),
+                                                 self.block_size))
+        if not steps:
+            return 0
+        n = 0
+        for r in self.running:
+            if self._anchor_of(r) or r.request_id in self._reserved:
+                continue
+            have = r.num_computed_tokens
+            n += max(0, self._blocks(min(self._end(r), max(have, r.num_prompt_tokens) + steps)) - self._blocks(have))
+        return n
+
     def schedule(self, *args, **kwargs):
         if self.nelssa is None:
             return super().schedule(*args, **kwargs)
@@ -713,10 +737,14 @@ class NelssaScheduler(Scheduler):
         # vLLM's watermark keeps blocks free when it admits waiting requests: raised by what running
         # long prefills still need, so short arrivals cannot take them (vLLM would then preempt
         # running requests to finish the prompt)
+        # and by what the requests decoding on the device grow to until those prefills end: the short
+        # requests vLLM admitted beside a long prompt took the blocks its next chunks needed as they grew,
+        # and vLLM preempted them (H100 hol run 90, long_chunk 2048: 82 running, KV at 96%, 56 preemptions)
         kvm, sc = self.kv_cache_manager, self.scheduler_config
         base, thr = kvm.watermark_blocks, sc.long_prefill_token_threshold
-        kvm.watermark_blocks = base + self._prefill_reserve()
         sc.long_prefill_token_threshold = self._long_chunk(thr)
+        prefill = self._prefill_reserve()
+        kvm.watermark_blocks = base + prefill + (self._growth_reserve(thr) if prefill else 0)
         # the list vLLM schedules: lane requests left out (not scheduled, nor preempted, in this step;
         # still counted against max_num_seqs, so vLLM admits no more than it has room for — on a P/D
         # decode instance with 128 running it had admitted past it and failed its own assertion);
