@@ -138,6 +138,14 @@ def test_long_prefill_chunk_keeps_step_cost_flat():
     assert prefill_chunk(64, 10**7, leq, 16) == 16  # never below one block
 
 
+def test_chunk_budget_is_solo_only_while_no_long_request_decodes():
+    from nelssa.vllm_plugin.policy import chunk_budget
+    assert chunk_budget(1024, 2048, long_decoding=False) == 2048  # a first long prompt, nothing on the host tier
+    assert chunk_budget(1024, 2048, long_decoding=True) == 1024   # a long request's lane batches beside the steps
+    assert chunk_budget(1024, 0, long_decoding=False) == 1024     # off: long_chunk everywhere
+    assert chunk_budget(0, 0, long_decoding=False) == 0           # vLLM's own threshold
+
+
 def test_prefill_steps_bound_the_steps_of_the_shrinking_chunks():
     """policy.prefill_steps (the scheduler's horizon for what short requests grow to beside a long prefill):
     never fewer steps than prefill_chunk's chunks take, and close to them (within 15% here)."""
@@ -284,6 +292,7 @@ def test_config_sources_and_errors():
     assert load_config(None, env={"NELSSA_PREFETCH": "l2", "NELSSA_PREFETCH_ROWS": "16"}).prefetch == "l2"
     assert load_config(None, env={}).lane_host_wait == "flags"
     assert load_config(None, env={"NELSSA_SHORT_CHUNK": "512"}).short_chunk == 512  # the step budget's own cap
+    assert load_config(None, env={"NELSSA_LONG_CHUNK_SOLO": "2048"}).long_chunk_solo == 2048
     assert load_config(None, env={"NELSSA_LANE_HOST_WAIT": "hostfn"}).lane_host_wait == "hostfn"
     assert load_config(None, env={}).lane_chain and not load_config(None, env={"NELSSA_LANE_CHAIN": "0"}).lane_chain
     from nelssa.node.client import client_spin_us
@@ -320,6 +329,8 @@ def test_config_sources_and_errors():
                      ({"nelssa": {"node_spin_us": -2}}, "node_spin_us must be"),
                      ({"nelssa": {"lane_sms": -8}}, "lane_sms must be"),
                      ({"nelssa": {"short_chunk": -1}}, "short_chunk must be"),
+                     ({"nelssa": {"long_chunk_solo": -1}}, "long_chunk_solo must be"),
+                     ({"nelssa": {"long_chunk": 0, "long_chunk_solo": 2048}}, "long_chunk_solo needs long_chunk"),
                      ({"nelssa": {"lane_sms": 16, "lane": False}}, "lane_sms needs the lane"),
                      ({"nelssa": {"node_address": "127.0.0.1:99999"}}, "port in"),  # (gRPC wraps it to 34463)
                      ({"nelssa": {"node_address": "localhost"}}, "host:port"),

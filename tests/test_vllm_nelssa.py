@@ -279,18 +279,23 @@ def test_short_requests_admitted_beside_a_long_prefill_do_not_crowd_it_out():
     prompt fits beside the prefill's reserve (NELSSA's raised watermark); as the admitted ones grew they took
     the blocks the prompt's next chunks needed, and vLLM preempted the prompt itself (recomputed: 83 steps
     against 54). The watermark also holds what the requests decoding on the device grow to while the prefill
-    lasts (policy.prefill_steps): zero preemptions, the late arrivals wait, every request completes."""
+    lasts (policy.prefill_steps): zero preemptions, the late arrivals wait, every request completes. No long
+    request decodes from the host tier meanwhile, so the prompt's chunks follow ``long_chunk_solo`` (512
+    tokens at context 0), not ``long_chunk`` (128: a block a step)."""
     reqs = [{"id": "s0", "text_tokens": 125, "offset": 90000, "max_tokens": 40},
             {"id": "long", "text_tokens": 3000, "max_tokens": 8, "add_at_step": 1}]
     reqs += [{"id": f"s{i}", "text_tokens": 125, "offset": 90000 + 300 * i, "max_tokens": 40, "add_at_step": 1 + i}
              for i in range(1, 13)]
-    on = run_harness({"model": CUT, "mode": "on", "nelssa": {**NELSSA, "long_chunk": 512}, "max_model_len": 3200,
+    on = run_harness({"model": CUT, "mode": "on", "nelssa": {**NELSSA, "long_chunk": 128, "long_chunk_solo": 512},
+                      "max_model_len": 3200,
                       "engine": {"num_gpu_blocks_override": 32, "max_num_batched_tokens": 1024}, "requests": reqs})
     prefill = [st["blocks"] for st in on["steps"] if 0 < st["blocks"].get("long", 0) < 24]
     print(f"preemptions {on['preemptions']} in {on['num_steps']} steps; device blocks while the prompt prefilled: "
           f"{prefill}")
     assert on["preemptions"] == 0
     assert any(b.get(f"s{i}") == 0 for b in prefill for i in range(1, 13))  # an admitted-later short waited
+    grown = [b["long"] - a["long"] for a, b in zip(prefill, prefill[1:])]
+    assert max(grown) >= 3, grown  # chunks of long_chunk_solo (3-4 blocks early on), not long_chunk's one
     assert {k: len(r["token_ids"]) for k, r in on["results"].items()} == {r["id"]: r["max_tokens"] for r in reqs}
 
 

@@ -145,6 +145,13 @@ def prefill_chunk(budget: int, done: int, l_eq: float, block_size: int) -> int:
     return max(block_size, c // block_size * block_size)
 
 
+def chunk_budget(long_chunk: int, long_chunk_solo: int, long_decoding: bool) -> int:
+    """The ``budget`` of prefill_chunk for this step: ``long_chunk_solo`` while no long request decodes from
+    the host tier (its tokens would wait for the longer steps: the lane's batches share the device with
+    them), else ``long_chunk``; 0: vLLM's own threshold."""
+    return long_chunk_solo if long_chunk_solo and not long_decoding else long_chunk
+
+
 def prefill_steps(done: int, total: int, budget: int, l_eq: float, block_size: int) -> int:
     """At most how many steps a long prompt at ``done`` of ``total`` tokens still prefills at
     ``prefill_chunk(budget, ...)`` tokens a step (the scheduler's reserve for what the requests decoding

@@ -26,7 +26,9 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   policy.prefill_chunk(long_chunk, its context so far) tokens per step (vLLM's
   long_prefill_token_threshold for that step), so a step with a long-prefill chunk costs about the
   same at 1K and at 100K tokens of context, and short requests' next token never waits for a
-  chunk's quadratic attention. Without short decodes vLLM's own threshold applies.
+  chunk's quadratic attention. Without short decodes vLLM's own threshold applies. While no long
+  request decodes from the host tier, ``long_chunk_solo`` (if set) takes ``long_chunk``'s place
+  (policy.chunk_budget): no long request's token waits for those longer steps.
 * Step budget: while a long request is resident and short requests decode, a step adds at most
   ``short_chunk`` (2048; 0: ``long_chunk``) tokens of short prompts to its decodes and long-prompt
   chunks (policy.step_plan), so the short prompts a long prefill held back do not all prefill in the steps right after it.
@@ -108,7 +110,7 @@ from vllm.v1.request import Request, RequestStatus
 from nelssa.config import engine_config, mem_available
 from nelssa.vllm_plugin import handover, runtime
 from nelssa.vllm_plugin.connector import find_connector, nelssa_worker_meta
-from nelssa.vllm_plugin.policy import (attention_balance, blocks_to_finish, blocks_within, device_only,
+from nelssa.vllm_plugin.policy import (attention_balance, blocks_to_finish, blocks_within, chunk_budget, device_only,
                                        ends_within_handoff, host_bytes, prefill_chunk, prefill_steps, step_plan)
 from nelssa.vllm_plugin.spec import NelssaSpec
 
@@ -695,17 +697,17 @@ class NelssaScheduler(Scheduler):
     def _growth_reserve(self, thr: int) -> int:
         """Blocks the requests decoding on the device (not offloaded, migrating or long) still allocate
         while the running long prefills last (policy.prefill_steps at this step's chunk budget — vLLM's
-        threshold ``thr`` without ``long_chunk``, else its token budget), each at most to its end
+        threshold ``thr`` without one, else its token budget), each at most to its end
         (``max_tokens``); a request
         still prefilling its own prompt counts its steps from the prompt's end."""
         steps = 0
         for rid in self._reserved:
             r = self.requests.get(rid)
             if r is not None and r.status == RequestStatus.RUNNING and r.num_computed_tokens < r.num_prompt_tokens:
-                budget = self.nelssa.long_chunk or thr or self.scheduler_config.max_num_batched_tokens
+                chunked = self._chunk_budget()
+                budget = chunked or thr or self.scheduler_config.max_num_batched_tokens
                 steps = max(steps, prefill_steps(r.num_computed_tokens, r.num_prompt_tokens, budget,
-                                                 self._l_eq if self.nelssa.long_chunk else float("inf"),
-                                                 self.block_size))
+                                                 self._l_eq if chunked else float("inf"), self.block_size))
         if not steps:
             return 0
         n = 0
@@ -882,10 +884,17 @@ class NelssaScheduler(Scheduler):
             if r is not None and lane.ready(rid, r.num_computed_tokens):
                 self._busy.discard(rid)
 
+    def _chunk_budget(self) -> int:
+        """policy.chunk_budget: ``long_chunk_solo`` while no running request decodes from the host tier
+        (its host range in use), else ``long_chunk``."""
+        cfg = self.nelssa
+        decoding = bool(cfg.long_chunk_solo) and any(self._host_end.get(r.request_id) for r in self.running)
+        return chunk_budget(cfg.long_chunk, cfg.long_chunk_solo, decoding)
+
     def _long_chunk(self, thr: int) -> int:
-        """This step's cap on a prefill chunk: policy.prefill_chunk at the deepest running long
-        prefill's context while a short request decodes; else vLLM's threshold ``thr``."""
-        budget = self.nelssa.long_chunk
+        """This step's cap on a prefill chunk: policy.prefill_chunk (at ``_chunk_budget``) at the deepest
+        running long prefill's context while a short request decodes; else vLLM's threshold ``thr``."""
+        budget = self._chunk_budget()
         if not budget:
             return thr
         done, short_decoding = None, False
