@@ -226,9 +226,10 @@ PY
       exit 0
     fi
     if [ "$what" = check ]; then
-      grpc_wheels  # the node's tests (the store slot registered with CUDA)
-      python3 -m pytest -q -p no:cacheprovider tests/test_cuda_split.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -n 15
-      python3 -m pytest -q -p no:cacheprovider tests/test_node.py -k cuda 2>&1 | tee -a "$OUT/cuda_tests.log" | tail -n 5
+      grpc_wheels  # the node's tests (the store slot registered with CUDA, the DMA read-back) first: a call
+                   # cut short after test_cuda_split (~65 s on an H100) lost them once
+      python3 -m pytest -q -p no:cacheprovider tests/test_node.py -k cuda 2>&1 | tee "$OUT/cuda_tests.log" | tail -n 5
+      python3 -m pytest -q -p no:cacheprovider tests/test_cuda_split.py 2>&1 | tee -a "$OUT/cuda_tests.log" | tail -n 15
       # the hand-off's moves and a recall's load on the side stream (CUDA variants), and write_kv's flash layout
       python3 -m pytest -q -p no:cacheprovider tests/test_plugin_units.py -k "handoff or write_kv" 2>&1 \
         | tee -a "$OUT/cuda_tests.log" | tail -n 5
