@@ -696,18 +696,18 @@ class NelssaScheduler(Scheduler):
 
     def _growth_reserve(self, thr: int) -> int:
         """Blocks the requests decoding on the device (not offloaded, migrating or long) still allocate
-        while the running long prefills last (policy.prefill_steps at this step's chunk budget — vLLM's
-        threshold ``thr`` without one, else its token budget), each at most to its end
-        (``max_tokens``); a request
-        still prefilling its own prompt counts its steps from the prompt's end."""
+        while the running long prefills last (policy.prefill_steps at this step's chunk budget; vLLM's
+        threshold ``thr`` without one, else its token budget), each at most to its end (``max_tokens``);
+        a request still prefilling its own prompt counts its steps from the prompt's end."""
+        chunked = self._chunk_budget()
+        budget = chunked or thr or self.scheduler_config.max_num_batched_tokens
+        l_eq = self._l_eq if chunked else float("inf")
         steps = 0
         for rid in self._reserved:
             r = self.requests.get(rid)
             if r is not None and r.status == RequestStatus.RUNNING and r.num_computed_tokens < r.num_prompt_tokens:
-                chunked = self._chunk_budget()
-                budget = chunked or thr or self.scheduler_config.max_num_batched_tokens
-                steps = max(steps, prefill_steps(r.num_computed_tokens, r.num_prompt_tokens, budget,
-                                                 self._l_eq if chunked else float("inf"), self.block_size))
+                steps = max(steps, prefill_steps(r.num_computed_tokens, r.num_prompt_tokens, budget, l_eq,
+                                                 self.block_size))
         if not steps:
             return 0
         n = 0
@@ -741,7 +741,8 @@ class NelssaScheduler(Scheduler):
         # running requests to finish the prompt)
         # and by what the requests decoding on the device grow to until those prefills end: the short
         # requests vLLM admitted beside a long prompt took the blocks its next chunks needed as they grew,
-        # and vLLM preempted them (H100 hol run 90, long_chunk 2048: 82 running, KV at 96%, 56 preemptions)
+        # and vLLM preempted (H100 hol run 90, long_chunk 2048: 82 running, KV at 96%, 56 preemptions; the
+        # CPU engine test: the prompt itself)
         kvm, sc = self.kv_cache_manager, self.scheduler_config
         base, thr = kvm.watermark_blocks, sc.long_prefill_token_threshold
         sc.long_prefill_token_threshold = self._long_chunk(thr)
