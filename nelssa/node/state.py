@@ -293,9 +293,9 @@ class NodeState:
                 raise WireError(f"layer {layer} outside [0, {r.num_layers})")
             if not 0 <= part < len(r.part_tokens):
                 raise WireError(f"part {part} outside the request's {len(r.part_tokens)} stored parts")
-            items = [s.stored[part] for s in r.shards[layer]]
+            items = [s.stored_part(part) for s in r.shards[layer]]  # (rows, sizes) per device
             base = sum(pc[layer] for pc in r.part_clusters[:part])  # global id of the part's cluster 0
-        n = items[0][0]
+            n = r.part_tokens[part]
         want = r.H * n * 2 * r.D * ITEMSIZE[r.dtype]
         if to_slot:
             if slot is None or slot.slot < want:
@@ -306,16 +306,16 @@ class NodeState:
         else:
             kv = torch.empty(r.H, n, 2, r.D, dtype=r.dtype)
         if self.s.partition == "head":
-            for it, (h0, h1) in zip(items, r.head_ranges):
-                kv[h0:h1] = it[1][:, :n]
+            for (rows, _), (h0, h1) in zip(items, r.head_ranges):
+                kv[h0:h1] = rows[:, :n]
         else:
-            sizes = sum(it[3] for it in items)  # [H, C]: a cluster's rows are on one device, zero elsewhere
+            sizes = sum(sz for _, sz in items)  # [H, C]: a cluster's rows are on one device, zero elsewhere
             _, row_owner = _cluster_owners(sizes, base, len(items))
             for hh in range(r.H):
-                for d, it in enumerate(items):
-                    m = int(it[3][hh].sum())
+                for d, (rows, sz) in enumerate(items):
+                    m = int(sz[hh].sum())
                     if m:
-                        kv[hh][row_owner[hh] == d] = it[1][hh, :m]
+                        kv[hh][row_owner[hh] == d] = rows[hh, :m]
         if not to_slot:
             yield from _data_chunks(kv, step)
 
@@ -382,7 +382,6 @@ class NodeState:
                 for li, row_parts in enumerate(built):
                     for d, item in enumerate(row_parts):
                         r.shards[li][d].pending.append(item)
-                        r.shards[li][d].stored.append(item)
                 r.part_tokens.append(n)
                 r.part_clusters.append(list(h.clusters))
                 r.kept.append(kept)

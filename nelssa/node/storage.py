@@ -44,11 +44,18 @@ class Shard:
         self.num_kv_heads, self.head_dim = heads, head_dim
         self.parts: list[KVPart] = []
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # n, kv, starts, sizes
-        self.stored: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []   # every part so, for ReadBack
         self.cpart = torch.empty(0, dtype=torch.int32)
         self.cstart = torch.empty(heads, 0, dtype=torch.int64)
         self.csize = torch.empty(heads, 0, dtype=torch.int32)
         self.length = 0
+
+    def stored_part(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored part ``p`` (committed or prepared) as stored: its rows [heads, rows, 2, head_dim] and cluster
+        sizes [heads, C] (ReadBack)."""
+        if p < len(self.parts):
+            return self.parts[p].kv, self.csize[:, self.cpart == p]
+        _, kv, _, sizes = self.pending[p - len(self.parts)]
+        return kv, sizes
 
     def commit_until(self, length: int) -> None:
         while self.pending and self.length + self.pending[0][0] <= length:
