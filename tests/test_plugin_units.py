@@ -1081,9 +1081,9 @@ def test_nixl_progress_thread_off_reads_when_both_sides_poll(monkeypatch):
 
 
 def test_context_buckets_of_the_hand_off_metrics():
-    """nelssa:migrations_by_context's buckets (scheduler.context_bucket) and the report's reading of them."""
-    from nelssa.bench.report import CONTEXTS, handoff_by_context
-    from nelssa.vllm_plugin.scheduler import context_bucket
+    """nelssa:migrations_by_context's buckets (policy.context_bucket) and the report's reading of them."""
+    from nelssa.bench.report import handoff_by_context
+    from nelssa.vllm_plugin.policy import CONTEXTS, context_bucket
     got = [context_bucket(n) for n in (1, 4095, 4096, 8191, 8192, 65535, 65536, 131071, 131072, 10 ** 6)]
     assert got == ["<4K", "<4K", "4K-8K", "4K-8K", "8K-16K", "32K-64K", "64K-128K", "64K-128K", ">=128K", ">=128K"]
     assert {context_bucket(2 ** k) for k in range(20)} <= set(CONTEXTS)

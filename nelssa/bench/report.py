@@ -13,6 +13,7 @@ import sys
 
 from nelssa.bench.common import preemptions_text
 from nelssa.bench.hol import TIMELINE_PARTS, result_modes
+from nelssa.vllm_plugin.policy import CONTEXTS
 
 
 def _f(v, d: int = 1) -> str:
@@ -92,9 +93,6 @@ def workload_md(s: dict, rel: str) -> list[str]:
     for p in s.get("plots", []):
         out += ["", _img(os.path.join(rel, p), p)]
     return out + [""]
-
-
-CONTEXTS = ("<4K", "4K-8K", "8K-16K", "16K-32K", "32K-64K", "64K-128K", ">=128K")  # scheduler.context_bucket
 
 
 def handoff_by_context(c: dict) -> list[tuple[str, float, float]]:

@@ -169,6 +169,20 @@ def prefill_steps(done: int, total: int, budget: int, l_eq: float, block_size: i
     return min(math.ceil(ideal / (1.0 - block_size / c_last)), -(-left // block_size))
 
 
+CONTEXTS = ("<4K", "4K-8K", "8K-16K", "16K-32K", "32K-64K", "64K-128K", ">=128K")  # context_bucket's, in order
+
+
+def context_bucket(tokens: int) -> str:
+    """A context length's power-of-two bucket for the hand-off-time-vs-context metrics (the scheduler's
+    nelssa:migrations_by_context, read back by the workload report): one of ``CONTEXTS``."""
+    if tokens < 4096:
+        return "<4K"
+    k = 4
+    while k < 128 and tokens >= 2 * k * 1024:
+        k *= 2
+    return f"{k}K-{2 * k}K" if k < 128 else ">=128K"
+
+
 def step_plan(kinds: list[str], new_tokens: list[int], cap: int) -> tuple[list[int], int]:
     """The order in which vLLM is to schedule running requests, and its token budget, for a step that
     may add at most ``cap`` tokens of short prompts to its decodes and long-prompt chunks (the

@@ -110,22 +110,12 @@ from vllm.v1.request import Request, RequestStatus
 from nelssa.config import engine_config, mem_available
 from nelssa.vllm_plugin import handover, runtime
 from nelssa.vllm_plugin.connector import find_connector, nelssa_worker_meta
-from nelssa.vllm_plugin.policy import (attention_balance, blocks_to_finish, blocks_within, chunk_budget, device_only,
-                                       ends_within_handoff, host_bytes, prefill_chunk, prefill_steps, step_plan)
+from nelssa.vllm_plugin.policy import (attention_balance, blocks_to_finish, blocks_within, chunk_budget,
+                                       context_bucket, device_only, ends_within_handoff, host_bytes, prefill_chunk,
+                                       prefill_steps, step_plan)
 from nelssa.vllm_plugin.spec import NelssaSpec
 
 log = logging.getLogger("vllm.nelssa")
-
-
-def context_bucket(tokens: int) -> str:
-    """A context length's power-of-two bucket for the hand-off-time-vs-context metrics: <4K, 4K-8K, ...,
-    64K-128K, >=128K."""
-    if tokens < 4096:
-        return "<4K"
-    k = 4
-    while k < 128 and tokens >= 2 * k * 1024:
-        k *= 2
-    return f"{k}K-{2 * k}K" if k < 128 else ">=128K"
 
 
 class NelssaScheduler(Scheduler):
