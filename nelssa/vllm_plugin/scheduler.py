@@ -535,11 +535,7 @@ class NelssaScheduler(Scheduler):
         if h0:
             first, last = self.nelssa_policy.freed_blocks(h0)
             need -= last - first
-        for r in self.running:
-            if self._anchor_of(r):
-                continue  # offloaded or migrating: keeps a window; prefilling: capped by long_prefills
-            end = min(r.num_prompt_tokens + (r.max_tokens or 0), self.max_model_len)
-            need += max(0, self._blocks(end) - self._blocks(r.num_computed_tokens))
+        need += self._device_growth()
         return self._blocks(request.num_prompt_tokens) + need <= free
 
     def _admit_held(self) -> None:
@@ -675,38 +671,40 @@ class NelssaScheduler(Scheduler):
         if wait is not None:
             self._node_room.forget(wait[0])
 
+    def _long_prefilling(self) -> list[Request]:
+        """Admitted long requests (``_reserved``) running and still prefilling their prompt."""
+        return [r for r in map(self.requests.get, self._reserved)
+                if r is not None and r.status == RequestStatus.RUNNING and r.num_computed_tokens < r.num_prompt_tokens]
+
     def _prefill_reserve(self) -> int:
         """Blocks that running long prefills still have to allocate."""
-        n = 0
-        for rid in self._reserved:
-            r = self.requests.get(rid)
-            if r is not None and r.status == RequestStatus.RUNNING and r.num_computed_tokens < r.num_prompt_tokens:
-                n += max(0, self._blocks(r.num_prompt_tokens) - self._blocks(r.num_computed_tokens))
-        return n
+        return sum(max(0, self._blocks(r.num_prompt_tokens) - self._blocks(r.num_computed_tokens))
+                   for r in self._long_prefilling())
 
-    def _growth_reserve(self, thr: int) -> int:
-        """Blocks the requests decoding on the device (not offloaded, migrating or long) still allocate
-        while the running long prefills last (policy.prefill_steps at this step's chunk budget; vLLM's
-        threshold ``thr`` without one, else its token budget), each at most to its end (``max_tokens``);
-        a request still prefilling its own prompt counts its steps from the prompt's end."""
-        chunked = self._chunk_budget()
-        budget = chunked or thr or self.scheduler_config.max_num_batched_tokens
-        l_eq = self._l_eq if chunked else float("inf")
-        steps = 0
-        for rid in self._reserved:
-            r = self.requests.get(rid)
-            if r is not None and r.status == RequestStatus.RUNNING and r.num_computed_tokens < r.num_prompt_tokens:
-                steps = max(steps, prefill_steps(r.num_computed_tokens, r.num_prompt_tokens, budget, l_eq,
-                                                 self.block_size))
-        if not steps:
-            return 0
+    def _device_growth(self, steps: int | None = None, skip=()) -> int:
+        """Blocks the running requests on the device still allocate, each at most to its end (``max_tokens``);
+        with ``steps``, only within that many steps (a request still prefilling its own prompt: from the
+        prompt's end). Offloaded or migrating requests keep a window, long prefills are capped by
+        ``long_prefills`` (both left out, as is any request in ``skip``)."""
         n = 0
         for r in self.running:
-            if self._anchor_of(r) or r.request_id in self._reserved:
+            if self._anchor_of(r) or r.request_id in skip:
                 continue
             have = r.num_computed_tokens
-            n += max(0, self._blocks(min(self._end(r), max(have, r.num_prompt_tokens) + steps)) - self._blocks(have))
+            end = self._end(r) if steps is None else min(self._end(r), max(have, r.num_prompt_tokens) + steps)
+            n += max(0, self._blocks(end) - self._blocks(have))
         return n
+
+    def _growth_reserve(self, thr: int, chunked: int) -> int:
+        """What the requests decoding on the device (``_device_growth``) allocate while the running long
+        prefills last: policy.prefill_steps at this step's chunk budget ``chunked`` (``_chunk_budget``; 0:
+        vLLM's threshold ``thr``, else its token budget). A deferred prompt (in ``_reserved``) is left out:
+        ``_prefill_reserve`` holds its prompt."""
+        budget = chunked or thr or self.scheduler_config.max_num_batched_tokens
+        l_eq = self._l_eq if chunked else float("inf")
+        steps = max((prefill_steps(r.num_computed_tokens, r.num_prompt_tokens, budget, l_eq, self.block_size)
+                     for r in self._long_prefilling()), default=0)
+        return self._device_growth(steps, self._reserved) if steps else 0
 
     def schedule(self, *args, **kwargs):
         if self.nelssa is None:
@@ -735,9 +733,10 @@ class NelssaScheduler(Scheduler):
         # CPU engine test: the prompt itself)
         kvm, sc = self.kv_cache_manager, self.scheduler_config
         base, thr = kvm.watermark_blocks, sc.long_prefill_token_threshold
-        sc.long_prefill_token_threshold = self._long_chunk(thr)
+        chunked = self._chunk_budget()
+        sc.long_prefill_token_threshold = self._long_chunk(thr, chunked)
         prefill = self._prefill_reserve()
-        kvm.watermark_blocks = base + prefill + (self._growth_reserve(thr) if prefill else 0)
+        kvm.watermark_blocks = base + prefill + (self._growth_reserve(thr, chunked) if prefill else 0)
         # the list vLLM schedules: lane requests left out (not scheduled, nor preempted, in this step;
         # still counted against max_num_seqs, so vLLM admits no more than it has room for — on a P/D
         # decode instance with 128 running it had admitted past it and failed its own assertion);
@@ -882,10 +881,9 @@ class NelssaScheduler(Scheduler):
         decoding = bool(cfg.long_chunk_solo) and any(self._host_end.get(r.request_id) for r in self.running)
         return chunk_budget(cfg.long_chunk, cfg.long_chunk_solo, decoding)
 
-    def _long_chunk(self, thr: int) -> int:
-        """This step's cap on a prefill chunk: policy.prefill_chunk (at ``_chunk_budget``) at the deepest
-        running long prefill's context while a short request decodes; else vLLM's threshold ``thr``."""
-        budget = self._chunk_budget()
+    def _long_chunk(self, thr: int, budget: int) -> int:
+        """This step's cap on a prefill chunk: policy.prefill_chunk at ``budget`` (``_chunk_budget``) at the
+        deepest running long prefill's context while a short request decodes; else vLLM's threshold ``thr``."""
         if not budget:
             return thr
         done, short_decoding = None, False
