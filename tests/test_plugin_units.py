@@ -555,7 +555,9 @@ def test_lane_drafts_chain_check_and_drop():
     assert g is not None and g.pos == 30 and (g.last, g.stops) == (30, frozenset({2}))
     d.drop({"a", "e", "f", "g"})
     assert not d.has("a") and "a" not in d.rows
-    assert d.take_counts() == {"run": 31, "verified": 1, "mismatch": 1, "stale": 2} and d.take_counts() == {}
+    # each wait for a slot counts once ("a" at 21 and at 48, "b" at 41)
+    assert d.take_counts() == {"run": 31, "verified": 1, "mismatch": 1, "stale": 2, "stalled": 3}
+    assert d.take_counts() == {}
     # who drafts: greedy requests whose logits nothing changes before the argmax
     from vllm import SamplingParams
 
@@ -1034,6 +1036,63 @@ def test_window_admission_allocates_the_window_only():
     req2 = Request("s", list(range(n)), SamplingParams(max_tokens=8), None, block_hasher=hasher)
     assert kvm.allocate_slots(req2, 0, num_external_computed_tokens=n, delay_cache_blocks=True) is not None
     assert free0 - kvm.block_pool.get_num_free_blocks() == whole
+
+
+def test_lane_requests_get_a_block_of_slots_past_the_lookahead():
+    """spec.NelssaManager.ahead through vLLM's own KVCacheManager: a request with its host range in use gets
+    slots ``ahead`` tokens past vLLM's lookahead (the lane's drafts run in allocated slots only, lane_spec.py
+    2), never past the model's length (the worker's block table is that wide); a request on the device gets
+    what vLLM asks, and the free-block check counts the extra block (an allocation that cannot have it
+    fails as a whole)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+    from nelssa.vllm_plugin.spec import NelssaManager, NelssaSpec, register_spec
+    register_spec()
+    bs, max_len = 16, 640
+    spec = NelssaSpec(block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.float32, T_input=256, sink=16,
+                      recent=64, chunk=128)
+    cfg = KVCacheConfig(num_blocks=96, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    kvm = KVCacheManager(cfg, max_model_len=max_len, scheduler_block_size=bs, hash_block_size=bs, enable_caching=False)
+    (mgr,) = kvm.coordinator.single_type_managers
+    assert isinstance(mgr, NelssaManager)
+    mgr.ahead, mgr.max_len = bs, max_len
+
+    def decode(rid, n):  # a request with n tokens computed, scheduled for its next one (lookahead 2)
+        req = Request(rid, list(range(n)), SamplingParams(max_tokens=max_len - n), None)
+        assert kvm.allocate_slots(req, n, num_lookahead_tokens=0) is not None  # its prompt
+        req.num_computed_tokens = n
+        return req
+
+    def slots(rid):
+        return len(kvm.get_blocks(rid).blocks[0]) * bs
+
+    pol = spec.policy()
+    for rid, lane in (("dev", False), ("lane", True)):
+        req = decode(rid, 300)
+        if lane:
+            mgr.host_ends[rid] = pol.goal(300, 300)
+        for step in range(40):  # 40 decode steps: the row always covers the next token + 2 (+ a block)
+            assert kvm.allocate_slots(req, 1, num_lookahead_tokens=2) is not None
+            need = req.num_computed_tokens + 1 + 2 + (bs if lane else 0)
+            assert need <= slots(rid) < need + bs, (rid, step, slots(rid))
+            req.num_computed_tokens += 1
+    # at the model's length the extra block is not given
+    req = decode("end", max_len - 8)
+    mgr.host_ends["end"] = pol.goal(max_len - 8, max_len - 8)
+    assert kvm.allocate_slots(req, 1, num_lookahead_tokens=2) is not None and slots("end") == max_len
+    # the free-block check counts the extra block: with one block free, a request at a block's end gets
+    # its next slots on the device, not in the lane (vLLM would preempt for it)
+    for rid, lane in (("x", False), ("y", True)):
+        req = decode(rid, 14)  # one block; the next token + 2 need a second, a block more a third
+        if lane:
+            mgr.host_ends[rid] = 1  # (only "in use" counts)
+        held = kvm.block_pool.get_new_blocks(kvm.block_pool.get_num_free_blocks() - 1)
+        got = kvm.allocate_slots(req, 1, num_lookahead_tokens=2)
+        assert (got is None) == lane, rid
+        kvm.block_pool.free_blocks(held)
 
 
 def test_nixl_progress_thread_off_reads_when_both_sides_poll(monkeypatch):

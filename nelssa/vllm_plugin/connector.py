@@ -213,7 +213,8 @@ _BY_PART = {
     "lane_drafts": ("nelssa:lane_drafts", "outcome",
                     "Long lane: drafts (a long request's next position computed before the step sampled its token, "
                     "lane_spec.py) by outcome: run, verified, mismatch (the step sampled another token: the request "
-                    "fails), stale (its host range moved)"),
+                    "fails), stale (its host range moved), stalled (its next slot was not allocated yet: the chain "
+                    "waited for a step)"),
 }
 
 

@@ -18,8 +18,9 @@ can sample one of its tokens:
      and the same host range H: that argmax is the token the step's greedy sampler will pick from the
      same logits, so the draft's result is published like any job's (lane.py, 3) and the chain goes
      on, a position at a time. Its KV slot must be allocated: a draft uses the newest block row the
-     steps gave for its request (``Job.alloc``; the scheduler allocates two slots ahead); past it the
-     chain waits (``stalled``) for the next step's job to bring a longer row. The chain ends where the
+     steps gave for its request (``Job.alloc``; the scheduler allocates two slots and, for a request in
+     the lane, a block ahead: spec.NelssaManager.ahead); past it the chain waits (``stalled``, counted)
+     for the next step's job to bring a longer row. The chain ends where the
      request does (``last``): at its last position (max_tokens, the model's length) or when the argmax is
      one of its stop tokens, so no draft is left running when its request finishes.
   3. Check. The step's job for a drafted position (its sampled token) does not run: it is checked
@@ -94,6 +95,8 @@ class Drafts:
             return None
         pos, row = job.pos + 1, self.rows.get(rid, job.alloc)
         if row is None or pos // self.bs >= len(row):
+            if rid not in self.stalled:
+                self._count("stalled")
             self.stalled[rid] = (job, nxt, nxt_value)
             return None
         self.stalled.pop(rid, None)

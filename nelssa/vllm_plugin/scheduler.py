@@ -67,7 +67,9 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   are left out of vLLM's running list while it schedules (they keep their place), and their H does
   not move. vLLM allocates one slot
   ahead for every request (num_lookahead_tokens >= 1) for the position the lane writes, two with the
-  lane's drafts (lane_spec.py: it runs ahead of the steps, as far as the allocated slots). The switch
+  lane's drafts (lane_spec.py: it runs ahead of the steps, as far as the allocated slots), and a
+  request in the lane a block more (spec.NelssaManager.ahead), so its drafts do not stop at every
+  block boundary. The switch
   itself goes through the lane: the first H of a request is sent as ``switching`` for one step (the
   request keeps its blocks and is computed on the device; the lane computes its next position with
   H), and is in use — its blocks below H freed — from the next scheduling on. So no step of the
@@ -179,6 +181,9 @@ class NelssaScheduler(Scheduler):
             raise ValueError("NELSSA needs its KV-cache manager and its KV connector (see nelssa.vllm_plugin.engine_args)")
         managers[0].host_ends = conn.host_ends = self._host_end
         self._manager = managers[0]
+        # a block past the lookahead for the lane's drafts (spec.NelssaManager.ahead; lane_spec.py, 2)
+        self._manager.ahead = self.block_size if cfg.lane and cfg.lane_spec else 0
+        self._manager.max_len = self.max_model_len
         managers[0].window_ends = conn.window = self._window
         conn.anchors = self._anchor
         conn.switching = self._switching
@@ -819,7 +824,7 @@ class NelssaScheduler(Scheduler):
         # every running request's next token + lookahead, each in a new block, fit in the free blocks
         bs = self.block_size
         worst = -(-self.scheduler_config.max_num_batched_tokens // bs) + len(running) * (
-            1 + -(-self.num_lookahead_tokens // bs))
+            1 + -(-(self.num_lookahead_tokens + self._manager.ahead) // bs))
         if self.kv_cache_manager.block_pool.get_num_free_blocks() > worst:
             return []
         spared = self.nelssa_policy.spared

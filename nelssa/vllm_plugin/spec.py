@@ -43,6 +43,12 @@ class NelssaManager(FullAttentionManager):
     positions only). ``window_ends`` (request -> H0, set by NelssaScheduler on a P/D decode instance
     for a hand-over admitted with its window only, handover.py 6): the request's first allocation puts
     the null block at [sink, H0) from the start, and admission counts only its real blocks.
+    ``ahead`` (tokens; set by NelssaScheduler: a block with the lane's drafts, lane_spec.py 2): a request
+    with its host range in use gets slots that many tokens past what vLLM asks (its lookahead), at most to
+    ``max_len`` (the model's length: the worker's block table is that wide), as vLLM's MambaManager adds its
+    speculative blocks. A draft runs only in allocated slots; with two slots ahead, the lane's chain stopped
+    at every block boundary until the steps caught up (H200 hol run 84: the first long request's token after
+    a boundary came 90 ms after the one before, 50 ms elsewhere).
     """
 
     def __init__(self, kv_cache_spec: NelssaSpec, **kwargs) -> None:
@@ -52,6 +58,16 @@ class NelssaManager(FullAttentionManager):
         # request -> H0 of a hand-over admitted with its window only (set by NelssaScheduler on a decode
         # instance, handover.py, 6): its first allocation has null blocks where [sink, H0) is, on the node
         self.window_ends: dict[str, int] = {}
+        self.ahead = 0
+        self.max_len: int | None = None
+
+    def _slots(self, request_id: str, num_tokens: int) -> int:
+        """The slots a request gets: ``num_tokens`` (vLLM's count, its lookahead included), ``ahead`` more for a
+        request whose host range is in use."""
+        if not self.ahead or not self.host_ends.get(request_id):
+            return num_tokens
+        want = num_tokens + self.ahead
+        return want if self.max_len is None else max(num_tokens, min(want, self.max_len))
 
     def _nulls(self, request_id: str, upto_blocks: int) -> tuple[int, int]:
         """[first, last) of the null blocks a window admission has among its first ``upto_blocks``."""
@@ -62,11 +78,14 @@ class NelssaManager(FullAttentionManager):
         return first, max(first, min(last, upto_blocks))
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, **kwargs) -> int:
-        n = super().get_num_blocks_to_allocate(request_id, num_tokens, *args, **kwargs)
+        n = super().get_num_blocks_to_allocate(request_id, self._slots(request_id, num_tokens), *args, **kwargs)
         if request_id in self.num_cached_block:  # allocated already: its nulls are among its blocks
             return n
         first, last = self._nulls(request_id, -(-num_tokens // self.block_size))
         return max(0, n - (last - first))
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
+        return super().allocate_new_blocks(request_id, self._slots(request_id, num_tokens), num_tokens_main_model)
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
                                           num_external_computed_tokens: int) -> None:
