@@ -165,6 +165,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("mem"), py::arg("slot"), py::arg("group"), py::arg("plans"), py::arg("spin_us"), py::arg("sleep_us"))
       .def("stop", &nelssa::ShmResponder::stop, release())
       .def("counts", &nelssa::ShmResponder::counts, "(jobs, errors) answered");
+  m.def("make_host_call_flags", &nelssa::make_host_call_flags,
+        "make the host calls' flags now, with this thread's CUDA context current and outside any stream capture "
+        "(csrc/flag_wait.cpp, 1a) -> whether they are device-mapped (False: no CUDA context, as on CPU)");
   m.def("wait_event", &nelssa::wait_event, release(), py::arg("event"), py::arg("timeout_s"),
         "wait, without the GIL, until the CUDA event (torch.cuda.Event.cuda_event) completed -> True, or "
         "timeout_s passed -> False");

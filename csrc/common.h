@@ -194,6 +194,7 @@ void launch_host_call_flags(const std::shared_ptr<HostCall>& call, int64_t strea
 void rearm_flags(HostCall& call);
 void release_flag_slot(int slot);
 std::pair<int64_t, int64_t> arm_flags_for_test(const std::shared_ptr<HostCall>& call);
+bool make_host_call_flags();  // the flags now (this thread's CUDA context; outside a capture): mapped?
 bool wait_event(int64_t event, double timeout_s);  // a CUDA event completed within timeout_s (no GIL)
 const char* host_call_state(const HostCall& call);
 

@@ -19,6 +19,9 @@
 //   4. A slot returns to the free list when its call is destroyed: its owner drops it only after the
 //      stream passed the call (lane_host.py 4). A ready flag whose call is gone still gets done = 1: the
 //      device never waits on us forever.
+//   1a. make_host_call_flags(): the flags are made at their first use, by cuMemHostAlloc, which a stream
+//      capture forbids (it fails there, and the flags stay unmapped for the process: H100 hol runs 87/88);
+//      the lane calls this at engine start, outside any capture, so its first batch may be captured.
 //   5. Without a CUDA driver (CPU builds, tests) the flags live in ordinary memory and launch_flags
 //      fails; arm_flags_for_test gives a call a slot and returns the flags' host addresses, so a test
 //      can play the device's part.
@@ -205,6 +208,8 @@ void rearm_flags(HostCall& call) {
 void release_flag_slot(int slot) {
   if (slot >= 0) Flags::get().release(slot);
 }
+
+bool make_host_call_flags() { return Flags::get().mapped(); }
 
 std::pair<int64_t, int64_t> arm_flags_for_test(const std::shared_ptr<HostCall>& call) {
   Flags& f = Flags::get();

@@ -296,6 +296,53 @@ def test_host_call_captured_in_a_graph(zero_copy, way):
         assert torch.equal(res.cpu(), ref) and torch.equal(lse_r.cpu(), rlse)
 
 
+FIRST_CAPTURE = r"""
+import torch
+from nelssa._ext import ext
+from nelssa.sparse import attend, cluster_kv, prepare_attend, select_clusters
+made = {made}
+if made:
+    assert ext().make_host_call_flags() is True
+ckvs = [cluster_kv(*(torch.randn(8, 3000, 128).to(torch.bfloat16) for _ in range(2)))]
+q = torch.randn(1, 32, 128).to(torch.bfloat16)
+sel = select_clusters(q, ckvs, 0.05)
+q_h = q.clone().pin_memory()
+out_h, lse_h = torch.empty(1, 32, 128).pin_memory(), torch.empty(1, 32).pin_memory()
+call = prepare_attend(q_h, ckvs, sel, 128 ** -0.5, out_h, lse_h)
+s = torch.cuda.Stream()
+g = torch.cuda.CUDAGraph()
+with torch.cuda.stream(s):
+    s.synchronize()
+    g.capture_begin(capture_error_mode="thread_local")
+    try:
+        call.launch_flags(s.cuda_stream, arm=False)  # the process's first use of the flags, in a capture
+    finally:
+        g.capture_end()
+    call.rearm()
+    g.replay()
+s.synchronize()
+ref, rlse = attend(q, ckvs, sel)
+assert call.state == "done", call.error
+assert torch.equal(out_h, ref) and torch.equal(lse_h, rlse)
+print("OK")
+"""
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_first_host_call_captured_once_flags_are_made_at_start():
+    """csrc/flag_wait.cpp, 1a: a process whose first host call with flags is launched inside a stream capture
+    (the lane's first batch captured at once) works when the flags were made before (Lane.warm), and
+    fails without (cuMemHostAlloc is not allowed in a capture: H100 hol runs 87/88). Fresh processes: the
+    flags are made once per process."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    ok = subprocess.run([sys.executable, "-c", FIRST_CAPTURE.replace("{made}", "True")], env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "OK" in ok.stdout, ok.stderr[-3000:]
+    bad = subprocess.run([sys.executable, "-c", FIRST_CAPTURE.replace("{made}", "False")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0, "a capture made the flags: the test no longer shows what 1a is for"
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_wait_event_is_bounded():
     """The lane's bounded wait (lane_host.HostStreamBatch.wait): an event behind ~50 ms of device work is

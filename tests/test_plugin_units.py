@@ -1,6 +1,7 @@
 """Plugin pieces without an engine: placement policy, KV spec merge, the CPU paged-cache reader
 against vLLM's own cache-write op, config validation, the centroid estimate."""
 
+import math
 import os
 
 import numpy as np
@@ -672,8 +673,9 @@ def test_lane_batch_graph_keys_windows_and_forget():
 def test_lane_batch_captures_a_new_set_at_once_after_a_steady_one():
     """lane_batch.py 2: a request set seen for the first time runs enqueued and is captured the second
     time, except right after a replay (a steady lane): then the new set (a request joined or left, a
-    commit replaced its tables) is captured at once; so are the lane's first set and a set after the lane
-    idled (not the process's first: it makes the host calls' flags outside a capture). A set with a
+    commit replaced its tables) is captured at once; so is a set after the lane idled, and the lane's first
+    set once the host calls' flags were made at start (else the process's first batch runs enqueued: it
+    makes them, outside a capture). A set with a
     request about to end runs enqueued and counts as steady. (The capture itself
     needs CUDA; here it is a stand-in that records what was asked.)"""
     from types import SimpleNamespace
@@ -683,7 +685,8 @@ def test_lane_batch_captures_a_new_set_at_once_after_a_steady_one():
     from nelssa.vllm_plugin.lane_batch import ENDING, IDLE_S, BatchGraphs, decide
     from nelssa.vllm_plugin.lane_inputs import LaneInputs
     # the rule alone: (previous batch's path, key seen last time, idle seconds, positions left)
-    assert decide("", False, None, -1) == "new_key"                 # the process's first batch (its flags)
+    assert decide("", False, None, -1) == "new_key"                 # the process's first batch (makes its flags)
+    assert decide("", False, math.inf, -1) == "capture"             # the first with the flags made at start
     assert decide("new_key", False, 0.01, -1) == "new_key"          # in flux
     assert decide("new_key", True, 0.01, -1) == "capture"           # seen twice in a row
     assert decide("captured", False, IDLE_S, -1) == "capture"       # after an idle lane
@@ -715,6 +718,13 @@ def test_lane_batch_captures_a_new_set_at_once_after_a_steady_one():
         bg.ended()  # as the lane does after every batch
         return bg.path
     assert [batch(("a",)) for _ in range(3)] == ["new_key", "captured", "replay"]  # the first set: enqueued
+    bg2 = BatchGraphs(None, [None, None], [None, None], NelssaConfig(sink=16, recent=64, chunk=128, budget=0.1), 16)
+    bg2.flags_made = True  # as Lane.warm sets it, the flags made at engine start
+    bg, bg_first = bg2, bg
+    bg._capture, bg._inputs = capture, lambda *a: None
+    assert [batch(("a",)), batch(("a",))] == ["captured", "replay"]  # then the first set is captured at once
+    bg = bg_first
+    captured.pop()
     assert batch(("a", "b")) == "captured"              # after a replay: at once
     assert [batch(("a", "c")), batch(("b",))] == ["new_key", "new_key"]  # in flux: enqueued first
     bg._ended -= IDLE_S                                 # the lane idled

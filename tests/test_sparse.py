@@ -339,6 +339,8 @@ def test_host_call_served_through_flags(use_cpp):
         c3, _, _ = call()
         with pytest.raises(RuntimeError, match="libcuda|memory operations"):
             c3.launch_flags(0)
+        from nelssa._ext import ext
+        assert ext().make_host_call_flags() is False  # no CUDA context: ordinary memory (flag_wait.cpp, 1a, 5)
 
 
 def test_device_group_runs_calls_on_native_workers(use_cpp):

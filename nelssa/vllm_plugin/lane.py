@@ -63,6 +63,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nelssa._ext import ext
 from nelssa.vllm_plugin import lane_host, lane_inputs, runtime, sm_split, uva
 from nelssa.vllm_plugin.attention import StepPlan, split_attention
 from nelssa.vllm_plugin.lane_graphs import CaptureFailed, DenseGraphs, call_op, post_attention, pre_attention
@@ -173,6 +174,14 @@ class Lane:
             self._warm_kernels()
         self.stream.synchronize()
         pinned = self._reserve_buffers(max_len) if self.cfg.lane_host_calls else 0  # (lane_host.batch's)
+        mod = ext()
+        if self.batch_graphs is not None and self.cfg.lane_host_wait == "flags" and mod is not None:
+            # the host calls' flags now, outside any capture, so the lane's first batch may be captured
+            # (lane_batch.py, 2; csrc/flag_wait.cpp, 1a)
+            if not mod.make_host_call_flags():
+                raise RuntimeError("NELSSA lane: the host calls' flags are not device-mapped (no CUDA context at "
+                                   "engine start): every host call would fail")
+            self.batch_graphs.flags_made = True
         log.info("NELSSA lane: dense graphs for %s rows captured, the split attention's Triton kernels "
                  "compiled and %.1f MiB of the host calls' pinned buffers allocated in %.2f s", list(WARM_SIZES),
                  pinned / 2**20, time.perf_counter() - t)

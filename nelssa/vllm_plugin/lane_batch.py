@@ -22,10 +22,11 @@ can be captured once and replayed:
      decode phase's first half second). So is a set after the lane idled (no batch for ``IDLE_S``):
      its requests have just switched, and their tables change only with a commit ``chunk`` tokens
      later. Sets in flux (the previous batch ended less than ``IDLE_S`` ago and was not a replay) keep
-     the rule, and so does the lane's first batch of the process: it makes the host calls' flags
-     (csrc/flag_wait.cpp: once per process, at their first use, by ``cuMemHostAlloc``, which a capture
-     forbids — H100 hol runs 87/88, a first batch captured at once: every host call failed, loudly).
-     ``decide`` is the rule.
+     the rule. The lane's first set counts as after an idle lane once the host calls' flags exist
+     (``flags_made``: Lane.warm makes them at engine start); without them the process's first batch runs
+     enqueued and makes them (csrc/flag_wait.cpp: once per process, at their first use, by
+     ``cuMemHostAlloc``, which a capture forbids — H100 hol runs 87/88, a first batch captured at once:
+     every host call failed, loudly). ``decide`` is the rule.
      A set with a request that ends within ``ENDING`` positions (its last position known: drafts'
      ``Job.last``) is not captured: it runs enqueued, and the set after it counts as steady (H200 hol run
      77: the 2-row set was captured in 0.28 s for the one batch left to the first request, then the
@@ -47,12 +48,15 @@ can be captured once and replayed:
      synchronised, the calls' states decide as in lane_host.py (4): a failed call fails the batch's
      requests, a set flag (drop) has skipped the calls not yet run.
   6. A capture that fails (or whose attention failed) is logged and discarded; that request set runs
-     enqueued from then on.
+     enqueued from then on. One captured at once (before any enqueued run of its key: whatever an
+     enqueued batch initialises on first use was not there yet) is captured once more after one
+     enqueued batch.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -131,6 +135,7 @@ class BatchGraphs:
         self.failures = 0               # captures that failed (6)
         self.path = ""                  # how the last batch ran: replay, captured, or why it ran enqueued
         self._ended: float | None = None  # when the lane's last batch ended (monotonic; ``ended``)
+        self.flags_made = False  # the host calls' flags exist (Lane.warm): the first set may be captured (2)
         self._lock = threading.Lock()   # the graphs: run (lane thread) and forget (step thread)
         self._plock = threading.Lock()  # requests to forget
         self._pending: set[str] = set()
@@ -204,7 +209,7 @@ class BatchGraphs:
             del self._graphs[rs]
             g = None
         if g is None:
-            idle = None if self._ended is None else time.monotonic() - self._ended
+            idle = (math.inf if self.flags_made else None) if self._ended is None else time.monotonic() - self._ended
             how = decide(self.path, self._seen.get(rs) == key, idle, left)  # (2)
             if how != "capture":
                 if how == "new_key":
@@ -292,9 +297,14 @@ class BatchGraphs:
             g.graph.replay()  # the capture recorded the batch; this computes it
             parts.append(time.perf_counter())
         except Exception:
-            self._broken.add(rs)
             self.failures += 1
-            log.exception("NELSSA lane: capturing the batch of %d rows as one graph failed; it runs enqueued", n)
+            if self._seen.get(rs) == key:
+                self._broken.add(rs)
+                log.exception("NELSSA lane: capturing the batch of %d rows as one graph failed; it runs enqueued", n)
+            else:  # captured before any enqueued run of its key: once more after one (6)
+                self._seen[rs] = key
+                log.exception("NELSSA lane: capturing the batch of %d rows as one graph failed; it runs enqueued "
+                              "and is captured again after that", n)
             return None
         self._graphs[rs] = g
         self.captures += 1
