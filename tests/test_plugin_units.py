@@ -723,8 +723,22 @@ def test_lane_batch_captures_a_new_set_at_once_after_a_steady_one():
     bg, bg_first = bg2, bg
     bg._capture, bg._inputs = capture, lambda *a: None
     assert [batch(("a",)), batch(("a",))] == ["captured", "replay"]  # then the first set is captured at once
-    bg = bg_first
     captured.pop()
+    # a capture at once that fails (6): the set runs enqueued, is captured again after that, and only a second
+    # failure makes it run enqueued for good
+    fails = []
+
+    def failing(lane, plan, rs, key, inp, ids, win):
+        fails.append(rs)
+        bg._capture_failed(rs, key)
+        return None
+    bg._capture = failing
+    bg.forget(["a"])
+    bg._ended -= IDLE_S
+    assert [batch(("a",)), batch(("a",)), batch(("a",)), batch(("a",))] == \
+        ["capture_failed", "capture_failed", "broken", "broken"]
+    assert fails == [("a",), ("a",)] and bg.failures == 2
+    bg = bg_first
     assert batch(("a", "b")) == "captured"              # after a replay: at once
     assert [batch(("a", "c")), batch(("b",))] == ["new_key", "new_key"]  # in flux: enqueued first
     bg._ended -= IDLE_S                                 # the lane idled

@@ -243,6 +243,16 @@ class BatchGraphs:
                          target=host_budget_targets([plan.host.layer_kv(r, 0) for r in plan.req_ids],
                                                     self.cfg.budget).numpy())
 
+    def _capture_failed(self, rs: tuple, key: tuple) -> bool:
+        """A capture of the set ``rs`` (its key ``key``) failed (6) -> whether the set now runs enqueued for good:
+        one captured before any enqueued run of its key gets one more capture, after an enqueued batch."""
+        self.failures += 1
+        if self._seen.get(rs) == key:
+            self._broken.add(rs)
+            return True
+        self._seen[rs] = key
+        return False
+
     def _capture(self, lane, plan, rs, key, inp, ids, win) -> _Graph | None:
         from nelssa.vllm_plugin.select_graph import _bound
         t = time.perf_counter()
@@ -297,14 +307,9 @@ class BatchGraphs:
             g.graph.replay()  # the capture recorded the batch; this computes it
             parts.append(time.perf_counter())
         except Exception:
-            self.failures += 1
-            if self._seen.get(rs) == key:
-                self._broken.add(rs)
-                log.exception("NELSSA lane: capturing the batch of %d rows as one graph failed; it runs enqueued", n)
-            else:  # captured before any enqueued run of its key: once more after one (6)
-                self._seen[rs] = key
-                log.exception("NELSSA lane: capturing the batch of %d rows as one graph failed; it runs enqueued "
-                              "and is captured again after that", n)
+            broken = self._capture_failed(rs, key)
+            log.exception("NELSSA lane: capturing the batch of %d rows as one graph failed; it runs enqueued%s", n,
+                          "" if broken else " and is captured again after that")
             return None
         self._graphs[rs] = g
         self.captures += 1
