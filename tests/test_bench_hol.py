@@ -33,6 +33,8 @@ def test_hol_cpu_preset_is_well_formed_and_exact(tmp_path, cut_model_dir):
         assert r["long"][0]["tokens"] == s["scenario"]["long_out"]
         by_phase = r["long"][0]["itl_ms_by_phase"]  # one long request: all its gaps after its first token
         assert set(by_phase) == {"long_decode"} and by_phase["long_decode"]["n"] == r["long"][0]["tokens"] - 1
+        by_slot = r["long"][0]["itl_ms_by_block_slot"]  # the same gaps by block slot (the engine's block size)
+        assert sum(v["n"] for v in by_slot.values()) == r["long"][0]["tokens"] - 1, by_slot
         a, b = r["phases_s"]["long_prefill"]
         assert 0 < a <= b <= r["phases_s"]["long_decode"][1]
         f = {"on": "on_lane", "off": "off"}[mode]
@@ -88,6 +90,22 @@ def test_long_itl_by_phase_splits_a_long_requests_gaps():
     ph = {k: {"short_ttft_p99_ms": 1.0, "short_itl_p99_ms": 1.0} for k in phases}
     md = "\n".join(hol_md({"on": {**ph, "long": [{"id": "long0", "itl_ms_by_phase": got}]}}, "."))
     assert "| on | long0 | long_prefill | 2 | 75.0 / 75.0 / 100.0 |" in md, md
+
+
+def test_itl_by_block_slot_tells_a_blocks_first_slot_apart():
+    """hol.itl_by_block_slot: gap i computes position n_prompt + i; gaps at a block's first slot apart."""
+    from nelssa.bench.hol import itl_by_block_slot
+    stamps = [0.0]
+    for i in range(40):  # 20 ms gaps, 100 ms where position 30 + i starts a block of 16 (i = 2, 18, 34)
+        stamps.append(stamps[-1] + (0.1 if (30 + i) % 16 == 0 else 0.02))
+    got = itl_by_block_slot(stamps, 30, 16)
+    assert got["first"]["n"] == 3 and abs(got["first"]["p50"] - 100.0) < 1e-6
+    assert got["other"]["n"] == 37 and abs(got["other"]["mean"] - 20.0) < 1e-6
+    assert itl_by_block_slot(stamps, 30, 0) is None
+    from nelssa.bench.report import hol_md  # the report's table of them
+    ph = {k: {"short_ttft_p99_ms": 1.0, "short_itl_p99_ms": 1.0} for k in ("before", "long_prefill", "long_decode")}
+    md = "\n".join(hol_md({"on": {**ph, "long": [{"id": "long0", "itl_ms_by_block_slot": got}]}}, "."))
+    assert "| on | long0 | 100.0 / 100.0 (3) | 20.0 / 20.0 (37) |" in md, md
 
 
 def test_p99_from_counts_a_phase_from_later_on():

@@ -131,6 +131,14 @@ def hol_md(h: dict, rel: str) -> list[str]:
         out += ["", "| mode | long request | phase | tokens | ITL p50 / mean / max ms |", "|---|---|---|---|---|"]
         out += [f"| {mode} | {rid} | {ph} | {v['n']} | {_f(v['p50'])} / {_f(v['mean'])} / {_f(v['max'])} |"
                 for mode, rid, ph, v in rows]
+    slots = [(mode, x["id"], x["itl_ms_by_block_slot"]) for mode in result_modes(h) for x in h[mode].get("long", [])
+             if x.get("itl_ms_by_block_slot")]
+    if slots:  # hol.itl_by_block_slot: a chain short of allocated slots stops at a block's first slot
+        out += ["", "| mode | long request | ITL p50 / mean ms, a block's first slot (n) | the other slots (n) |",
+                "|---|---|---|---|"]
+        out += [f"| {mode} | {rid} | " + " | ".join(
+            f"{_f(v[k]['p50'])} / {_f(v[k]['mean'])} ({v[k]['n']})" if k in v else "-" for k in ("first", "other")) + " |"
+            for mode, rid, v in slots]
     for mode, tl in _timelines(h):
         out.append(f"\nLong lane ({mode}), mean ms per batch (lane_host.py, 7): " +
                    ", ".join(f"{p} {_f(tl[p])}" for p in TIMELINE_PARTS) + f"; sum {_f(sum(tl.values()))}")
