@@ -383,7 +383,7 @@ def analyse(run: dict) -> dict:
                     "tpot_ms": 1e3 * (r["stamps"][-1] - r["stamps"][0]) / max(1, len(r["stamps"]) - 1)
                     if len(r["stamps"]) > 1 else None, "tokens": len(r["stamps"]), "finish": r["finish_reason"],
                     "itl_ms_by_phase": itl_by_phase(r["stamps"], phases),
-                    "itl_ms_by_block_slot": itl_by_block_slot(r["stamps"], r.get("n_prompt", r["n_in"]),
+                    "itl_ms_by_block_slot": itl_by_block_slot(r["stamps"], r.get("n_prompt", r.get("n_in", 0)),
                                                               run.get("block_size"))}
                    for r in longs]
     toks = sum(len(r["stamps"]) for r in recs)
