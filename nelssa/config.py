@@ -207,6 +207,9 @@ class NelssaConfig:
                                   # (~60 us on a VM); 0: naps only (csrc/node_plane.cpp, 3)
     cluster_size: int = 8         # mean tokens per cluster (8 measured better than 16 on needles, see README)
     segment: int = 8192           # k-means segment length (tokens)
+    tail_segment: int = 0         # a long prompt's last segment before its host range's end is handed off in
+                                  # pieces of this many tokens as its prefill reaches them, so its switch waits
+                                  # for a piece's move, not a whole segment's (policy.prefill_move_end); 0: off
     iters: int = 10               # k-means iterations
     seed: int = 0
     use_cpp: bool = True          # C++ kernels (False: pure-torch reference path)
@@ -276,6 +279,10 @@ class NelssaConfig:
             f"node_margin_us must be an int >= 0, got {self.node_margin_us!r}")
         req(self.cluster_size >= 1 and self.segment >= self.cluster_size and self.iters >= 1,
             "cluster_size >= 1, segment >= cluster_size and iters >= 1 required")
+        req(isinstance(self.tail_segment, int) and (self.tail_segment == 0 or (
+            self.cluster_size <= self.tail_segment <= self.segment and self.segment % self.tail_segment == 0)),
+            f"tail_segment must be 0 or divide segment ({self.segment}) and be >= cluster_size, "
+            f"got {self.tail_segment!r}")
         req(isinstance(self.lane_connections, int) and 0 <= self.lane_connections <= 32,
             f"lane_connections must be an int in [0, 32], got {self.lane_connections!r}")
         req(isinstance(self.lane_sms, int) and self.lane_sms >= 0, f"lane_sms must be an int >= 0, got {self.lane_sms!r}")
@@ -356,6 +363,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_HANDOVER_WINDOW": ("handover_window", _bool),
     "NELSSA_NODE_SPIN_US": ("node_spin_us", int),
     "NELSSA_NODE_MARGIN_US": ("node_margin_us", int),
+    "NELSSA_TAIL_SEGMENT": ("tail_segment", int),
     "NELSSA_SEED": ("seed", int),
     "NELSSA_USE_CPP": ("use_cpp", _bool),
     "NELSSA_POOL_THREADS": ("pool_threads", int),

@@ -139,6 +139,37 @@ def test_long_prefill_chunk_keeps_step_cost_flat():
     assert prefill_chunk(64, 10**7, leq, 16) == 16  # never below one block
 
 
+def test_prefill_moves_go_by_segment_then_by_tail_piece():
+    """policy.prefill_move_end: whole segments from the sink while more than a segment is left before the goal,
+    then pieces of tail_segment; monotone, never past the goal. The moves a prefill issues (one per new end;
+    the rest up to the goal once it is done, the runner's other branch) are then at most a piece long near
+    its end, where without pieces the last whole segment's move is issued ~1.6K tokens before the end of a
+    100K prompt and still runs at its switch."""
+    from nelssa.vllm_plugin.policy import prefill_move_end
+    sink, seg, goal, prompt = 16, 8192, 99_920, 100_000
+    assert prefill_move_end(50_000, goal, sink, seg, 2048) == sink + 6 * seg  # far from the goal: segments
+    assert prefill_move_end(91_000, goal, sink, seg, 2048) == sink + 11 * seg  # more than a segment left
+    assert prefill_move_end(92_500, goal, sink, seg, 2048) == sink + 11 * seg + 2048  # then by 2K pieces
+
+    def moves(tail):  # the ranges a prefill issues, chunk by chunk (128 tokens a step here), to its end
+        out, end = [], sink
+        for n in list(range(sink, prompt, 128)) + [prompt - 1, prompt]:
+            want = prefill_move_end(n, goal, sink, seg, tail) if n < prompt else goal  # done: the goal
+            assert want >= end and want <= goal
+            if want > end:
+                out.append((end, want))
+                end = want
+        assert end == goal
+        return out
+    pieces, whole = moves(2048), moves(0)
+    assert all(b - a == seg for a, b in pieces[:11]) and all(b - a <= 2048 for a, b in pieces[11:])
+    assert all((a - sink) % 2048 == 0 for a, _ in pieces)  # pieces start on piece (and segment) boundaries
+    # the moves issued in the last segment before the goal: 2K pieces, against one whole segment
+    assert [b - a for a, b in pieces if b > goal - seg] == [2048, 2048, 2048, 2048, 1600]
+    assert [b - a for a, b in whole if b > goal - seg] == [seg, 1600]
+    assert moves(0) == [(sink + k * seg, sink + (k + 1) * seg) for k in range(12)] + [(sink + 12 * seg, goal)]
+
+
 def test_chunk_budget_is_solo_only_while_no_long_request_decodes():
     from nelssa.vllm_plugin.policy import chunk_budget
     assert chunk_budget(1024, 2048, long_decoding=False) == 2048  # a first long prompt, nothing on the host tier
@@ -294,6 +325,7 @@ def test_config_sources_and_errors():
     assert load_config(None, env={}).lane_host_wait == "flags"
     assert load_config(None, env={"NELSSA_SHORT_CHUNK": "512"}).short_chunk == 512  # the step budget's own cap
     assert load_config(None, env={"NELSSA_LONG_CHUNK_SOLO": "2048"}).long_chunk_solo == 2048
+    assert load_config(None, env={"NELSSA_TAIL_SEGMENT": "2048"}).tail_segment == 2048
     assert load_config(None, env={"NELSSA_LANE_HOST_WAIT": "hostfn"}).lane_host_wait == "hostfn"
     assert load_config(None, env={}).lane_chain and not load_config(None, env={"NELSSA_LANE_CHAIN": "0"}).lane_chain
     from nelssa.node.client import client_spin_us
@@ -331,6 +363,8 @@ def test_config_sources_and_errors():
                      ({"nelssa": {"lane_sms": -8}}, "lane_sms must be"),
                      ({"nelssa": {"short_chunk": -1}}, "short_chunk must be"),
                      ({"nelssa": {"long_chunk_solo": -1}}, "long_chunk_solo must be"),
+                     ({"nelssa": {"tail_segment": 3000}}, "tail_segment must be"),  # no divisor of 8192
+                     ({"nelssa": {"tail_segment": 4}}, "tail_segment must be"),     # below cluster_size
                      ({"nelssa": {"long_chunk": 0, "long_chunk_solo": 2048}}, "long_chunk_solo needs long_chunk"),
                      ({"nelssa": {"lane_sms": 16, "lane": False}}, "lane_sms needs the lane"),
                      ({"nelssa": {"node_address": "127.0.0.1:99999"}}, "port in"),  # (gRPC wraps it to 34463)

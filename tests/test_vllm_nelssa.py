@@ -38,10 +38,12 @@ def tokens(res):
 @pytest.fixture(scope="module")
 def mixed():
     """fp32, budget 100%, chunked prefill (1024-token chunks), 70 blocks of 128 (8,960 tokens);
-    2,048-token k-means segments, so completed segments are staged on the host during prefill.
+    2,048-token k-means segments, so completed segments are staged on the host during prefill, the last
+    one before a prompt's host range ends in 512-token pieces (``tail_segment``).
     With the long lane (lane.py): offloaded requests decode apart from the step after their first
     offloaded step, the aborted ones are dropped from it (the other tests run without it)."""
-    spec = {"model": CUT, "nelssa": {**NELSSA, "segment": 2048, "migrate_watermark": 0.0, "lane": True},
+    spec = {"model": CUT, "nelssa": {**NELSSA, "segment": 2048, "tail_segment": 512, "migrate_watermark": 0.0,
+                                     "lane": True},
             "requests": MIXED,
             "engine": {"num_gpu_blocks_override": 70, "max_num_batched_tokens": 1024}}
     return both(spec)

@@ -152,6 +152,18 @@ def chunk_budget(long_chunk: int, long_chunk_solo: int, long_decoding: bool) -> 
     return long_chunk_solo if long_chunk_solo and not long_decoding else long_chunk
 
 
+def prefill_move_end(n: int, goal: int, sink: int, segment: int, tail: int) -> int:
+    """Where a long prompt's hand-off should reach while it prefills, once ``n`` tokens have KV (the runner's
+    moves, handoff.py): whole ``segment``s from the sink, and within the last segment before ``goal`` (its host
+    range at the prefill's end) pieces of ``tail`` tokens (0: whole segments only). What is left to move
+    when the prefill ends is what its switch waits for (scheduler._switch_waits): a piece, not the last
+    whole segment still in its move (H200 hol run 84: 0.33 s a request; a segment's move 0.51 s). Never past
+    ``goal`` (the rest up to it is moved once the prefill is done: Policy.goal); ``tail`` divides ``segment``
+    (config), so the pieces start on segment boundaries."""
+    unit = tail if tail and goal - n < segment else segment
+    return min(goal, sink + max(0, n - sink) // unit * unit)
+
+
 def prefill_steps(done: int, total: int, budget: int, l_eq: float, block_size: int) -> int:
     """At most how many steps a long prompt at ``done`` of ``total`` tokens still prefills at
     ``prefill_chunk(budget, ...)`` tokens a step (the scheduler's reserve for what the requests decoding

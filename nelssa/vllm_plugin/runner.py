@@ -38,7 +38,7 @@ from nelssa.vllm_plugin.attention import StepPlan, read_kv, set_plan
 from nelssa.vllm_plugin.connector import (step_adoptions, step_anchors, step_handovers, step_host_ends,
                                           step_recalls, step_seeds, step_switching)
 from nelssa.vllm_plugin.handoff import Handoff
-from nelssa.vllm_plugin.policy import Policy, device_only
+from nelssa.vllm_plugin.policy import Policy, device_only, prefill_move_end
 from nelssa.vllm_plugin.recall import Recalls
 
 log = logging.getLogger("vllm.nelssa")
@@ -318,7 +318,7 @@ class NelssaRunnerMixin:
                 # what should be on the host once this step has run: completed segments while a long
                 # prompt prefills, then the policy's goal
                 want = (pol.goal(a, n) if n >= a
-                        else min(pol.goal(a, a), pol.sink + (n - pol.sink) // seg * seg))
+                        else prefill_move_end(n, pol.goal(a, a), pol.sink, seg, self.nelssa_cfg.tail_segment))
                 if want > ho.end(rid) and not failed:
                     moves.append((rid, ho.end(rid), want))
             qpos += s
