@@ -730,49 +730,37 @@ def test_lane_batch_captures_a_new_set_at_once_after_a_steady_one():
     kv = {(r, li): cluster_kv(torch.randn(2, 300, 16, generator=g), torch.randn(2, 300, 16, generator=g))
           for r in "abc" for li in range(2)}
     host = SimpleNamespace(layer_kv=lambda r, li: kv[(r, li)])
-    bg = BatchGraphs(None, [None, None], [None, None], NelssaConfig(sink=16, recent=64, chunk=128, budget=0.1), 16)
     captured = []
 
-    def capture(lane, plan, rs, key, inp, ids, win):
-        captured.append(rs)
-        gr = SimpleNamespace(key=key, size=SimpleNamespace(out=torch.zeros(1)), end=SimpleNamespace(record=lambda s: None),
-                             batch=SimpleNamespace(flag=SimpleNamespace(clear=lambda: None), calls=[]),
-                             graph=SimpleNamespace(replay=lambda: None))
-        bg._graphs[rs] = gr
-        return gr
-    bg._capture, bg._inputs = capture, lambda *a: None
+    def graphs(flags_made=False, fail=False):  # BatchGraphs with a stand-in capture (recorded, or failing: 6)
+        b = BatchGraphs(None, [None, None], [None, None], NelssaConfig(sink=16, recent=64, chunk=128, budget=0.1), 16)
+        b.flags_made = flags_made  # as Lane.warm sets it, the flags made at engine start
+
+        def capture(lane, plan, rs, key, inp, ids, win):
+            captured.append(rs)
+            if fail:
+                b._capture_failed(rs, key)
+                return None
+            gr = SimpleNamespace(key=key, size=SimpleNamespace(out=torch.zeros(1)),
+                                 end=SimpleNamespace(record=lambda s: None),
+                                 batch=SimpleNamespace(flag=SimpleNamespace(clear=lambda: None), calls=[]),
+                                 graph=SimpleNamespace(replay=lambda: None))
+            b._graphs[rs] = gr
+            return gr
+        b._capture, b._inputs = capture, lambda *a: None
+        return b
+    bg = graphs()
     lane = SimpleNamespace(stream=None)
 
-    def batch(rs, left=-1):
-        n = len(rs)
+    def batch(rs, left=-1, on=None):
+        b, n = on or bg, len(rs)
         inp = LaneInputs(n, np.zeros(n, np.int64), np.zeros(n, np.int64), [64] * n, [100] * n,
                          np.arange(30 * n, dtype=np.int32).reshape(n, 30))
-        bg.run(lane, StepPlan(host, list(rs), list(range(n)), torch.arange(n), [64] * n, [100] * n), inp, None,
-               left)
-        bg.ended()  # as the lane does after every batch
-        return bg.path
+        b.run(lane, StepPlan(host, list(rs), list(range(n)), torch.arange(n), [64] * n, [100] * n), inp, None,
+              left)
+        b.ended()  # as the lane does after every batch
+        return b.path
     assert [batch(("a",)) for _ in range(3)] == ["new_key", "captured", "replay"]  # the first set: enqueued
-    bg2 = BatchGraphs(None, [None, None], [None, None], NelssaConfig(sink=16, recent=64, chunk=128, budget=0.1), 16)
-    bg2.flags_made = True  # as Lane.warm sets it, the flags made at engine start
-    bg, bg_first = bg2, bg
-    bg._capture, bg._inputs = capture, lambda *a: None
-    assert [batch(("a",)), batch(("a",))] == ["captured", "replay"]  # then the first set is captured at once
-    captured.pop()
-    # a capture at once that fails (6): the set runs enqueued, is captured again after that, and only a second
-    # failure makes it run enqueued for good
-    fails = []
-
-    def failing(lane, plan, rs, key, inp, ids, win):
-        fails.append(rs)
-        bg._capture_failed(rs, key)
-        return None
-    bg._capture = failing
-    bg.forget(["a"])
-    bg._ended -= IDLE_S
-    assert [batch(("a",)), batch(("a",)), batch(("a",)), batch(("a",))] == \
-        ["capture_failed", "capture_failed", "broken", "broken"]
-    assert fails == [("a",), ("a",)] and bg.failures == 2
-    bg = bg_first
     assert batch(("a", "b")) == "captured"              # after a replay: at once
     assert [batch(("a", "c")), batch(("b",))] == ["new_key", "new_key"]  # in flux: enqueued first
     bg._ended -= IDLE_S                                 # the lane idled
@@ -789,6 +777,15 @@ def test_lane_batch_captures_a_new_set_at_once_after_a_steady_one():
         ["replay", "ending", "ending"]                  # a graph already there still replays
     assert batch(("c",)) == "captured"                  # seen once only, but after an ending set: at once
     assert captured[-1] == ("c",) and ("a", "c") not in bg._graphs
+    # with the host calls' flags made at start, the lane's first set is captured at once
+    first = graphs(flags_made=True)
+    assert [batch(("a",), on=first), batch(("a",), on=first)] == ["captured", "replay"]
+    # a capture at once that fails (6): the set runs enqueued, is captured again after that, and only a second
+    # failure makes it run enqueued for good
+    del captured[:]
+    failing = graphs(flags_made=True, fail=True)
+    assert [batch(("a",), on=failing) for _ in range(4)] == ["capture_failed", "capture_failed", "broken", "broken"]
+    assert captured == [("a",), ("a",)] and failing.failures == 2
 
 
 def test_stall_watchdog_logs_every_thread_once_per_stall(caplog):

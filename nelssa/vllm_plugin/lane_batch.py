@@ -209,7 +209,10 @@ class BatchGraphs:
             del self._graphs[rs]
             g = None
         if g is None:
-            idle = (math.inf if self.flags_made else None) if self._ended is None else time.monotonic() - self._ended
+            if self._ended is not None:
+                idle = time.monotonic() - self._ended
+            else:  # no batch yet: an idle lane once the host calls' flags exist (2)
+                idle = math.inf if self.flags_made else None
             how = decide(self.path, self._seen.get(rs) == key, idle, left)  # (2)
             if how != "capture":
                 if how == "new_key":
