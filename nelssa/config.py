@@ -158,12 +158,15 @@ class NelssaConfig:
     recent: int = 64              # last tokens kept on the device
     chunk: int = 1024             # generated tokens clustered and appended to the host tier at once
     long_prefills: int = 1        # long prompts prefilling at once (admission; 0: no limit)
-    long_chunk: int = 1024        # long-prompt tokens per step while short requests decode, at context 0;
-                                  # shrinks with the context so the step's cost stays flat (0: vLLM's own)
-    long_chunk_solo: int = 0      # long_chunk while no long request decodes from the host tier (0: long_chunk): a
-                                  # larger chunk prefills a first long prompt sooner, and no long request's tokens
-                                  # decode beside its longer steps (H100 hol run 90: long_chunk 2048 everywhere, long
-                                  # TTFT 11.5 / 24.3 s against 13.5 / 29.0, long TPOT 102 / 77 ms against 78 / 63)
+    long_chunk: int = 768         # long-prompt tokens per step while short requests decode, at context 0;
+                                  # shrinks with the context so the step's cost stays flat (0: vLLM's own).
+                                  # 768 against 1024 (H100 hol runs 92/94, long_chunk_solo 2048 in both): the
+                                  # first long TPOT 60.6 -> 52.2 ms, the second long TTFT 26.67 -> 26.87 s
+    long_chunk_solo: int = -1     # long_chunk while no long request decodes from the host tier: a larger chunk
+                                  # prefills a first long prompt sooner, and no long request's tokens decode
+                                  # beside its longer steps. -1: max(2048, long_chunk) with long_chunk, else 0;
+                                  # 0: long_chunk everywhere (H100 hol runs 91/92: the long TTFTs 13.04 / 27.81 ->
+                                  # 11.30 / 26.67 s; stock 13.93 / 26.78)
     short_chunk: int = 2048       # short-prompt tokens a step adds to its decodes and long chunks while a long
                                   # request is resident and short requests decode (the step budget); 0: long_chunk.
                                   # 2048 takes two 1K prompts arriving together in one step (H100 hol runs 70/73:
@@ -207,9 +210,11 @@ class NelssaConfig:
                                   # (~60 us on a VM); 0: naps only (csrc/node_plane.cpp, 3)
     cluster_size: int = 8         # mean tokens per cluster (8 measured better than 16 on needles, see README)
     segment: int = 8192           # k-means segment length (tokens)
-    tail_segment: int = 0         # a long prompt's last segment before its host range's end is handed off in
+    tail_segment: int = -1        # a long prompt's last segment before its host range's end is handed off in
                                   # pieces of this many tokens as its prefill reaches them, so its switch waits
-                                  # for a piece's move, not a whole segment's (policy.prefill_move_end); 0: off
+                                  # for a piece's move, not a whole segment's (policy.prefill_move_end); 0: off;
+                                  # -1: 2048 where that divides a longer segment, else 0 (H100 hol runs 91/92:
+                                  # switch holds 0.31 -> 0.23 s a request)
     iters: int = 10               # k-means iterations
     seed: int = 0
     use_cpp: bool = True          # C++ kernels (False: pure-torch reference path)
@@ -247,9 +252,9 @@ class NelssaConfig:
             f"long_prefills must be an int >= 0, got {self.long_prefills!r}")
         req(isinstance(self.long_chunk, int) and self.long_chunk >= 0,
             f"long_chunk must be an int >= 0, got {self.long_chunk!r}")
-        req(isinstance(self.long_chunk_solo, int) and self.long_chunk_solo >= 0,
-            f"long_chunk_solo must be an int >= 0, got {self.long_chunk_solo!r}")
-        req(not self.long_chunk_solo or self.long_chunk,
+        req(isinstance(self.long_chunk_solo, int) and self.long_chunk_solo >= -1,
+            f"long_chunk_solo must be an int >= -1 (-1: by long_chunk), got {self.long_chunk_solo!r}")
+        req(self.long_chunk_solo <= 0 or self.long_chunk,
             "long_chunk_solo needs long_chunk (0: vLLM's own threshold caps every prefill chunk)")
         req(self.recall in (True, False), f"recall must be true or false, got {self.recall!r}")
         req(isinstance(self.switch_hold_s, (int, float)) and self.switch_hold_s >= 0,
@@ -279,10 +284,10 @@ class NelssaConfig:
             f"node_margin_us must be an int >= 0, got {self.node_margin_us!r}")
         req(self.cluster_size >= 1 and self.segment >= self.cluster_size and self.iters >= 1,
             "cluster_size >= 1, segment >= cluster_size and iters >= 1 required")
-        req(isinstance(self.tail_segment, int) and (self.tail_segment == 0 or (
+        req(isinstance(self.tail_segment, int) and (self.tail_segment in (-1, 0) or (
             self.cluster_size <= self.tail_segment <= self.segment and self.segment % self.tail_segment == 0)),
-            f"tail_segment must be 0 or divide segment ({self.segment}) and be >= cluster_size, "
-            f"got {self.tail_segment!r}")
+            f"tail_segment must be -1 (by segment), 0 or divide segment ({self.segment}) and be >= "
+            f"cluster_size, got {self.tail_segment!r}")
         req(isinstance(self.lane_connections, int) and 0 <= self.lane_connections <= 32,
             f"lane_connections must be an int in [0, 32], got {self.lane_connections!r}")
         req(isinstance(self.lane_sms, int) and self.lane_sms >= 0, f"lane_sms must be an int >= 0, got {self.lane_sms!r}")
@@ -317,6 +322,22 @@ class NelssaConfig:
         """``defer_below`` in effect: 0 with ``migrate`` off (a deferred prompt leaves the device only by
         migrating, so without migration long prompts are host-backed from admission)."""
         return self.defer_below if self.migrate else 0
+
+    @property
+    def chunk_solo(self) -> int:
+        """``long_chunk_solo`` in effect: -1 is max(2048, long_chunk) with a ``long_chunk``, else 0."""
+        if self.long_chunk_solo >= 0:
+            return self.long_chunk_solo
+        return max(2048, self.long_chunk) if self.long_chunk else 0
+
+    @property
+    def tail_piece(self) -> int:
+        """``tail_segment`` in effect: -1 is 2048 where that divides a longer segment (and holds a cluster),
+        else 0 (whole segments)."""
+        if self.tail_segment >= 0:
+            return self.tail_segment
+        ok = self.segment > 2048 and self.segment % 2048 == 0 and self.cluster_size <= 2048
+        return 2048 if ok else 0
 
     def replace(self, **kw: Any) -> "NelssaConfig":
         return dataclasses.replace(self, **kw)

@@ -324,8 +324,18 @@ def test_config_sources_and_errors():
     assert load_config(None, env={"NELSSA_PREFETCH": "l2", "NELSSA_PREFETCH_ROWS": "16"}).prefetch == "l2"
     assert load_config(None, env={}).lane_host_wait == "flags"
     assert load_config(None, env={"NELSSA_SHORT_CHUNK": "512"}).short_chunk == 512  # the step budget's own cap
-    assert load_config(None, env={"NELSSA_LONG_CHUNK_SOLO": "2048"}).long_chunk_solo == 2048
-    assert load_config(None, env={"NELSSA_TAIL_SEGMENT": "2048"}).tail_segment == 2048
+    assert load_config(None, env={"NELSSA_LONG_CHUNK_SOLO": "4096"}).chunk_solo == 4096
+    assert load_config(None, env={"NELSSA_TAIL_SEGMENT": "1024"}).tail_piece == 1024
+    # the defaults in effect (-1): a solo chunk of max(2048, long_chunk), none without long_chunk; 2K tail
+    # pieces where 2048 divides a longer segment, whole segments elsewhere; 0 turns either off
+    d = load_config(None, env={})
+    assert (d.long_chunk, d.chunk_solo, d.tail_piece) == (768, 2048, 2048)
+    assert load_config({"nelssa": {"long_chunk": 4096}}, env={}).chunk_solo == 4096
+    assert load_config({"nelssa": {"long_chunk": 0}}, env={}).chunk_solo == 0
+    assert load_config({"nelssa": {"long_chunk_solo": 0}}, env={}).chunk_solo == 0
+    pieces = [load_config({"nelssa": {"segment": s}}, env={}).tail_piece for s in (2048, 4096, 6000, 16384)]
+    assert pieces == [0, 2048, 0, 2048]
+    assert load_config({"nelssa": {"tail_segment": 0}}, env={}).tail_piece == 0
     assert load_config(None, env={"NELSSA_LANE_HOST_WAIT": "hostfn"}).lane_host_wait == "hostfn"
     assert load_config(None, env={}).lane_chain and not load_config(None, env={"NELSSA_LANE_CHAIN": "0"}).lane_chain
     from nelssa.node.client import client_spin_us
@@ -362,7 +372,8 @@ def test_config_sources_and_errors():
                      ({"nelssa": {"node_spin_us": -2}}, "node_spin_us must be"),
                      ({"nelssa": {"lane_sms": -8}}, "lane_sms must be"),
                      ({"nelssa": {"short_chunk": -1}}, "short_chunk must be"),
-                     ({"nelssa": {"long_chunk_solo": -1}}, "long_chunk_solo must be"),
+                     ({"nelssa": {"long_chunk_solo": -2}}, "long_chunk_solo must be"),
+                     ({"nelssa": {"tail_segment": -2}}, "tail_segment must be"),
                      ({"nelssa": {"tail_segment": 3000}}, "tail_segment must be"),  # no divisor of 8192
                      ({"nelssa": {"tail_segment": 4}}, "tail_segment must be"),     # below cluster_size
                      ({"nelssa": {"long_chunk": 0, "long_chunk_solo": 2048}}, "long_chunk_solo needs long_chunk"),

@@ -145,6 +145,7 @@ class Lane:
             self.batch_graphs = BatchGraphs(model, self.decoder, attn_layers, cfg, block_size)  # lane_batch.py
         self._cv = threading.Condition()
         self._steps = [0, 0]  # the engine's steps and the requests they computed, lane rows not counted (note_step)
+        self._parts: dict | None = None  # lane thread: the last batch's timeline (lane_host.py, 7), for its log line
         self._queue: list[Job] = []
         self._running: set[str] = set()
         self._cancel: set[str] = set()
@@ -381,7 +382,7 @@ class Lane:
                     continue
             t0 = time.perf_counter()
             steps0, rows0 = self._steps
-            nxt = None
+            nxt, self._parts = None, None
             try:
                 logits, failed, nxt = self._run(jobs)
             except Exception as e:  # noqa: BLE001 - these requests fail loudly; the lane goes on
@@ -392,8 +393,10 @@ class Lane:
             if self.batch_graphs is not None:
                 self.batch_graphs.ended()
             if self.cfg.stall_log_ms > 0 and (dt * 1e3 > self.cfg.stall_log_ms / 2 or path not in ("", "replay")):
-                log.info("NELSSA lane: batch of %d rows (%s) ran t=%.3f..%.3f: %.0f ms", len(jobs), path or "-",
-                         t0, t0 + dt, dt * 1e3)  # perf_counter: the clock of the watchdog and the hol stamps
+                parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in (self._parts or {}).items())
+                log.info("NELSSA lane: batch of %d rows (%s) ran t=%.3f..%.3f: %.0f ms%s", len(jobs), path or "-",
+                         t0, t0 + dt, dt * 1e3, f" ({parts} ms; a capture is in its lead)" if parts else "")
+                # perf_counter: the clock of the watchdog and the hol stamps
             with self._cv:
                 for i, j in enumerate(jobs):
                     if j.draft:
@@ -595,6 +598,7 @@ class Lane:
                     self._batch = None
                 if batch is not None:
                     err = batch.finish(self.host, t0, waited)  # with its timeline (lane_host.py, 7)
+                    self._parts = batch.parts  # for the slow batch's log line (_loop)
                     if err is not None:
                         for r in plan.req_ids:
                             plan.fail(r, f"host tier: {err}")

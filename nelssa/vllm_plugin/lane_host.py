@@ -165,6 +165,7 @@ class HostStreamBatch:
         self.capturing = capturing
         self.events: dict = {}
         self.timed_out = 0.0          # wait(): seconds after which the batch was given up on (0: it was not)
+        self.parts: dict | None = None  # finish(): the batch's timeline (7), seconds by part
 
     def _pinned(self, kind: str, layer: int, shape, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A pinned buffer and its device view (uva.py; None without UVA)."""
@@ -304,7 +305,7 @@ class HostStreamBatch:
     def finish(self, host, launched: float, waited: float) -> str | None:
         """After both streams were synchronised (4): the first failure's message, or None. The batch's
         timeline (7) from its launch and wait-end times (time.perf_counter) goes to the host tier's stats."""
-        parts = timeline(self.calls, launched, waited)
+        parts = self.parts = timeline(self.calls, launched, waited)
         if parts is not None:
             host.stats.add(lane_timeline_s=parts, lane_timeline_batches=1)
         err = host.call_results(self.calls)

@@ -318,7 +318,7 @@ class NelssaRunnerMixin:
                 # what should be on the host once this step has run: completed segments while a long
                 # prompt prefills, then the policy's goal
                 want = (pol.goal(a, n) if n >= a
-                        else prefill_move_end(n, pol.goal(a, a), pol.sink, seg, self.nelssa_cfg.tail_segment))
+                        else prefill_move_end(n, pol.goal(a, a), pol.sink, seg, self.nelssa_cfg.tail_piece))
                 if want > ho.end(rid) and not failed:
                     moves.append((rid, ho.end(rid), want))
             qpos += s

@@ -27,8 +27,9 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   long_prefill_token_threshold for that step), so a step with a long-prefill chunk costs about the
   same at 1K and at 100K tokens of context, and short requests' next token never waits for a
   chunk's quadratic attention. Without short decodes vLLM's own threshold applies. While no long
-  request decodes from the host tier, ``long_chunk_solo`` (if set) takes ``long_chunk``'s place
-  (policy.chunk_budget): no long request's token waits for those longer steps.
+  request decodes from the host tier, ``long_chunk_solo`` (NelssaConfig.chunk_solo: 2048 by default)
+  takes ``long_chunk``'s place (policy.chunk_budget): no long request's token waits for those longer
+  steps.
 * Step budget: while a long request is resident and short requests decode, a step adds at most
   ``short_chunk`` (2048; 0: ``long_chunk``) tokens of short prompts to its decodes and long-prompt
   chunks (policy.step_plan), so the short prompts a long prefill held back do not all prefill in the steps right after it.
@@ -880,11 +881,11 @@ class NelssaScheduler(Scheduler):
                 self._busy.discard(rid)
 
     def _chunk_budget(self) -> int:
-        """policy.chunk_budget: ``long_chunk_solo`` while no running request decodes from the host tier
-        (its host range in use), else ``long_chunk``."""
+        """policy.chunk_budget: ``long_chunk_solo`` (in effect: NelssaConfig.chunk_solo) while no running request
+        decodes from the host tier (its host range in use), else ``long_chunk``."""
         cfg = self.nelssa
-        decoding = bool(cfg.long_chunk_solo) and any(self._host_end.get(r.request_id) for r in self.running)
-        return chunk_budget(cfg.long_chunk, cfg.long_chunk_solo, decoding)
+        decoding = bool(cfg.chunk_solo) and any(self._host_end.get(r.request_id) for r in self.running)
+        return chunk_budget(cfg.long_chunk, cfg.chunk_solo, decoding)
 
     def _long_chunk(self, thr: int, budget: int) -> int:
         """This step's cap on a prefill chunk: policy.prefill_chunk at ``budget`` (``_chunk_budget``) at the
