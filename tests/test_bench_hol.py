@@ -93,19 +93,23 @@ def test_long_itl_by_phase_splits_a_long_requests_gaps():
 
 
 def test_itl_by_block_slot_tells_a_blocks_first_slot_apart():
-    """hol.itl_by_block_slot: gap i computes position n_prompt + i; gaps at a block's first slot apart."""
+    """hol.itl_by_block_slot: gap i computes position n_prompt + i; gaps at a block's first slot apart, and
+    gap 0 (the switch and the first lane batch) apart from both, whatever its slot."""
     from nelssa.bench.hol import itl_by_block_slot
-    stamps = [0.0]
-    for i in range(40):  # 20 ms gaps, 100 ms where position 30 + i starts a block of 16 (i = 2, 18, 34)
+    stamps = [0.0, 0.4]  # gap 0: 400 ms
+    for i in range(1, 40):  # 20 ms gaps, 100 ms where position 30 + i starts a block of 16 (i = 2, 18, 34)
         stamps.append(stamps[-1] + (0.1 if (30 + i) % 16 == 0 else 0.02))
     got = itl_by_block_slot(stamps, 30, 16)
+    assert got["switch"]["n"] == 1 and abs(got["switch"]["mean"] - 400.0) < 1e-6
     assert got["first"]["n"] == 3 and abs(got["first"]["p50"] - 100.0) < 1e-6
-    assert got["other"]["n"] == 37 and abs(got["other"]["mean"] - 20.0) < 1e-6
+    assert got["other"]["n"] == 36 and abs(got["other"]["mean"] - 20.0) < 1e-6
+    at_boundary = itl_by_block_slot(stamps, 32, 16)  # gap 0 at a block's first slot: still the switch
+    assert at_boundary["switch"]["n"] == 1 and at_boundary["first"]["n"] == 2
     assert itl_by_block_slot(stamps, 30, 0) is None
     from nelssa.bench.report import hol_md  # the report's table of them
     ph = {k: {"short_ttft_p99_ms": 1.0, "short_itl_p99_ms": 1.0} for k in ("before", "long_prefill", "long_decode")}
     md = "\n".join(hol_md({"on": {**ph, "long": [{"id": "long0", "itl_ms_by_block_slot": got}]}}, "."))
-    assert "| on | long0 | 100.0 / 100.0 (3) | 20.0 / 20.0 (37) |" in md, md
+    assert "| on | long0 | 400.0 | 100.0 / 100.0 (3) | 20.0 / 20.0 (36) |" in md, md
 
 
 def test_p99_from_counts_a_phase_from_later_on():

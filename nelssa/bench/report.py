@@ -134,9 +134,9 @@ def hol_md(h: dict, rel: str) -> list[str]:
     slots = [(mode, x["id"], x["itl_ms_by_block_slot"]) for mode in result_modes(h) for x in h[mode].get("long", [])
              if x.get("itl_ms_by_block_slot")]
     if slots:  # hol.itl_by_block_slot: a chain short of allocated slots stops at a block's first slot
-        out += ["", "| mode | long request | ITL p50 / mean ms, a block's first slot (n) | the other slots (n) |",
-                "|---|---|---|---|"]
-        out += [f"| {mode} | {rid} | " + " | ".join(
+        out += ["", "| mode | long request | first decoded token (the switch) ms | ITL p50 / mean ms, a block's "
+                "first slot (n) | the other slots (n) |", "|---|---|---|---|---|"]
+        out += [f"| {mode} | {rid} | " + (_f(v["switch"]["mean"]) if "switch" in v else "-") + " | " + " | ".join(
             f"{_f(v[k]['p50'])} / {_f(v[k]['mean'])} ({v[k]['n']})" if k in v else "-" for k in ("first", "other")) + " |"
             for mode, rid, v in slots]
     for mode, tl in _timelines(h):
