@@ -398,8 +398,9 @@ def test_step_budget_leaves_long_prompt_chunks_alone():
     prefilling beside a decoding short request each keep their own chunk per step (policy.prefill_chunk of
     ``long_chunk``), together more than ``long_chunk`` (a first version made them share it; the H200's
     no-pressure check prefills four deferred 16K prompts at once). Each chunk, the first included (it
-    had vLLM's threshold alone: 1,023 tokens here), within ``long_chunk``. Same tokens as NELSSA_OFF."""
-    spec = {"model": CUT, "nelssa": {**NELSSA, "long_chunk": 512, "defer_below": 8000},
+    had vLLM's threshold alone: 1,023 tokens here), within ``long_chunk``. Same tokens as NELSSA_OFF. No solo
+    chunk (``long_chunk_solo`` 0): with no long request on the host tier, its default (2048) would size them."""
+    spec = {"model": CUT, "nelssa": {**NELSSA, "long_chunk": 512, "long_chunk_solo": 0, "defer_below": 8000},
             "engine": {"num_gpu_blocks_override": 80, "max_num_batched_tokens": 1024},
             "requests": [{"id": "s", "text_tokens": 100, "offset": 40000, "max_tokens": 40},
                          {"id": "D1", "text_tokens": 2300, "max_tokens": 4, "add_at_step": 2},
