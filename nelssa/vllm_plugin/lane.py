@@ -394,8 +394,10 @@ class Lane:
                 self.batch_graphs.ended()
             if self.cfg.stall_log_ms > 0 and (dt * 1e3 > self.cfg.stall_log_ms / 2 or path not in ("", "replay")):
                 parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in (self._parts or {}).items())
+                if parts:  # a captured batch's lead holds its capture
+                    parts = f" ({parts} ms{'; the capture is in the lead' if path == 'captured' else ''})"
                 log.info("NELSSA lane: batch of %d rows (%s) ran t=%.3f..%.3f: %.0f ms%s", len(jobs), path or "-",
-                         t0, t0 + dt, dt * 1e3, f" ({parts} ms; a capture is in its lead)" if parts else "")
+                         t0, t0 + dt, dt * 1e3, parts)
                 # perf_counter: the clock of the watchdog and the hol stamps
             with self._cv:
                 for i, j in enumerate(jobs):
