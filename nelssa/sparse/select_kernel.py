@@ -199,8 +199,9 @@ def _select_kernel(lg_ptr, sz_ptr, target_ptr, mass_ptr, ids_ptr, cnt_ptr, lse_p
         for start in range(0, n_mid, SBLOCK):
             c = start + soffs
             v = tl.load(irow + c, mask=c < n_mid, other=-1)       # -1: bits -1, below every candidate
-            bits = (v >> 32).to(tl.int32)
-            sz = (v & 0xFFFFFFFF).to(tl.int32)
+            top = v >> 32
+            bits = top.to(tl.int32)
+            sz = (v - (top << 32)).to(tl.int32)                   # the low 32 bits, without a uint32 literal
             part += tl.where(bits[None, :] >= cand32[:, None], sz[None, :], 0)
         lo, hi, s_hi = _narrow(tl.sum(part, 1).to(tl.int64) + base, cand, ks, step, lo, hi, s_hi, target)
     tl.debug_barrier()  # every read of the compacted range is done before d writes the ids over it
