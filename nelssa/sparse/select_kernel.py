@@ -114,6 +114,15 @@ def _softmax_stats(lrow, srow, mrow, CMAX, offs_g, in_g, offs, REST: tl.constexp
 
 
 @triton.jit
+def _candidates(lo, hi, ks, K: tl.constexpr):
+    """One pass's K candidates of the threshold search (c) over [lo, hi) -> (step, cand [K] int64 with
+    cand[0] = lo, the same as int32 bits for the comparison)."""
+    step = (hi - lo + K - 1) // K
+    cand = lo + ks.to(tl.int64) * step
+    return step, cand, tl.minimum(cand, 0x7FFFFFFF).to(tl.int32)
+
+
+@triton.jit
 def _narrow(acc, cand, ks, step, lo, hi, s_hi, target):
     """One pass of the threshold search (c) from its candidates' token counts ``acc`` [K] -> (lo, hi,
     s_hi): lo moves to the last candidate whose clusters hold at least ``target`` tokens, hi to the
@@ -165,9 +174,7 @@ def _select_kernel(lg_ptr, sz_ptr, target_ptr, mass_ptr, ids_ptr, cnt_ptr, lse_p
     soffs = tl.arange(0, SBLOCK)
     irow = ids_ptr + row * CMAX  # the compacted open range (c), before d writes the ids there
     for _ in range(COMPACT):  # over the whole row
-        step = (hi - lo + K - 1) // K
-        cand = lo + ks.to(tl.int64) * step                    # [K]; cand[0] = lo
-        cand32 = tl.minimum(cand, 0x7FFFFFFF).to(tl.int32)
+        step, cand, cand32 = _candidates(lo, hi, ks, K)
         part = tl.zeros([K, SBLOCK], tl.int32)                # per element, reduced once per pass
         for start in range(0, CMAX, SBLOCK):
             c = start + soffs
@@ -192,9 +199,7 @@ def _select_kernel(lg_ptr, sz_ptr, target_ptr, mass_ptr, ids_ptr, cnt_ptr, lse_p
     tl.debug_barrier()  # the compacted range, written by all threads, is read across threads from here
     base = s_hi
     for _ in range(PASSES - COMPACT):  # over the compacted range
-        step = (hi - lo + K - 1) // K
-        cand = lo + ks.to(tl.int64) * step
-        cand32 = tl.minimum(cand, 0x7FFFFFFF).to(tl.int32)
+        step, cand, cand32 = _candidates(lo, hi, ks, K)
         part = tl.zeros([K, SBLOCK], tl.int32)
         for start in range(0, n_mid, SBLOCK):
             c = start + soffs
