@@ -198,12 +198,13 @@ def _select_kernel(lg_ptr, sz_ptr, target_ptr, mass_ptr, ids_ptr, cnt_ptr, lse_p
         n_mid += tl.sum(mid_i, 0)
     tl.debug_barrier()  # the compacted range, written by all threads, is read across threads from here
     base = s_hi
+    n_open = n_mid.to(tl.int32)  # a loop bound of one type: the loop's counter starts as an int32
     for _ in range(PASSES - COMPACT):  # over the compacted range
         step, cand, cand32 = _candidates(lo, hi, ks, K)
         part = tl.zeros([K, SBLOCK], tl.int32)
-        for start in range(0, n_mid, SBLOCK):
+        for start in range(0, n_open, SBLOCK):
             c = start + soffs
-            v = tl.load(irow + c, mask=c < n_mid, other=-1)       # -1: bits -1, below every candidate
+            v = tl.load(irow + c, mask=c < n_open, other=-1)       # -1: bits -1, below every candidate
             top = v >> 32
             bits = top.to(tl.int32)
             sz = (v - (top << 32)).to(tl.int32)                   # the low 32 bits, without a uint32 literal
