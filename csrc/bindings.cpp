@@ -77,8 +77,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "enqueue without handing the call to the driver (for graph capture: kept by the graph's owner)")
       .def("rearm", &nelssa::rearm_host_call, "before a graph replay: state 'launched', error cleared")
       .def("launch_flags", &nelssa::launch_host_call_flags, release(), py::arg("stream"), py::arg("arm") = true,
+           py::arg("ops") = 3,
            "enqueue on the CUDA stream as stream memory operations on the call's flags, served by the "
-           "extension's poller thread (csrc/flag_wait.cpp); arm=False while the stream captures")
+           "extension's poller thread (csrc/flag_wait.cpp); arm=False while the stream captures; ops: 1 the "
+           "ready write (and the arming) alone, 2 the wait for done alone, 3 both (flag_wait.cpp, 1b)")
       .def("arm_flags_for_test", &nelssa::arm_flags_for_test,
            "tests without a GPU: give the call its flags, arm it -> (ready, done) host addresses (int32)")
       .def_property_readonly("state", [](const nelssa::HostCall& c) { return std::string(nelssa::host_call_state(c)); })

@@ -190,7 +190,7 @@ void mark_launched(HostCall& call);  // prepared -> launched, or "a host call ru
 // CUDA library: CPU builds of torch load it too); nullptr without a driver
 void* cuda_driver_symbol(const char* name, const char* fallback = nullptr);
 // the device waits for the call through flags a thread of ours serves (flag_wait.cpp has the contract)
-void launch_host_call_flags(const std::shared_ptr<HostCall>& call, int64_t stream, bool arm);
+void launch_host_call_flags(const std::shared_ptr<HostCall>& call, int64_t stream, bool arm, int64_t ops = 3);
 void rearm_flags(HostCall& call);
 void release_flag_slot(int slot);
 std::pair<int64_t, int64_t> arm_flags_for_test(const std::shared_ptr<HostCall>& call);

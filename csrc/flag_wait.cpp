@@ -16,6 +16,9 @@
 //      captured call before each replay. The poller spins while calls are armed, at most 200 ms after
 //      its last call or arm, and otherwise scans every 1 ms: a call is never missed, only later.
 //      A capture passes arm = false (the capture runs nothing; the replays are armed).
+//   1b. ops splits 1's operations in two launches on the same stream: 1 the ready write (and 3's arming),
+//      2 the wait and the reset. Work the stream gets between them runs while the call runs (the lane's
+//      estimate and window attention, lane_host.py 3); the call's outputs are read only after the wait.
 //   4. A slot returns to the free list when its call is destroyed: its owner drops it only after the
 //      stream passed the call (lane_host.py 4). A ready flag whose call is gone still gets done = 1: the
 //      device never waits on us forever.
@@ -180,7 +183,8 @@ int slot_of(const std::shared_ptr<HostCall>& call) {
 
 }  // namespace
 
-void launch_host_call_flags(const std::shared_ptr<HostCall>& call, int64_t stream, bool arm) {
+void launch_host_call_flags(const std::shared_ptr<HostCall>& call, int64_t stream, bool arm, int64_t ops) {
+  TORCH_CHECK(ops >= 1 && ops <= 3, "launch_flags: ops is 1 (ready), 2 (wait) or 3 (both), got ", ops);
   static StreamValue write = sym<StreamValue>("cuStreamWriteValue32_v2", "cuStreamWriteValue32");
   static StreamValue wait = sym<StreamValue>("cuStreamWaitValue32_v2", "cuStreamWaitValue32");
   TORCH_CHECK(write != nullptr && wait != nullptr,
@@ -189,10 +193,12 @@ void launch_host_call_flags(const std::shared_ptr<HostCall>& call, int64_t strea
   TORCH_CHECK(f.mapped(), "the host-call flags are not device-mapped (no CUDA context when they were made)");
   const int s = slot_of(call);
   void* st = reinterpret_cast<void*>(stream);
-  int r = write(st, f.dev_ready(s), 1, 0);
-  if (r == 0) r = wait(st, f.dev_done(s), 1, kWaitEq);
-  if (r == 0) r = write(st, f.dev_done(s), 0, 0);
+  int r = 0;
+  if (ops & 1) r = write(st, f.dev_ready(s), 1, 0);
+  if (r == 0 && (ops & 2)) r = wait(st, f.dev_done(s), 1, kWaitEq);
+  if (r == 0 && (ops & 2)) r = write(st, f.dev_done(s), 0, 0);
   TORCH_CHECK(r == 0, "a stream memory operation failed (CUresult ", r, ")");
+  if (!(ops & 1)) return;  // the wait alone: armed (or not) with its ready write
   if (arm) {
     mark_launched(*call);
     f.arm();

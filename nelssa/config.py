@@ -138,6 +138,9 @@ class NelssaConfig:
                                   # host calls not forked onto a stream of their own, the window attention
                                   # before each), so its host waits hold one hardware queue
                                   # (vllm_plugin/lane_host.py, 3; H200 run 32: decode ITL p99 43.8 ms, was 63-73)
+    lane_overlap: bool = True     # CUDA lane, one chain served by flags: each layer's estimate and window
+                                  # attention run while its host call does (the flags' ready write and wait
+                                  # launched apart, vllm_plugin/lane_host.py, 3a); off: before the ready write
     lane_connections: int = 32    # CUDA lane: hardware work queues the worker asks for
                                   # (CUDA_DEVICE_MAX_CONNECTIONS, default 8, max 32) before CUDA starts; a lane
                                   # graph's host waits block their queue, and a step stream sharing it waits
@@ -362,6 +365,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_LANE_HOST_WAIT": ("lane_host_wait", str),
     "NELSSA_LANE_CONNECTIONS": ("lane_connections", int),
     "NELSSA_LANE_CHAIN": ("lane_chain", _bool),
+    "NELSSA_LANE_OVERLAP": ("lane_overlap", _bool),
     "NELSSA_STEP_PRIORITY": ("step_priority", int),
     "NELSSA_LANE_SMS": ("lane_sms", int),
     "NELSSA_LONG_PREFILLS": ("long_prefills", int),

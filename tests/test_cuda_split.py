@@ -114,6 +114,13 @@ def select_kernel_case(device: str) -> None:
                 # the no-bf16 caps, and passed 18 times alone; 2.9e-6 is this case's usual largest on CPU)
                 assert torch.allclose(o, ro, atol=2e-3 if dtype == torch.bfloat16 else 1e-5), \
                     (budget, float((o - ro).abs().max()), float(ro.abs().max()))
+            if estimate and budget == 0.04:  # deferred (the lane's captured search, lane_host.py 3a): the same
+                for kernel, direct in ((True, got), (False, ref)):
+                    dfr = select_clusters(q, ckvs, budget, 0.125, estimate=True, device_out=True, kernel=kernel,
+                                          defer_estimate=True)
+                    assert callable(dfr.estimate) and torch.equal(dfr.ids, direct.ids), kernel
+                    o2, l2 = dfr.estimate()
+                    assert torch.equal(o2, direct.estimate[0]) and torch.equal(l2, direct.estimate[1]), kernel
             if budget == 1.0:  # everything non-empty selected, nothing estimated
                 assert torch.equal(ref.counts.cpu(), torch.stack([(c.sizes > 0).sum(1).cpu() for c in ckvs]))
     torch.testing.assert_close(select_clusters(q, ckvs, 0.04, 0.125, kernel=True).ids[0],
@@ -240,14 +247,15 @@ def test_uva_copy_interpreted():
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("zero_copy", [False, True])
-@pytest.mark.parametrize("way", ["hostfn", "flags", "flags-chain"])
+@pytest.mark.parametrize("way", ["hostfn", "flags", "flags-chain", "flags-split"])
 def test_host_call_captured_in_a_graph(zero_copy, way):
     """A host call captured as a graph's host node (lane_batch.py), or as memory-operation nodes on its
     flags (``flags``, csrc/flag_wait.cpp): each replay, after ``rearm``, runs it
     on the queries the replay copied to pinned memory, and the replay's later copies see its results;
     two replays with different queries give attend's results for each, bit for bit. ``zero_copy``: the
     transfers are kernels through the pinned buffers' device views (uva.py), as the lane's with UVA.
-    ``flags-chain``: the host stream is the lane stream itself (lane_chain, lane_host.py 3)."""
+    ``flags-chain``: the host stream is the lane stream itself (lane_chain, lane_host.py 3); ``flags-split``:
+    that, with the ready write and the wait launched apart and device work between them (lane_host.py 3a)."""
     from nelssa.sparse import attend, prepare_attend
     from nelssa.vllm_plugin import uva
     if zero_copy and not uva.available():  # (vLLM's UVA helpers: without vLLM a capture with None views fails)
@@ -256,7 +264,8 @@ def test_host_call_captured_in_a_graph(zero_copy, way):
     qs = [torch.randn(2, 32, 128).to(torch.bfloat16) for _ in range(2)]
     sel = select_clusters(qs[0], ckvs, 0.05)
     lane = torch.cuda.Stream()
-    hs = lane if way == "flags-chain" else torch.cuda.Stream()
+    hs = lane if way in ("flags-chain", "flags-split") else torch.cuda.Stream()
+    side = torch.randn(512, 512, device="cuda")
     q_in = torch.empty(2, 32, 128, dtype=torch.bfloat16, device="cuda")
     if way.startswith("flags"):  # as Lane.warm: the flags before any capture (csrc/flag_wait.cpp, 1a)
         from nelssa._ext import ext
@@ -276,7 +285,11 @@ def test_host_call_captured_in_a_graph(zero_copy, way):
             q_h.copy_(q_in * 1, non_blocking=True)
         ready.record(lane)
         hs.wait_event(ready)
-        if way.startswith("flags"):
+        if way == "flags-split":  # the ready write, work while the call runs, then the wait
+            call.launch_flags(hs.cuda_stream, arm=False, ops=1)
+            between = side @ side
+            call.launch_flags(hs.cuda_stream, arm=False, ops=2)
+        elif way.startswith("flags"):
             call.launch_flags(hs.cuda_stream, arm=False)
         else:
             call.launch_borrowed(hs.cuda_stream)
@@ -299,6 +312,8 @@ def test_host_call_captured_in_a_graph(zero_copy, way):
         lane.synchronize()
         assert call.state == "done", call.error
         assert torch.equal(res.cpu(), ref) and torch.equal(lse_r.cpu(), rlse)
+        if way == "flags-split":
+            assert torch.allclose(between, side @ side)
 
 
 FIRST_CAPTURE = r"""

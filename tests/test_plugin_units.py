@@ -200,6 +200,16 @@ def test_prefill_steps_bound_the_steps_of_the_shrinking_chunks():
     assert prefill_steps(0, 5_000, 1024, float("inf"), 16) == 5  # vLLM's own threshold: a fixed chunk
 
 
+def test_switch_steps_cover_the_hold_after_a_long_prefill():
+    """policy.switch_steps (the scheduler's horizon, after a long prefill's, for what short requests grow to
+    while the prompt keeps its device blocks until its switch): the hold's bound in whole steps, rounded up;
+    nothing while the step interval or the bound is unknown."""
+    from nelssa.vllm_plugin.policy import switch_steps
+    assert switch_steps(2.0, 0.05) == 40          # the lane's default bound at the H200 run's ~50-ms steps
+    assert switch_steps(2.0, 0.03) == 67 and switch_steps(0.01, 0.05) == 1
+    assert switch_steps(0.0, 0.05) == switch_steps(2.0, None) == switch_steps(None, 0.05) == 0
+
+
 def test_step_plan_gives_every_decode_its_token_and_caps_the_prompts():
     from nelssa.vllm_plugin.policy import step_plan
     kinds = ["prompt", "decode", "long", "spared", "decode", "prompt", "long"]
@@ -338,6 +348,7 @@ def test_config_sources_and_errors():
     assert load_config({"nelssa": {"tail_segment": 0}}, env={}).tail_piece == 0
     assert load_config(None, env={"NELSSA_LANE_HOST_WAIT": "hostfn"}).lane_host_wait == "hostfn"
     assert load_config(None, env={}).lane_chain and not load_config(None, env={"NELSSA_LANE_CHAIN": "0"}).lane_chain
+    assert load_config(None, env={}).lane_overlap and not load_config(None, env={"NELSSA_LANE_OVERLAP": "0"}).lane_overlap
     from nelssa.node.client import client_spin_us
     assert client_spin_us(load_config(None, env={"NELSSA_NODE_SPIN_US": "300"})) == 300
     assert client_spin_us(load_config(None, env={})) in (20, 1000)  # by the usable cores

@@ -339,6 +339,8 @@ def test_host_call_served_through_flags(use_cpp):
         c3, _, _ = call()
         with pytest.raises(RuntimeError, match="libcuda|memory operations"):
             c3.launch_flags(0)
+        with pytest.raises(RuntimeError, match="ops is 1"):  # the split launches' (flag_wait.cpp, 1b) only
+            c3.launch_flags(0, ops=4)
         from nelssa._ext import ext
         assert ext().make_host_call_flags() is False  # no CUDA context: ordinary memory (flag_wait.cpp, 1a, 5)
 

@@ -20,10 +20,11 @@ class Selection:
     ``estimate`` (when asked for): fp32 (out [B, Hq, D], lse [B, Hq]) on the centroids' device,
     attention over the *unselected* clusters approximated by their centroids: each such cluster
     counts as size x exp(q . centroid) with its mean value (RetroInfer's estimation zone); lse is
-    -inf where every cluster is selected."""
+    -inf where every cluster is selected; a function returning it where select_clusters was asked to
+    defer it (``defer_estimate``)."""
     ids: list[torch.Tensor]
     counts: list[torch.Tensor]
-    estimate: tuple[torch.Tensor, torch.Tensor] | None = None
+    estimate: Any = None  # (out, lse), a function returning them (deferred), or None
     ready: Any = None  # CUDA event: ids/counts (pinned host memory) are valid once it has completed
 
     def tokens(self, ckvs: list[ClusteredKV]) -> list[torch.Tensor]:
@@ -83,7 +84,7 @@ def _use_kernel(dev: torch.device) -> bool:
 def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: float,
                     scale: float | None = None, estimate: bool = False, no_sync: bool = False,
                     target: torch.Tensor | None = None, device_out: bool = False,
-                    kernel: bool | None = None) -> Selection:
+                    kernel: bool | None = None, defer_estimate: bool = False) -> Selection:
     """Rank clusters by the query heads' softmax probability mass and fill the budget.
 
     queries [B, Hq, D] (on the centroids' device). Per request and KV head: scores of its centroids
@@ -102,6 +103,9 @@ def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: floa
     two tensors (for a caller that copies them itself, e.g. inside a captured CUDA graph).
     ``kernel``: the Triton kernels of ``select_kernel.py`` (same result; default on CUDA, config
     ``select_kernel``) instead of torch operations.
+    ``defer_estimate`` (with ``device_out`` and ``estimate``): ``estimate`` is a function that enqueues the
+    estimate's last kernels and returns it (the kernels' path; the torch path's is computed here), for a
+    caller that sends the ids to the host tier first and computes the estimate during its call.
     """
     B, Hq, D = queries.shape
     H = ckvs[0].num_kv_heads
@@ -110,11 +114,14 @@ def select_clusters(queries: torch.Tensor, ckvs: list[ClusteredKV], budget: floa
     cmax = max(c.num_clusters for c in ckvs)
     q = queries.to(device=dev).view(B, H, Hq // H, D)
     target = budget_targets(ckvs, budget) if target is None else target
+    defer = defer_estimate and device_out and estimate
     if _use_kernel(dev) if kernel is None else kernel:
         from nelssa.sparse import select_kernel  # Triton: imported where it runs
-        ids, counts, est = select_kernel.search(q, ckvs, target, scale, estimate)
+        ids, counts, est = select_kernel.search(q, ckvs, target, scale, estimate, defer=defer)
     else:
         ids, counts, est = _search_torch(q, ckvs, target, scale, estimate)
+        if defer:
+            est = (lambda e: lambda: e)(est)
     if device_out:
         return Selection(ids, counts, est)
     if no_sync and dev.type == "cuda":

@@ -282,10 +282,12 @@ def _estimate_kernel(w_ptr, v_ptr, part_ptr, C, CMAX, b, H, sv_h, sv_c,
     tl.store(out, acc, mask=(offs_g[:, None] < G) & (offs_d[None, :] < D))
 
 
-def search(q: torch.Tensor, ckvs: list, target: torch.Tensor, scale: float, estimate: bool):
+def search(q: torch.Tensor, ckvs: list, target: torch.Tensor, scale: float, estimate: bool, defer: bool = False):
     """q [B, H, G, D] on the centroids' device, ``target`` [B] int64 there -> (ids [B, H, Cmax] int64,
     counts [B, H] int64, estimate (out [B, H*G, D], lse [B, H*G]) fp32 or None); see the module
-    docstring. Kernels only: no host synchronisation, capturable in a CUDA graph."""
+    docstring. Kernels only: no host synchronisation, capturable in a CUDA graph.
+    ``defer`` (with ``estimate``): the estimate as a function that enqueues 3 (on the stream current when
+    it is called, after this call's kernels) and returns it, so a caller can let the ids go first."""
     B, H, G, D = q.shape
     dev = q.device
     cmax = max(c.num_clusters for c in ckvs)
@@ -309,14 +311,17 @@ def search(q: torch.Tensor, ckvs: list, target: torch.Tensor, scale: float, esti
                              PASSES=PASSES, COMPACT=COMPACT, ESTIMATE=estimate, num_warps=16)
     if not estimate:
         return ids, counts, None
-    out = torch.empty(B, H, G, D, dtype=torch.float32, device=dev)
-    for b, c in enumerate(ckvs):
-        vm = c.vmeans
-        n_split = max(1, triton.cdiv(c.num_clusters, SPLIT))
-        part = torch.empty(H, n_split, bg, D, dtype=torch.float32, device=dev)
-        round_w = dev.type == "cuda" and vm.dtype in (torch.bfloat16, torch.float16)
-        _estimate_kernel[(H, n_split)](logits, vm, part, c.num_clusters, cmax, b, H, vm.stride(0), vm.stride(1),
-                                       G=G, BLOCK_G=bg, D=D, BLOCK_D=bd, SPLIT=SPLIT, BLOCK_E=BLOCK_E,
-                                       ROUND_W=round_w, num_warps=4)
-        torch.sum(part[:, :, :G], 1, out=out[b])
-    return ids, counts, (out.view(B, H * G, D), lse.view(B, H * G))
+
+    def finish():  # 3: the weights (written over the logits by 2e) times the value means
+        out = torch.empty(B, H, G, D, dtype=torch.float32, device=dev)
+        for b, c in enumerate(ckvs):
+            vm = c.vmeans
+            n_split = max(1, triton.cdiv(c.num_clusters, SPLIT))
+            part = torch.empty(H, n_split, bg, D, dtype=torch.float32, device=dev)
+            round_w = dev.type == "cuda" and vm.dtype in (torch.bfloat16, torch.float16)
+            _estimate_kernel[(H, n_split)](logits, vm, part, c.num_clusters, cmax, b, H, vm.stride(0),
+                                           vm.stride(1), G=G, BLOCK_G=bg, D=D, BLOCK_D=bd, SPLIT=SPLIT,
+                                           BLOCK_E=BLOCK_E, ROUND_W=round_w, num_warps=4)
+            torch.sum(part[:, :, :G], 1, out=out[b])
+        return out.view(B, H * G, D), lse.view(B, H * G)
+    return ids, counts, (finish if defer else finish())

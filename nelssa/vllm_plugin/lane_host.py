@@ -26,6 +26,12 @@ kernel was 40: most of the rest was this orchestration. Here, per layer and on t
      internal streams spread over the queues, all enqueued at the replay, so a step stream's next
      operation can sit behind several layers' waits in a shared queue (22-35 ms, H200 profile,
      docs/results.md); one chain holds one queue.
+  3a. In one chain served by flags (the default; a captured batch; config ``lane_overlap``), the flags'
+     operations come in two launches (csrc/flag_wait.cpp, 1b): the ready write right after 1's copies,
+     then the estimate of the unselected clusters (deferred by the search:
+     ``select_clusters(defer_estimate=True)``) and the window attention, then the wait for done and the
+     merge. So those ~35 us of a layer's device work run while the host attends (H100 profile of run 98:
+     they came before the ready write, on every layer's path).
 So the lane thread enqueues a whole batch (dense graphs between the layers, lane_graphs.py) and then
 waits once, at its end, without the GIL. The device orders everything: layer i + 1's queries come
 from layer i's merged output, and every buffer a host call reads or writes is rewritten only after
@@ -189,10 +195,16 @@ class HostStreamBatch:
         n, hq, d = q.shape
         call = done = sel = q_off = parts = None
         chain = self.host_stream is self.lane_stream
+        # (3a) one chain served by flags: the ready write as soon as the call's inputs are copied, the estimate
+        # and the window attention while it runs, then the wait (csrc/flag_wait.cpp, 1b); the search defers
+        # its estimate for it (a capture's search: every lane batch is captured)
+        split = chain and cfg.lane_overlap and cfg.lane_host_wait == "flags" and self.capturing
+        waiting = False  # the ready write is enqueued and its wait not yet
         try:
             if self.capturing:  # the capture's plan holds the static budget targets (lane_batch.py, 3)
                 ckvs = [host.layer_kv(r, li) for r in plan.req_ids]
-                sel, q_host, q_off = self._search_captured(li, q, tok, ckvs, cfg, impl.scale, plan.cache["target"])
+                sel, q_host, q_off = self._search_captured(li, q, tok, ckvs, cfg, impl.scale, plan.cache["target"],
+                                                           defer=split)
             else:
                 ckvs, sel, q_host, q_off = layer_search(plan, li, q, tok, cfg, impl.scale)
             t = plan.lap("search", t)  # the centroid search; "select" below: the host call's preparation and launch
@@ -205,7 +217,7 @@ class HostStreamBatch:
             call = host.prepare_call(q_host, ckvs, sel, impl.scale, li, out_h, lse_h, self.flag)
             if call is None:
                 raise RuntimeError("the host tier's C++ extension is not available")
-            if chain:  # (3) the window first: in one chain it would otherwise wait for the host call
+            if chain and not split:  # (3) the window first: in one chain it would otherwise wait for the host call
                 if q_off is None:
                     q_off = q.index_select(0, tok)
                 parts = flash_window_parts(impl, q_off, kv_cache, plan, md, cfg.sink, plan.cache["block_size"])
@@ -213,13 +225,25 @@ class HostStreamBatch:
             ready.record(self.lane_stream)
             hs = self.host_stream
             hs.wait_event(ready)
-            if cfg.lane_host_wait == "flags":  # (2) served by the extension's thread (csrc/flag_wait.cpp)
+            if split:  # (3a) the ready write now; the estimate and the window, then the wait
+                call.launch_flags(hs.cuda_stream, arm=False, ops=1)
+                self.calls.append(call)
+                waiting = True
+                if callable(sel.estimate):
+                    sel.estimate = sel.estimate()
+                if q_off is None:
+                    q_off = q.index_select(0, tok)
+                parts = flash_window_parts(impl, q_off, kv_cache, plan, md, cfg.sink, plan.cache["block_size"])
+                call.launch_flags(hs.cuda_stream, arm=False, ops=2)
+                waiting = False
+            elif cfg.lane_host_wait == "flags":  # (2) served by the extension's thread (csrc/flag_wait.cpp)
                 call.launch_flags(hs.cuda_stream, arm=not self.capturing)
             elif self.capturing:
                 call.launch_borrowed(hs.cuda_stream)
             else:
                 call.launch(hs.cuda_stream)  # (2)
-            self.calls.append(call)
+            if not split:
+                self.calls.append(call)
             if out_v is not None and lse_v is not None:  # the merge reads the host memory (uva.py)
                 out_d, lse_d = out_v, lse_v
             else:
@@ -234,6 +258,8 @@ class HostStreamBatch:
             for r in plan.req_ids:
                 plan.fail(r, f"host tier (layer {li}): {type(e).__name__}: {e}")
             done = None
+            if waiting:  # the call's outputs stay its own until it ran: the stream still waits for it
+                call.launch_flags(self.host_stream.cuda_stream, arm=False, ops=2)
         t = plan.lap("select", t)
         if parts is None:
             if q_off is None:
@@ -256,14 +282,16 @@ class HostStreamBatch:
             e = self.events[(layer, k)] = torch.cuda.Event()
         return e
 
-    def _search_captured(self, li, q, tok, ckvs, cfg, scale, target):
+    def _search_captured(self, li, q, tok, ckvs, cfg, scale, target, defer: bool = False):
         """The centroid search inside a capture: select_clusters with device outputs, then the copies of
-        ids, counts and queries to the layer's pinned buffers (as select_graph.py captures it)."""
+        ids, counts and queries to the layer's pinned buffers (as select_graph.py captures it). ``defer``:
+        the estimate as a function the caller enqueues after the host call's ready write (3a)."""
         from nelssa.vllm_plugin.select_graph import _bound
         q_off = q.index_select(0, tok)
         n, H = q_off.shape[0], ckvs[0].num_kv_heads
         bound = _bound(cfg.budget, ckvs, max(c.num_clusters for c in ckvs))
-        sel = select_clusters(q_off, ckvs, cfg.budget, scale, estimate=cfg.estimate, target=target, device_out=True)
+        sel = select_clusters(q_off, ckvs, cfg.budget, scale, estimate=cfg.estimate, target=target, device_out=True,
+                              defer_estimate=defer)
         ids, cnt, qb = (self._pinned("ids", li, (n, H, bound), torch.long), self._pinned("cnt", li, (n, H), torch.long),
                         self._pinned("q", li, q_off.shape, q_off.dtype))
         self._to_host(sel.ids[..., :bound], ids)

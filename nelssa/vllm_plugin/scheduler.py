@@ -115,7 +115,7 @@ from nelssa.vllm_plugin import handover, runtime
 from nelssa.vllm_plugin.connector import find_connector, nelssa_worker_meta
 from nelssa.vllm_plugin.policy import (attention_balance, blocks_to_finish, blocks_within, chunk_budget,
                                        context_bucket, device_only, ends_within_handoff, host_bytes, prefill_chunk,
-                                       prefill_steps, step_plan)
+                                       prefill_steps, step_plan, switch_steps)
 from nelssa.vllm_plugin.spec import NelssaSpec
 
 log = logging.getLogger("vllm.nelssa")
@@ -701,15 +701,32 @@ class NelssaScheduler(Scheduler):
             n += max(0, self._blocks(end) - self._blocks(have))
         return n
 
+    def _unswitched(self) -> bool:
+        """A host-backed long prompt done prefilling that still holds its whole prompt's device blocks: its
+        switch (which frees them) has not come yet (the lane holds it out of the steps meanwhile)."""
+        for rid in self._reserved:
+            r = self.requests.get(rid)
+            if (r is not None and r.status == RequestStatus.RUNNING and not self._host_end.get(rid)
+                    and r.num_computed_tokens >= r.num_prompt_tokens and self._anchor_of(r)
+                    and not self._handed_over(r)):  # P: decoded elsewhere, never switched here
+                return True
+        return False
+
     def _growth_reserve(self, thr: int, chunked: int) -> int:
-        """What the requests decoding on the device (``_device_growth``) allocate while the running long
-        prefills last: policy.prefill_steps at this step's chunk budget ``chunked`` (``_chunk_budget``; 0:
-        vLLM's threshold ``thr``, else its token budget). A deferred prompt (in ``_reserved``) is left out:
-        ``_prefill_reserve`` holds its prompt."""
+        """What the requests decoding on the device (``_device_growth``) allocate until the long prompts
+        give their device blocks back: while the running long prefills last (policy.prefill_steps at this
+        step's chunk budget ``chunked``, ``_chunk_budget``; 0: vLLM's threshold ``thr``, else its token
+        budget) and then until their switch (policy.switch_steps: ``switch_hold_s`` with the lane, else a
+        hand-off's measured time). A deferred prompt (in ``_reserved``) is left out: ``_prefill_reserve``
+        holds its prompt, and it never switches."""
         budget = chunked or thr or self.scheduler_config.max_num_batched_tokens
         l_eq = self._l_eq if chunked else float("inf")
+        prefilling = [r for r in self._long_prefilling() if self._anchor_of(r)]
         steps = max((prefill_steps(r.num_computed_tokens, r.num_prompt_tokens, budget, l_eq, self.block_size)
                      for r in self._long_prefilling()), default=0)
+        if prefilling or self._unswitched():
+            cfg = self.nelssa
+            steps += switch_steps(cfg.switch_hold_s if cfg.lane else (self._handoff_s or 0.0), self._step_s)
         return self._device_growth(steps, self._reserved) if steps else 0
 
     def schedule(self, *args, **kwargs):
@@ -741,8 +758,11 @@ class NelssaScheduler(Scheduler):
         base, thr = kvm.watermark_blocks, sc.long_prefill_token_threshold
         chunked = self._chunk_budget()
         sc.long_prefill_token_threshold = self._long_chunk(thr, chunked)
+        # and until their switch: a long prompt keeps its blocks in its hold (H200 hol run 99: 31 preemptions
+        # right after the first prompt's last chunk, with the reserve gone with the prefill)
         prefill = self._prefill_reserve()
-        kvm.watermark_blocks = base + prefill + (self._growth_reserve(thr, chunked) if prefill else 0)
+        kvm.watermark_blocks = base + prefill + (
+            self._growth_reserve(thr, chunked) if prefill or self._unswitched() else 0)
         # the list vLLM schedules: lane requests left out (not scheduled, nor preempted, in this step;
         # still counted against max_num_seqs, so vLLM admits no more than it has room for — on a P/D
         # decode instance with 128 running it had admitted past it and failed its own assertion);
