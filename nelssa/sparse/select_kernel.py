@@ -15,17 +15,13 @@ centroids at ~170 GB/s and the sorts 4.3 ms of a 28 ms batch. Here the same resu
      b. the mass of each cluster, the group's softmax probabilities summed (-1 for empty clusters),
         into a scratch row;
      c. the threshold: the largest mass T (searched over its float32 bits, which order non-negative
-        floats, ``K``-ary: K-1 candidates per pass, 8 passes for 31 bits) such that the
+        floats, ``K``-ary: K-1 candidates per pass over the row, 8 passes for 31 bits) such that the
         clusters of mass >= T hold at least the request's budget of tokens (T = 0 when all of them
-        hold fewer). The first ``COMPACT`` passes read the whole row. Then the clusters whose bits lie in
-        the range still open, [lo, hi), are compacted into the ids row (bits and size packed in an int64;
-        the row is written over in d), and the passes left read only those, the tokens of the clusters
-        at or above hi added as a constant. After two passes a range is 2^23 bits wide (one binade):
-        2-24% of a 12.5K-cluster row of random queries and centroids stays open. By operation count the
-        eight passes over the row were ~60% of this kernel, which runs one program per request and KV
-        head: 123 us a layer for one 100K-token request on an H100 beside the steps (hol run 98's
-        profile; the split within the kernel was not measured).
-        This replaces sorting by mass: a cluster of mass > T is selected, and of those
+        hold fewer). (Passes after the first two over only the clusters still in range, compacted,
+        made this kernel slower in the hol run, 211 against 132 us a layer; likely because the dummy
+        weights' near-uniform masses stay in one binade, so few clusters leave the range (not measured;
+        docs/results.md, 2026-12-06).) This replaces
+        sorting by mass: a cluster of mass > T is selected, and of those
         of mass == T, in ascending id, each while the tokens before it (mass > T, then earlier ties)
         are fewer than the budget, which is exactly the torch path's rule (descending mass, ties by
         ascending id, keep while the tokens before are fewer than the budget);
@@ -54,7 +50,6 @@ BLOCK = 1024     # clusters per tile of the selection
 SBLOCK = 512     # clusters per tile of the threshold search
 K = 16           # candidates per pass of the threshold search (8 passes cover the 31 bits)
 PASSES = 8
-COMPACT = 2      # passes over the whole row before the open range is compacted (c)
 SPLIT = 128      # clusters per program of the estimate
 BLOCK_E = 64     # clusters per step of an estimate program
 
@@ -113,34 +108,10 @@ def _softmax_stats(lrow, srow, mrow, CMAX, offs_g, in_g, offs, REST: tl.constexp
     return mx, tl.sum(s * tl.exp(m - safe[:, None]), 1)
 
 
-@triton.jit
-def _candidates(lo, hi, ks, K: tl.constexpr):
-    """One pass's K candidates of the threshold search (c) over [lo, hi) -> (step, cand [K] int64 with
-    cand[0] = lo, the same as int32 bits for the comparison)."""
-    step = (hi - lo + K - 1) // K
-    cand = lo + ks.to(tl.int64) * step
-    return step, cand, tl.minimum(cand, 0x7FFFFFFF).to(tl.int32)
-
-
-@triton.jit
-def _narrow(acc, cand, ks, step, lo, hi, s_hi, target):
-    """One pass of the threshold search (c) from its candidates' token counts ``acc`` [K] -> (lo, hi,
-    s_hi): lo moves to the last candidate whose clusters hold at least ``target`` tokens, hi to the
-    first that does not (s_hi its count) where one is among the candidates."""
-    ok = (acc >= target) & (ks > 0) & (cand < hi)
-    n_ok = tl.sum(ok.to(tl.int64), 0)
-    new_lo = lo + n_ok * step
-    nxt = (ks == n_ok + 1) & (cand < hi)                  # the first candidate below the target
-    has = tl.sum(nxt.to(tl.int64), 0) > 0
-    s_hi = tl.where(has, tl.sum(tl.where(nxt, acc, 0), 0), s_hi)
-    hi = tl.where(has, new_lo + step, hi)
-    return new_lo, hi, s_hi
-
-
 @triton.jit(do_not_specialize=["H", "CMAX"])
 def _select_kernel(lg_ptr, sz_ptr, target_ptr, mass_ptr, ids_ptr, cnt_ptr, lse_ptr, H, CMAX,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr,
-                   K: tl.constexpr, PASSES: tl.constexpr, COMPACT: tl.constexpr, ESTIMATE: tl.constexpr):
+                   K: tl.constexpr, PASSES: tl.constexpr, ESTIMATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     b = row // H
     lrow = lg_ptr + row * G * CMAX
@@ -172,9 +143,10 @@ def _select_kernel(lg_ptr, sz_ptr, target_ptr, mass_ptr, ids_ptr, cnt_ptr, lse_p
     s_hi = tl.zeros([], tl.int64)
     ks = tl.arange(0, K)
     soffs = tl.arange(0, SBLOCK)
-    irow = ids_ptr + row * CMAX  # the compacted open range (c), before d writes the ids there
-    for _ in range(COMPACT):  # over the whole row
-        step, cand, cand32 = _candidates(lo, hi, ks, K)
+    for _ in range(PASSES):
+        step = (hi - lo + K - 1) // K
+        cand = lo + ks.to(tl.int64) * step                    # [K]; cand[0] = lo
+        cand32 = tl.minimum(cand, 0x7FFFFFFF).to(tl.int32)
         part = tl.zeros([K, SBLOCK], tl.int32)                # per element, reduced once per pass
         for start in range(0, CMAX, SBLOCK):
             c = start + soffs
@@ -182,35 +154,15 @@ def _select_kernel(lg_ptr, sz_ptr, target_ptr, mass_ptr, ids_ptr, cnt_ptr, lse_p
             bits = tl.load(mrow + c, mask=in_c, other=-1.0).to(tl.int32, bitcast=True)
             sz = tl.load(srow + c, mask=in_c, other=0)
             part += tl.where(bits[None, :] >= cand32[:, None], sz[None, :], 0)
-        lo, hi, s_hi = _narrow(tl.sum(part, 1).to(tl.int64), cand, ks, step, lo, hi, s_hi, target)
-    # the open range [lo, hi) compacted: (bits << 32) | size per cluster, n_mid of them; the clusters at
-    # or above hi hold s_hi tokens, counted for every candidate from here on (all of them are < hi)
-    n_mid = tl.zeros([], tl.int64)
-    for start in range(0, CMAX, BLOCK):
-        c = start + offs
-        in_c = c < CMAX
-        bits = tl.load(mrow + c, mask=in_c, other=-1.0).to(tl.int32, bitcast=True).to(tl.int64)
-        sz = tl.load(srow + c, mask=in_c, other=0).to(tl.int64)
-        mid = (bits >= lo) & (bits < hi) & in_c
-        mid_i = mid.to(tl.int64)
-        pos = n_mid + tl.cumsum(mid_i, 0) - mid_i
-        tl.store(irow + pos, (bits << 32) | sz, mask=mid)
-        n_mid += tl.sum(mid_i, 0)
-    tl.debug_barrier()  # the compacted range, written by all threads, is read across threads from here
-    base = s_hi
-    n_open = n_mid.to(tl.int32)  # a loop bound of one type: the loop's counter starts as an int32
-    for _ in range(PASSES - COMPACT):  # over the compacted range
-        step, cand, cand32 = _candidates(lo, hi, ks, K)
-        part = tl.zeros([K, SBLOCK], tl.int32)
-        for start in range(0, n_open, SBLOCK):
-            c = start + soffs
-            v = tl.load(irow + c, mask=c < n_open, other=-1)       # -1: bits -1, below every candidate
-            top = v >> 32
-            bits = top.to(tl.int32)
-            sz = (v - (top << 32)).to(tl.int32)                   # the low 32 bits, without a uint32 literal
-            part += tl.where(bits[None, :] >= cand32[:, None], sz[None, :], 0)
-        lo, hi, s_hi = _narrow(tl.sum(part, 1).to(tl.int64) + base, cand, ks, step, lo, hi, s_hi, target)
-    tl.debug_barrier()  # every read of the compacted range is done before d writes the ids over it
+        acc = tl.sum(part, 1).to(tl.int64)
+        ok = (acc >= target) & (ks > 0) & (cand < hi)
+        n_ok = tl.sum(ok.to(tl.int64), 0)
+        new_lo = lo + n_ok * step
+        nxt = (ks == n_ok + 1) & (cand < hi)                  # the first candidate below the target
+        has = tl.sum(nxt.to(tl.int64), 0) > 0
+        s_hi = tl.where(has, tl.sum(tl.where(nxt, acc, 0), 0), s_hi)
+        hi = tl.where(has, new_lo + step, hi)
+        lo = new_lo
     # now hi == lo + 1: s_hi = tokens(mass > lo)
     # d. compaction in ascending id; ties at lo in ascending id while the tokens before stay < target
     n_sel = tl.zeros([], tl.int64)
@@ -308,7 +260,7 @@ def search(q: torch.Tensor, ckvs: list, target: torch.Tensor, scale: float, esti
             G=G, BLOCK_G=bg, D=D, BLOCK_D=bd, BLOCK_C=BLOCK_C, IEEE=cen.dtype == torch.float32, num_warps=4)
     _select_kernel[(B * H,)](logits, sizes, target, mass, ids, counts, lse, H, cmax,
                              G=G, BLOCK_G=triton.next_power_of_2(G), BLOCK=BLOCK, SBLOCK=SBLOCK, K=K,
-                             PASSES=PASSES, COMPACT=COMPACT, ESTIMATE=estimate, num_warps=16)
+                             PASSES=PASSES, ESTIMATE=estimate, num_warps=16)
     if not estimate:
         return ids, counts, None
 
