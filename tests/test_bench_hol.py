@@ -37,6 +37,8 @@ def test_hol_cpu_preset_is_well_formed_and_exact(tmp_path, cut_model_dir):
         assert sum(v["n"] for v in by_slot.values()) == r["long"][0]["tokens"] - 1, by_slot
         a, b = r["phases_s"]["long_prefill"]
         assert 0 < a <= b <= r["phases_s"]["long_decode"][1]
+        pa = r["preempted_at_s"]  # when the preemption counter rose (sampled): within the run's count
+        assert all(t >= 0 and n > 0 for t, n in pa) and sum(n for _, n in pa) <= (r["preemptions"] or 0), pa
         f = {"on": "on_lane", "off": "off"}[mode]
         lines = (out / f"hol_{f}.jsonl").read_text().splitlines()
         assert len(lines) == s["outputs_total"]

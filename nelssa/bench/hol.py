@@ -149,7 +149,8 @@ def _prompt_ids(sc: Scenario, tok, r: dict, k: int) -> list[int]:
     return prompt_ids(tok, r["n_in"], k, sc.prompts, sc.seed)
 
 
-SAMPLED = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
+SAMPLED = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
+           "vllm:num_preemptions_total")
 
 
 def _scrape(names: tuple[str, ...] | None = None) -> dict[str, float]:
@@ -230,12 +231,15 @@ async def _run_mode(mode: str, sc: Scenario, model: str, out_dir: str = "") -> d
             now = time.perf_counter() - t0
             samples.append({"t": now, "kv_usage": m.get("vllm:kv_cache_usage_perc", 0.0),
                             "running": m.get("vllm:num_requests_running", 0.0),
-                            "waiting": m.get("vllm:num_requests_waiting", 0.0)})
+                            "waiting": m.get("vllm:num_requests_waiting", 0.0),
+                            "preemptions": m.get("vllm:num_preemptions_total", 0.0)
+                            - base.get("vllm:num_preemptions_total", 0.0)})
             if now - last >= 5:
                 last = now
                 print(f"[hol:{mode}] t={now:5.1f}s finished {len(recs)}/{len(plan)} running "
                       f"{samples[-1]['running']:.0f} waiting {samples[-1]['waiting']:.0f} "
-                      f"kv {100 * samples[-1]['kv_usage']:.0f}%", file=sys.stderr, flush=True)
+                      f"kv {100 * samples[-1]['kv_usage']:.0f}% preemptions {samples[-1]['preemptions']:.0f}",
+                      file=sys.stderr, flush=True)
             await asyncio.sleep(0.25)
 
     async def profile() -> None:
@@ -396,6 +400,11 @@ def analyse(run: dict) -> dict:
     m = run["metrics"]
     out["preemptions"] = m.get("vllm:num_preemptions_total")
     out["kv_usage_max"] = max((s["kv_usage"] for s in run["samples"]), default=None)
+    # when the preemptions came (H200 run 99: all 31 within 0.25 s of the first prompt's last chunk, which
+    # only the requests' token times told): the sampler's times at which the counter rose, and by how much
+    out["preempted_at_s"] = [[round(b["t"], 2), b["preemptions"] - a["preemptions"]]
+                             for a, b in zip(run["samples"], run["samples"][1:])
+                             if b.get("preemptions", 0.0) > a.get("preemptions", 0.0)]
     out["nelssa"] = {k: v for k, v in m.items() if k.startswith("nelssa:")}
     # through nelssa-node: the share of the long lane's batches (one token of every long request: their
     # decode step) spent in communication, i.e. layer calls' round trips outside the node's kernels
