@@ -94,6 +94,20 @@ def test_long_itl_by_phase_splits_a_long_requests_gaps():
     assert "| on | long0 | long_prefill | 2 | 75.0 / 75.0 / 100.0 |" in md, md
 
 
+def test_preemption_times_from_the_samples_and_in_the_report():
+    """hol.preempted_at: the sampled times at which the preemption counter rose, by how much (none without a
+    sampled counter); the report names them beside the count."""
+    from nelssa.bench.hol import preempted_at
+    from nelssa.bench.report import hol_md
+    samples = [{"t": 0.25 * i, "preemptions": p} for i, p in enumerate([0, 0, 3, 3, 3, 31, 31])]
+    assert preempted_at(samples) == [[0.5, 3], [1.25, 28]]
+    assert preempted_at([{"t": 0.0}, {"t": 0.25}]) == [] and preempted_at([]) == []
+    ph = {k: {"short_ttft_p99_ms": 1.0, "short_itl_p99_ms": 1.0} for k in ("before", "long_prefill", "long_decode")}
+    md = "\n".join(hol_md({"on": {**ph, "preemptions": 31.0, "preempted_at_s": preempted_at(samples)},
+                           "off": {**ph, "preemptions": 0.0, "preempted_at_s": []}}, "."))
+    assert "Preemptions (on): 31; 3 at 0.50 s, 28 at 1.25 s" in md and "Preemptions (off)" not in md, md
+
+
 def test_itl_by_block_slot_tells_a_blocks_first_slot_apart():
     """hol.itl_by_block_slot: gap i computes position n_prompt + i; gaps at a block's first slot apart, and
     gap 0 (the switch and the first lane batch) apart from both, whatever its slot."""

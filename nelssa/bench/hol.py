@@ -400,11 +400,7 @@ def analyse(run: dict) -> dict:
     m = run["metrics"]
     out["preemptions"] = m.get("vllm:num_preemptions_total")
     out["kv_usage_max"] = max((s["kv_usage"] for s in run["samples"]), default=None)
-    # when the preemptions came (H200 run 99: all 31 within 0.25 s of the first prompt's last chunk, which
-    # only the requests' token times told): the sampler's times at which the counter rose, and by how much
-    out["preempted_at_s"] = [[round(b["t"], 2), b["preemptions"] - a["preemptions"]]
-                             for a, b in zip(run["samples"], run["samples"][1:])
-                             if b.get("preemptions", 0.0) > a.get("preemptions", 0.0)]
+    out["preempted_at_s"] = preempted_at(run["samples"])
     out["nelssa"] = {k: v for k, v in m.items() if k.startswith("nelssa:")}
     # through nelssa-node: the share of the long lane's batches (one token of every long request: their
     # decode step) spent in communication, i.e. layer calls' round trips outside the node's kernels
@@ -444,6 +440,14 @@ def residency_targets(a: dict) -> dict:
         return None if v is None or base is None else bool(v <= 1.5 * base)
     return {f"{ph}_{k}_le_1.5x_before": within(ph, f"short_{k}_p99_ms")
             for ph in ("long_prefill", "long_decode") for k in ("ttft", "itl")}
+
+
+def preempted_at(samples: list[dict]) -> list[list[float]]:
+    """When the preemptions came: [t, how many] at each sample whose counter (``preemptions``: the run's
+    growth, or the endpoint's running total) rose since the one before. H200 hol run 99: all 31 within
+    0.25 s of the first prompt's last chunk, which then only the requests' token times told."""
+    return [[round(b["t"], 2), b["preemptions"] - a["preemptions"]] for a, b in zip(samples, samples[1:])
+            if b.get("preemptions", 0.0) > a.get("preemptions", 0.0)]
 
 
 def from_http(run: dict) -> dict:

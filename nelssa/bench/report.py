@@ -125,6 +125,12 @@ def hol_md(h: dict, rel: str) -> list[str]:
             out.append(f"| {mode} | {ph} | {_f(x['short_ttft_p99_ms'])} | {_f(x['short_itl_p99_ms'])} |")
     if "ratios_on_over_off" in h:
         out.append(f"\nOutput tok/s ratio NELSSA/stock: {_f(h['ratios_on_over_off'].get('output_tok_s'), 2)}")
+    for mode in result_modes(h):  # when they came (the sampler's times, every 0.25 s): a burst or a trickle
+        at = h[mode].get("preempted_at_s")
+        if h[mode].get("preemptions"):
+            when = ", ".join(f"{n:.0f} at {t:.2f} s" for t, n in at[:12]) + (" ..." if len(at) > 12 else "") \
+                if at else "times not sampled"
+            out.append(f"\nPreemptions ({mode}): {h[mode]['preemptions']:.0f}; {when}")
     rows = [(mode, x["id"], ph, v) for mode in result_modes(h) for x in h[mode].get("long", [])
             for ph, v in (x.get("itl_ms_by_phase") or {}).items()]
     if rows:

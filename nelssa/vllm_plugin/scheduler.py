@@ -702,12 +702,14 @@ class NelssaScheduler(Scheduler):
         return n
 
     def _unswitched(self) -> bool:
-        """A host-backed long prompt done prefilling that still holds its whole prompt's device blocks: its
-        switch (which frees them) has not come yet (the lane holds it out of the steps meanwhile)."""
+        """A long prompt host-backed by its length, done prefilling, that still holds its whole prompt's device
+        blocks: its switch (which frees them) has not come yet (the lane holds it out of the steps meanwhile).
+        A migration is not one: its own rule (``_migrate``) decides under pressure."""
         for rid in self._reserved:
             r = self.requests.get(rid)
             if (r is not None and r.status == RequestStatus.RUNNING and not self._host_end.get(rid)
-                    and r.num_computed_tokens >= r.num_prompt_tokens and self._anchor_of(r)
+                    and rid not in self._anchor and r.num_computed_tokens >= r.num_prompt_tokens
+                    and self._anchor_of(r)
                     and not self._handed_over(r)):  # P: decoded elsewhere, never switched here
                 return True
         return False
@@ -721,7 +723,7 @@ class NelssaScheduler(Scheduler):
         holds its prompt, and it never switches."""
         budget = chunked or thr or self.scheduler_config.max_num_batched_tokens
         l_eq = self._l_eq if chunked else float("inf")
-        prefilling = [r for r in self._long_prefilling() if self._anchor_of(r)]
+        prefilling = [r for r in self._long_prefilling() if self._anchor_of(r) and r.request_id not in self._anchor]
         steps = max((prefill_steps(r.num_computed_tokens, r.num_prompt_tokens, budget, l_eq, self.block_size)
                      for r in self._long_prefilling()), default=0)
         if prefilling or self._unswitched():
