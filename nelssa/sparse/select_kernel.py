@@ -1,4 +1,4 @@
-"""The centroid search as Triton kernels: 3B + 1 launches per layer (B + 1 without the estimate) for B
+"""The centroid search as Triton kernels: 3B + 2 launches per layer (B + 1 without the estimate) for B
 requests instead of ~45 per request.
 
 ``search.select_clusters`` in torch is, per layer, a bmm per request, a softmax, two sorts (argsort of
@@ -30,8 +30,10 @@ centroids at ~170 GB/s and the sorts 4.3 ms of a 28 ms batch. Here the same resu
         ascending id, keep while the tokens before are fewer than the budget);
      d. the selected ids, compacted in ascending order (a prefix sum per tile plus a carry), the row
         padded with ``Cmax`` to Cmax entries, and the count;
-     e. with ``ESTIMATE``: over the unselected non-empty clusters, each counting as size x exp(logit),
-        the log-sum-exp per query head, and the softmax weights written over the logits (0 elsewhere).
+     e. with ``ESTIMATE`` (``_weights_kernel``, grid B x H, launched with 3: a search that defers its
+        estimate leaves both until the caller asks, lane_host.py 3a): over the unselected non-empty
+        clusters, each counting as size x exp(logit), the log-sum-exp per query head, and the softmax
+        weights written over the logits (0 elsewhere).
   3. ``_estimate_kernel`` (per request, with ``ESTIMATE``; grid: KV heads x splits of ``SPLIT``
      clusters): the weights times the value means, partial sums per split, summed by one ``sum``.
 Outputs as the torch path's: ids [B, H, Cmax] int64 ascending (the first ``counts`` valid, then
@@ -112,7 +114,7 @@ def _softmax_stats(lrow, srow, mrow, CMAX, offs_g, in_g, offs, REST: tl.constexp
 
 
 @triton.jit(do_not_specialize=["H", "CMAX"])
-def _select_kernel(lg_ptr, sz_ptr, target_ptr, mass_ptr, ids_ptr, cnt_ptr, lse_ptr, H, CMAX,
+def _select_kernel(lg_ptr, sz_ptr, target_ptr, mass_ptr, ids_ptr, cnt_ptr, H, CMAX,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr,
                    K: tl.constexpr, PASSES: tl.constexpr, ESTIMATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -204,23 +206,34 @@ def _select_kernel(lg_ptr, sz_ptr, target_ptr, mass_ptr, ids_ptr, cnt_ptr, lse_p
         c = start + offs
         tl.store(ids_ptr + row * CMAX + c, tl.zeros([BLOCK], tl.int64) + CMAX, mask=(c >= n_sel) & (c < CMAX))
     tl.store(cnt_ptr + row, n_sel)
-    tl.debug_barrier()  # the selected marks (mass -2) likewise
-    # e. the estimate's log-sum-exp and weights over the unselected non-empty clusters
-    if ESTIMATE:
-        em, es = _softmax_stats(lrow, srow, mrow, CMAX, offs_g, in_g, offs, True, BLOCK, BLOCK_G)
-        lse = tl.where(es > 0, em + tl.log(es), float("-inf"))
-        safe = tl.where(es > 0, lse, 0.0)
-        tl.store(lse_ptr + row * G + offs_g, lse, mask=in_g)
-        for start in range(0, CMAX, BLOCK):
-            c = start + offs
-            in_c = c < CMAX
-            rest = tl.load(mrow + c, mask=in_c, other=-1.0) >= 0
-            szf = tl.load(srow + c, mask=in_c, other=1).to(tl.float32)
-            mk = in_g[:, None] & in_c[None, :]
-            x = tl.load(lrow + offs_g[:, None] * CMAX + c[None, :], mask=mk, other=float("-inf"))
-            w = tl.exp(x + tl.log(tl.maximum(szf, 1.0))[None, :] - safe[:, None])
-            w = tl.where(rest[None, :] & (es > 0)[:, None], w, 0.0)
-            tl.store(lrow + offs_g[:, None] * CMAX + c[None, :], w, mask=mk)
+
+
+@triton.jit(do_not_specialize=["CMAX"])
+def _weights_kernel(lg_ptr, sz_ptr, mass_ptr, lse_ptr, CMAX,
+                    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK: tl.constexpr):
+    """2e (grid: B x H, after _select_kernel with ESTIMATE): the estimate's log-sum-exp and weights over the
+    unselected non-empty clusters (scratch mass >= 0; the selection marked the selected -2)."""
+    row = tl.program_id(0).to(tl.int64)
+    lrow = lg_ptr + row * G * CMAX
+    srow = sz_ptr + row * CMAX
+    mrow = mass_ptr + row * CMAX
+    offs = tl.arange(0, BLOCK)
+    offs_g = tl.arange(0, BLOCK_G)
+    in_g = offs_g < G
+    em, es = _softmax_stats(lrow, srow, mrow, CMAX, offs_g, in_g, offs, True, BLOCK, BLOCK_G)
+    lse = tl.where(es > 0, em + tl.log(es), float("-inf"))
+    safe = tl.where(es > 0, lse, 0.0)
+    tl.store(lse_ptr + row * G + offs_g, lse, mask=in_g)
+    for start in range(0, CMAX, BLOCK):
+        c = start + offs
+        in_c = c < CMAX
+        rest = tl.load(mrow + c, mask=in_c, other=-1.0) >= 0
+        szf = tl.load(srow + c, mask=in_c, other=1).to(tl.float32)
+        mk = in_g[:, None] & in_c[None, :]
+        x = tl.load(lrow + offs_g[:, None] * CMAX + c[None, :], mask=mk, other=float("-inf"))
+        w = tl.exp(x + tl.log(tl.maximum(szf, 1.0))[None, :] - safe[:, None])
+        w = tl.where(rest[None, :] & (es > 0)[:, None], w, 0.0)
+        tl.store(lrow + offs_g[:, None] * CMAX + c[None, :], w, mask=mk)
 
 
 @triton.jit(do_not_specialize=["C", "CMAX", "sv_h", "sv_c", "b", "H"])
@@ -254,7 +267,7 @@ def search(q: torch.Tensor, ckvs: list, target: torch.Tensor, scale: float, esti
     """q [B, H, G, D] on the centroids' device, ``target`` [B] int64 there -> (ids [B, H, Cmax] int64,
     counts [B, H] int64, estimate (out [B, H*G, D], lse [B, H*G]) fp32 or None); see the module
     docstring. Kernels only: no host synchronisation, capturable in a CUDA graph.
-    ``defer`` (with ``estimate``): the estimate as a function that enqueues 3 (on the stream current when
+    ``defer`` (with ``estimate``): the estimate as a function that enqueues 2e and 3 (on the stream current when
     it is called, after this call's kernels) and returns it, so a caller can let the ids go first."""
     B, H, G, D = q.shape
     dev = q.device
@@ -265,7 +278,6 @@ def search(q: torch.Tensor, ckvs: list, target: torch.Tensor, scale: float, esti
     mass = torch.empty(B, H, cmax, dtype=torch.float32, device=dev)
     ids = torch.empty(B, H, cmax, dtype=torch.int64, device=dev)
     counts = torch.empty(B, H, dtype=torch.int64, device=dev)
-    lse = torch.empty(B, H, G, dtype=torch.float32, device=dev)
     q = q.contiguous()
     for b, c in enumerate(ckvs):
         cen, sz = c.centroids, c.sizes
@@ -274,13 +286,16 @@ def search(q: torch.Tensor, ckvs: list, target: torch.Tensor, scale: float, esti
             q[b], cen, sz, logits, sizes, c.num_clusters, cmax, scale, b,
             q.stride(1), cen.stride(0), cen.stride(1), sz.stride(0),
             G=G, BLOCK_G=bg, D=D, BLOCK_D=bd, BLOCK_C=BLOCK_C, IEEE=cen.dtype == torch.float32, num_warps=4)
-    _select_kernel[(B * H,)](logits, sizes, target, mass, ids, counts, lse, H, cmax,
+    _select_kernel[(B * H,)](logits, sizes, target, mass, ids, counts, H, cmax,
                              G=G, BLOCK_G=triton.next_power_of_2(G), BLOCK=BLOCK, SBLOCK=SBLOCK, K=K,
                              PASSES=PASSES, ESTIMATE=estimate, num_warps=16)
     if not estimate:
         return ids, counts, None
 
-    def finish():  # 3: the weights (written over the logits by 2e) times the value means
+    def finish():  # 2e, then 3: the weights (written over the logits) times the value means
+        lse = torch.empty(B, H, G, dtype=torch.float32, device=dev)
+        _weights_kernel[(B * H,)](logits, sizes, mass, lse, cmax, G=G, BLOCK_G=triton.next_power_of_2(G),
+                                  BLOCK=BLOCK, num_warps=16)
         out = torch.empty(B, H, G, D, dtype=torch.float32, device=dev)
         for b, c in enumerate(ckvs):
             vm = c.vmeans
