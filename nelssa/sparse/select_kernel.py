@@ -19,7 +19,9 @@ centroids at ~170 GB/s and the sorts 4.3 ms of a 28 ms batch. Here the same resu
         clusters of mass >= T hold at least the request's budget of tokens (T = 0 when all of them
         hold fewer). The search starts from the row's own range (b keeps the smallest and the largest
         non-empty mass), so close masses take fewer passes: 4-5 of the 8 for rows of near-uniform
-        masses (small logits; the dummy weights' rows not measured), 7 for random unit-scale ones; a pass over a
+        masses (small logits), 7 for random unit-scale ones, none where every mass is the same float:
+        vLLM's dummy weights (uniform in +-1e-3) give logits of ~1e-8 and such rows, so a benchmark on them
+        times this kernel without its passes, a real model's with ~7; a pass over a
         range already one wide is skipped. (Passes after the first two over only the clusters still in range, compacted,
         made this kernel slower in the hol run, 211 against 132 us a layer; likely because the dummy
         weights' near-uniform masses stay in one binade, so few clusters leave the range (not measured;
