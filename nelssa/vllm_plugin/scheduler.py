@@ -703,11 +703,13 @@ class NelssaScheduler(Scheduler):
 
     def _unswitched(self) -> bool:
         """A long prompt host-backed by its length, done prefilling, that still holds its whole prompt's device
-        blocks: its switch (which frees them) has not come yet (the lane holds it out of the steps meanwhile).
-        A migration is not one: its own rule (``_migrate``) decides under pressure."""
+        blocks: before its switch (the lane holds it out of the steps meanwhile) and after it until the
+        manager frees them at its next allocation (NelssaManager.holds_host_range: with the lane, once its
+        first token from the host tier is computed; the CPU test of the hold saw 6 steps of it). A migration
+        is not one: its own rule (``_migrate``) decides under pressure."""
         for rid in self._reserved:
             r = self.requests.get(rid)
-            if (r is not None and r.status == RequestStatus.RUNNING and not self._host_end.get(rid)
+            if (r is not None and r.status == RequestStatus.RUNNING and self._manager.holds_host_range(rid)
                     and rid not in self._anchor and r.num_computed_tokens >= r.num_prompt_tokens
                     and self._anchor_of(r)
                     and not self._handed_over(r)):  # P: decoded elsewhere, never switched here

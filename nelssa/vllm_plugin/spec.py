@@ -117,6 +117,19 @@ class NelssaManager(FullAttentionManager):
             blocks[i] = b
         return [b.block_id for b in blocks]
 
+    def holds_host_range(self, request_id: str) -> bool:
+        """Whether the request still holds device blocks of its host range: before its H is in use, and after
+        it until its next allocation frees them (``remove_skipped_blocks``: a lane request is scheduled
+        again only once the lane has computed its next position)."""
+        h = self.host_ends.get(request_id, 0)
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return False
+        if not h:
+            return True
+        first, last = self.policy.freed_blocks(h)
+        return first < min(last, len(blocks)) and blocks[first] is not self._null_block
+
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
         h = self.host_ends.get(request_id, 0)
