@@ -1172,6 +1172,38 @@ def test_lane_requests_get_a_block_of_slots_past_the_lookahead():
         kvm.block_pool.free_blocks(held)
 
 
+def test_a_long_request_holds_its_host_range_until_its_next_allocation():
+    """spec.NelssaManager.holds_host_range through vLLM's own KVCacheManager (the scheduler's growth reserve
+    lasts while it is true): a prompt's blocks are held before its H is in use, still after H is set (the
+    manager frees them only when the request is next allocated: a lane request, once its first token from
+    the host tier is computed), and no longer once that allocation made them null blocks."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+    from nelssa.vllm_plugin.spec import NelssaManager, NelssaSpec, register_spec
+    register_spec()
+    bs = 16
+    spec = NelssaSpec(block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.float32, T_input=256, sink=16,
+                      recent=64, chunk=128)
+    cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    kvm = KVCacheManager(cfg, max_model_len=640, scheduler_block_size=bs, hash_block_size=bs, enable_caching=False)
+    (mgr,) = kvm.coordinator.single_type_managers
+    assert isinstance(mgr, NelssaManager)
+    req = Request("long", list(range(400)), SamplingParams(max_tokens=8), None)
+    assert not mgr.holds_host_range("long")  # nothing allocated yet
+    assert kvm.allocate_slots(req, 400, num_lookahead_tokens=0) is not None
+    req.num_computed_tokens = 400
+    free = kvm.block_pool.get_num_free_blocks()
+    assert mgr.holds_host_range("long")  # prefilled, H not in use
+    mgr.host_ends["long"] = h = spec.policy().goal(400, 400)
+    assert mgr.holds_host_range("long")  # H in use, its blocks not freed yet
+    assert kvm.allocate_slots(req, 1, num_lookahead_tokens=1) is not None  # its next allocation frees them
+    first, last = spec.policy().freed_blocks(h)
+    assert not mgr.holds_host_range("long") and kvm.block_pool.get_num_free_blocks() >= free + (last - first) - 1
+
+
 def test_nixl_progress_thread_off_reads_when_both_sides_poll(monkeypatch):
     """NELSSA_NIXL_PROGRESS_THREAD=0 (nixl_progress.py): vLLM's NIXL worker module then makes its agents
     without NIXL's busy progress thread; such agents stay idle (an idle pair with the thread took ~2
