@@ -1052,6 +1052,25 @@ def test_nelssa_stats_aggregate_counts_each_part_once():
     assert a.data["lane_drafts"] == {"run": 2.0}  # aggregate leaves its inputs alone
 
 
+def _nelssa_kv_manager(num_blocks: int, max_len: int, caching: bool = False):
+    """vLLM's own KVCacheManager over one NelssaSpec group (blocks of 16 tokens, 2 KV heads of 64, fp32,
+    T_input 256, sink 16, recent 64, chunk 128) -> (spec, the manager, its NelssaManager)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from nelssa.vllm_plugin.spec import NelssaManager, NelssaSpec, register_spec
+    register_spec()
+    bs = 16
+    spec = NelssaSpec(block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.float32, T_input=256, sink=16,
+                      recent=64, chunk=128)
+    cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    kvm = KVCacheManager(cfg, max_model_len=max_len, scheduler_block_size=bs, hash_block_size=bs,
+                         enable_caching=caching)
+    (mgr,) = kvm.coordinator.single_type_managers
+    assert isinstance(mgr, NelssaManager)
+    return spec, kvm, mgr
+
+
 def test_window_admission_allocates_the_window_only():
     """A hand-over admitted with its window (handover.py, 6) through vLLM's own KVCacheManager: the async
     NIXL load of the prompt's tokens (NixlConnector loads all of them; vLLM recomputes the last) gets real blocks for the sink's and the window's positions and the null
@@ -1059,19 +1078,10 @@ def test_window_admission_allocates_the_window_only():
     the blocks NIXL pairs with P's (non-null, in order) are the positions left in P's filtered list; the
     step after the load adds the last token's block; freeing gives every block back."""
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request
 
-    from nelssa.vllm_plugin.spec import NelssaManager, NelssaSpec, register_spec
-    register_spec()
     bs = 16
-    spec = NelssaSpec(block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.float32, T_input=256, sink=16,
-                      recent=64, chunk=128)
-    cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-    kvm = KVCacheManager(cfg, max_model_len=2048, scheduler_block_size=bs, hash_block_size=bs, enable_caching=True)
-    (mgr,) = kvm.coordinator.single_type_managers
-    assert isinstance(mgr, NelssaManager)
+    spec, kvm, mgr = _nelssa_kv_manager(num_blocks=64, max_len=2048, caching=True)
     pol, n = spec.policy(), 600
     h0 = pol.goal(n, n)
     first, last = pol.freed_blocks(h0)
@@ -1122,19 +1132,10 @@ def test_lane_requests_get_a_block_of_slots_past_the_lookahead():
     what vLLM asks, and the free-block check counts the extra block (an allocation that cannot have it
     fails as a whole)."""
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request
 
-    from nelssa.vllm_plugin.spec import NelssaManager, NelssaSpec, register_spec
-    register_spec()
     bs, max_len = 16, 640
-    spec = NelssaSpec(block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.float32, T_input=256, sink=16,
-                      recent=64, chunk=128)
-    cfg = KVCacheConfig(num_blocks=96, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-    kvm = KVCacheManager(cfg, max_model_len=max_len, scheduler_block_size=bs, hash_block_size=bs, enable_caching=False)
-    (mgr,) = kvm.coordinator.single_type_managers
-    assert isinstance(mgr, NelssaManager)
+    spec, kvm, mgr = _nelssa_kv_manager(num_blocks=96, max_len=max_len)
     mgr.ahead, mgr.max_len = bs, max_len
 
     def decode(rid, n):  # a request with n tokens computed, scheduled for its next one (lookahead 2)
@@ -1178,19 +1179,9 @@ def test_a_long_request_holds_its_host_range_until_its_next_allocation():
     manager frees them only when the request is next allocated: a lane request, once its first token from
     the host tier is computed), and no longer once that allocation made them null blocks."""
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request
 
-    from nelssa.vllm_plugin.spec import NelssaManager, NelssaSpec, register_spec
-    register_spec()
-    bs = 16
-    spec = NelssaSpec(block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.float32, T_input=256, sink=16,
-                      recent=64, chunk=128)
-    cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-    kvm = KVCacheManager(cfg, max_model_len=640, scheduler_block_size=bs, hash_block_size=bs, enable_caching=False)
-    (mgr,) = kvm.coordinator.single_type_managers
-    assert isinstance(mgr, NelssaManager)
+    spec, kvm, mgr = _nelssa_kv_manager(num_blocks=64, max_len=640)
     req = Request("long", list(range(400)), SamplingParams(max_tokens=8), None)
     assert not mgr.holds_host_range("long")  # nothing allocated yet
     assert kvm.allocate_slots(req, 400, num_lookahead_tokens=0) is not None
