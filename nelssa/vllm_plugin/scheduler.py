@@ -701,34 +701,37 @@ class NelssaScheduler(Scheduler):
             n += max(0, self._blocks(end) - self._blocks(have))
         return n
 
-    def _unswitched(self) -> bool:
-        """A long prompt host-backed by its length, done prefilling, that still holds its whole prompt's device
-        blocks: before its switch (the lane holds it out of the steps meanwhile) and after it until the
-        manager frees them at its next allocation (NelssaManager.holds_host_range: with the lane, once its
-        first token from the host tier is computed; the CPU test of the hold saw 6 steps of it). A migration
-        is not one: its own rule (``_migrate``) decides under pressure."""
+    def _holding(self) -> tuple[bool, bool]:
+        """Whether a long prompt host-backed by its length holds its prompt's device blocks -> (one still
+        prefilling, one done and not given back yet: before its switch, the lane holding it out of the steps
+        meanwhile, and after it until the manager frees them at its next allocation,
+        NelssaManager.holds_host_range: with the lane, once its first token from the host tier is computed;
+        the CPU test of the hold saw 6 steps of it). A migration is not one: its own rule (``_migrate``)
+        decides under pressure."""
+        prefilling = unswitched = False
         for rid in self._reserved:
             r = self.requests.get(rid)
-            if (r is not None and r.status == RequestStatus.RUNNING and self._manager.holds_host_range(rid)
-                    and rid not in self._anchor and r.num_computed_tokens >= r.num_prompt_tokens
-                    and self._anchor_of(r)
-                    and not self._handed_over(r)):  # P: decoded elsewhere, never switched here
-                return True
-        return False
+            if r is None or r.status != RequestStatus.RUNNING or rid in self._anchor or not self._anchor_of(r):
+                continue
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                prefilling = True
+            elif self._manager.holds_host_range(rid) and not self._handed_over(r):  # P: decoded elsewhere
+                unswitched = True
+        return prefilling, unswitched
 
-    def _growth_reserve(self, thr: int, chunked: int) -> int:
+    def _growth_reserve(self, thr: int, chunked: int, holding: bool) -> int:
         """What the requests decoding on the device (``_device_growth``) allocate until the long prompts
         give their device blocks back: while the running long prefills last (policy.prefill_steps at this
         step's chunk budget ``chunked``, ``_chunk_budget``; 0: vLLM's threshold ``thr``, else its token
-        budget) and then until their switch (policy.switch_steps: ``switch_hold_s`` with the lane, else a
+        budget) and, while one host-backed by its length holds its blocks (``holding``: either of
+        ``_holding``'s), until its switch (policy.switch_steps: ``switch_hold_s`` with the lane, else a
         hand-off's measured time). A deferred prompt (in ``_reserved``) is left out: ``_prefill_reserve``
         holds its prompt, and it never switches."""
         budget = chunked or thr or self.scheduler_config.max_num_batched_tokens
         l_eq = self._l_eq if chunked else float("inf")
-        prefilling = [r for r in self._long_prefilling() if self._anchor_of(r) and r.request_id not in self._anchor]
         steps = max((prefill_steps(r.num_computed_tokens, r.num_prompt_tokens, budget, l_eq, self.block_size)
                      for r in self._long_prefilling()), default=0)
-        if prefilling or self._unswitched():
+        if holding:
             cfg = self.nelssa
             steps += switch_steps(cfg.switch_hold_s if cfg.lane else (self._handoff_s or 0.0), self._step_s)
         return self._device_growth(steps, self._reserved) if steps else 0
@@ -764,9 +767,9 @@ class NelssaScheduler(Scheduler):
         sc.long_prefill_token_threshold = self._long_chunk(thr, chunked)
         # and until their switch: a long prompt keeps its blocks in its hold (H200 hol run 99: 31 preemptions
         # right after the first prompt's last chunk, with the reserve gone with the prefill)
-        prefill = self._prefill_reserve()
+        prefill, (prefilling, unswitched) = self._prefill_reserve(), self._holding()
         kvm.watermark_blocks = base + prefill + (
-            self._growth_reserve(thr, chunked) if prefill or self._unswitched() else 0)
+            self._growth_reserve(thr, chunked, prefilling or unswitched) if prefill or unswitched else 0)
         # the list vLLM schedules: lane requests left out (not scheduled, nor preempted, in this step;
         # still counted against max_num_seqs, so vLLM admits no more than it has room for — on a P/D
         # decode instance with 128 running it had admitted past it and failed its own assertion);
