@@ -200,6 +200,12 @@ class HostStreamBatch:
         # its estimate for it (a capture's search: every lane batch is captured)
         split = chain and cfg.lane_overlap and cfg.lane_host_wait == "flags" and self.capturing
         waiting = False  # the ready write is enqueued and its wait not yet
+
+        def window():  # (3) the window attention's partial states, from the search's device rows when it ran
+            nonlocal q_off
+            if q_off is None:
+                q_off = q.index_select(0, tok)
+            return flash_window_parts(impl, q_off, kv_cache, plan, md, cfg.sink, plan.cache["block_size"])
         try:
             if self.capturing:  # the capture's plan holds the static budget targets (lane_batch.py, 3)
                 ckvs = [host.layer_kv(r, li) for r in plan.req_ids]
@@ -218,9 +224,7 @@ class HostStreamBatch:
             if call is None:
                 raise RuntimeError("the host tier's C++ extension is not available")
             if chain and not split:  # (3) the window first: in one chain it would otherwise wait for the host call
-                if q_off is None:
-                    q_off = q.index_select(0, tok)
-                parts = flash_window_parts(impl, q_off, kv_cache, plan, md, cfg.sink, plan.cache["block_size"])
+                parts = window()
             ready, done = self.event(li, 0), self.event(li, 1)
             ready.record(self.lane_stream)
             hs = self.host_stream
@@ -231,9 +235,7 @@ class HostStreamBatch:
                 waiting = True
                 if callable(sel.estimate):
                     sel.estimate = sel.estimate()
-                if q_off is None:
-                    q_off = q.index_select(0, tok)
-                parts = flash_window_parts(impl, q_off, kv_cache, plan, md, cfg.sink, plan.cache["block_size"])
+                parts = window()
                 call.launch_flags(hs.cuda_stream, arm=False, ops=2)
                 waiting = False
             elif cfg.lane_host_wait == "flags":  # (2) served by the extension's thread (csrc/flag_wait.cpp)
@@ -262,9 +264,7 @@ class HostStreamBatch:
                 call.launch_flags(self.host_stream.cuda_stream, arm=False, ops=2)
         t = plan.lap("select", t)
         if parts is None:
-            if q_off is None:
-                q_off = q.index_select(0, tok)
-            parts = flash_window_parts(impl, q_off, kv_cache, plan, md, cfg.sink, plan.cache["block_size"])
+            parts = window()
         t = plan.lap("window", t)
         if done is not None and not plan.failed:
             self.lane_stream.wait_event(done)
