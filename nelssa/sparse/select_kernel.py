@@ -18,16 +18,14 @@ centroids at ~170 GB/s and the sorts 4.3 ms of a 28 ms batch. Here the same resu
         floats, ``K``-ary: K-1 candidates per pass over the row, 8 passes for 31 bits) such that the
         clusters of mass >= T hold at least the request's budget of tokens (T = 0 when all of them
         hold fewer). The search starts from the row's own range (b keeps the smallest and the largest
-        non-empty mass), so close masses take fewer passes: 4-5 of the 8 for rows of near-uniform
-        masses (small logits), 7 for random unit-scale ones, none where every mass is the same float:
-        vLLM's dummy weights (uniform in +-1e-3) give logits of ~1e-8 and such rows, so a benchmark on them
-        times this kernel without its passes, a real model's with ~7; a pass over a
-        range already one wide is skipped. (Passes after the first two over only the clusters still in range, compacted,
-        made this kernel slower in the hol run, 211 against 132 us a layer; likely because the dummy
-        weights' near-uniform masses stay in one binade, so few clusters leave the range (not measured;
-        docs/results.md, 2026-12-06).) This replaces
-        sorting by mass: a cluster of mass > T is selected, and of those
-        of mass == T, in ascending id, each while the tokens before it (mass > T, then earlier ties)
+        non-empty mass), so close masses take fewer passes: 4-5 of the 8 for rows of near-uniform masses
+        (small logits), 7 for random unit-scale ones, none where every mass is the same float; a pass over
+        a range already one wide is skipped. vLLM's dummy weights (uniform in +-1e-3) give logits of ~1e-8
+        and such rows, so a benchmark on them times this kernel without its passes, a real model's with ~7.
+        (Passes after the first two over only the clusters still in range, compacted, made this kernel
+        slower in the hol run, 211 against 132 us a layer, likely as with such rows no cluster leaves the
+        range; docs/results.md, 2026-12-06.) This replaces sorting by mass: a cluster of mass > T is
+        selected, and of those of mass == T, in ascending id, each while the tokens before it (mass > T, then earlier ties)
         are fewer than the budget, which is exactly the torch path's rule (descending mass, ties by
         ascending id, keep while the tokens before are fewer than the budget);
      d. the selected ids, compacted in ascending order (a prefix sum per tile plus a carry), the row
