@@ -25,9 +25,9 @@ centroids at ~170 GB/s and the sorts 4.3 ms of a 28 ms batch. Here the same resu
         (Passes after the first two over only the clusters still in range, compacted, made this kernel
         slower in the hol run, 211 against 132 us a layer, likely as with such rows no cluster leaves the
         range; docs/results.md, 2026-12-06.) This replaces sorting by mass: a cluster of mass > T is
-        selected, and of those of mass == T, in ascending id, each while the tokens before it (mass > T, then earlier ties)
-        are fewer than the budget, which is exactly the torch path's rule (descending mass, ties by
-        ascending id, keep while the tokens before are fewer than the budget);
+        selected, and of those of mass == T, in ascending id, each while the tokens before it (mass > T,
+        then earlier ties) are fewer than the budget, which is exactly the torch path's rule (descending
+        mass, ties by ascending id, keep while the tokens before are fewer than the budget);
      d. the selected ids, compacted in ascending order (a prefix sum per tile plus a carry), the row
         padded with ``Cmax`` to Cmax entries, and the count;
      e. with ``ESTIMATE`` (``_weights_kernel``, grid B x H, launched with 3: a search that defers its
