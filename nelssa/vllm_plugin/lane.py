@@ -160,6 +160,7 @@ class Lane:
         self.drafts = Drafts(block_size) if cfg.lane_spec else None  # lane_spec.py
         self._logits_end = torch.cuda.Event() if self.cuda else None  # a replayed batch's end after its logits
         self._blas_warm = False
+        self._calls: list = []  # functions to run on the lane thread (_on_thread)
         self._thread = threading.Thread(target=self._loop, name="nelssa-lane", daemon=True)
         self._thread.start()
 
@@ -174,6 +175,7 @@ class Lane:
             self.dense.warm(WARM_SIZES, self.device)
             self._warm_kernels()
         self.stream.synchronize()
+        self._on_thread(self._warm_blas)  # its handles now, not in the first long token's gap
         pinned = self._reserve_buffers(max_len) if self.cfg.lane_host_calls else 0  # (lane_host.batch's)
         mod = ext()
         if self.batch_graphs is not None and self.cfg.lane_host_wait == "flags" and mod is not None:
@@ -369,8 +371,16 @@ class Lane:
         while True:
             with self._cv:
                 while not self._queue:
+                    if self._calls:
+                        break
                     self._check_drafts()
                     self._cv.wait(0.01 if self._checks else None)
+                calls, self._calls = self._calls, []
+            for call in calls:
+                call()
+            with self._cv:
+                if not self._queue:
+                    continue
                 end = time.monotonic() + self._gather_s
                 while self._gathering() and time.monotonic() < end:
                     self._cv.wait(max(0.0, end - time.monotonic()))
@@ -505,17 +515,37 @@ class Lane:
         buf, i = j.token_host
         return int(buf[i])
 
+    def _on_thread(self, fn) -> None:
+        """Run ``fn`` on the lane thread (between its batches) and wait for it; its exception is raised here.
+        For what is per thread (``_warm_blas``), called at engine start while no graph is being captured."""
+        done, err = threading.Event(), []
+
+        def call():
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+                err.append(e)
+            finally:
+                done.set()
+        with self._cv:
+            self._calls.append(call)
+            self._cv.notify_all()
+        done.wait()
+        if err:
+            raise err[0]
+
     def _warm_blas(self) -> None:
-        """CUDA, once, on the lane thread and stream before its first batch: cuBLAS and cuBLASLt handles
+        """CUDA, once, on the lane thread and stream (at engine start: ``warm``): cuBLAS and cuBLASLt handles
         are per thread and their workspaces per stream, made lazily by the first matmul. Made inside a
         capture (lane_batch.py) that fails with CUBLAS_STATUS_NOT_INITIALIZED (H200, run 15: every batch
         capture failed once the centroid search stopped running torch matmuls on this thread)."""
-        for dtype in {self.dtype, torch.float32}:
-            x = torch.ones(2, 16, dtype=dtype, device=self.device)
-            w = torch.ones(8, 16, dtype=dtype, device=self.device)
-            torch.nn.functional.linear(x, w)
-            torch.nn.functional.linear(x, w, torch.ones(8, dtype=dtype, device=self.device))
-            torch.bmm(x.unsqueeze(0), w.t().unsqueeze(0))
+        with torch.inference_mode(), torch.cuda.stream(self.stream):
+            for dtype in {self.dtype, torch.float32}:
+                x = torch.ones(2, 16, dtype=dtype, device=self.device)
+                w = torch.ones(8, 16, dtype=dtype, device=self.device)
+                torch.nn.functional.linear(x, w)
+                torch.nn.functional.linear(x, w, torch.ones(8, dtype=dtype, device=self.device))
+                torch.bmm(x.unsqueeze(0), w.t().unsqueeze(0))
         self.stream.synchronize()
         self._blas_warm = True
 
@@ -524,7 +554,7 @@ class Lane:
         argmax of the rows' logits: (on the device [n], on the host [n]) or None)."""
         n = len(jobs)
         with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()):
-            if self.cuda and not self._blas_warm:
+            if self.cuda and not self._blas_warm:  # (a lane not warmed at engine start)
                 self._warm_blas()
             if self.cuda:  # the steps that sampled the batch's tokens (one event per step)
                 for e in {id(j.event): j.event for j in jobs if j.event is not None}.values():
