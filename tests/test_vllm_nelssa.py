@@ -64,6 +64,12 @@ def test_exact_mixed_batch_chunked_prefill(mixed):
     assert on["host_totals"].get("lane_drafts:stale", 0) >= 1, on["host_totals"]
 
 
+def _window_blocks(bs: int) -> int:
+    """The most device blocks a host-backed request of MIXED holds: sink + recent + chunk + straddling block,
+    + one block for a chunk whose hand-off is in flight."""
+    return -(-16 // bs) + -(-(64 + 128 + bs) // bs) + 1 + 1
+
+
 def test_long_prompt_waits_out_of_the_steps_for_its_switch(mixed):
     """With the lane, a long prompt done prefilling is left out of the steps until its last segment's hand-off
     lets it switch (config switch_hold_s; scheduler._switch_waits): no step decodes it from its device blocks
@@ -81,6 +87,10 @@ def test_long_prompt_waits_out_of_the_steps_for_its_switch(mixed):
             assert on["steps"][i]["computed"][rid] == on["steps"][i - 1]["computed"][rid] >= n, (rid, i)
         # then it switched: decoded on (in the lane), to its last token
         assert len(on["results"][rid]["token_ids"]) == MAX_TOKENS[rid]
+        if held:  # seeded (below): its blocks below H back in vLLM's pool at its seed's step, not at its next
+            # allocation after the seed's lane batch (scheduler._seed_switch)
+            seeded = on["steps"][held[-1] + 1]
+            assert seeded["blocks"][rid] <= _window_blocks(on["block_size"]) < n // on["block_size"], (rid, seeded)
     # a held one's switch is a lane seed (scheduler._seed_switch), not a switch step on the device
     assert on["sched_counts"].get("switch_seeds", 0) >= 1, on["sched_counts"]
 
@@ -94,8 +104,7 @@ def test_device_blocks_given_back(mixed):
         return [s["blocks"][rid] for s in res["steps"] if rid in s["blocks"]]
 
     on7, off7 = held(on, "long7k"), held(off, "long7k")
-    # sink + recent + chunk + straddling block, + one block for a chunk whose hand-off is in flight
-    window = -(-16 // bs) + -(-(64 + 128 + bs) // bs) + 1 + 1
+    window = _window_blocks(bs)
     print(f"long7k device blocks (block size {bs}): NELSSA last {on7[-1]} max-after-prefill {max(on7[-20:])}; "
           f"NELSSA_OFF last {off7[-1]}")
     assert off7[-1] >= 7000 // bs

@@ -362,7 +362,11 @@ class NelssaScheduler(Scheduler):
         next position (its sampled token's) computed by the lane as a seed, as a window admission's first
         position on D (runner._nelssa_lane_seed) — so it never decodes from its device blocks, not even in a
         switch step; the lane's report makes the step that schedules it a lane row. False (a switch step
-        instead) while a step's output for it may be in flight."""
+        instead) while a step's output for it may be in flight.
+        Its blocks below H go back to vLLM's pool here, not at its next allocation (the step after its seed's
+        lane batch, which may capture: 0.2-0.3 s later on the H100, run 104): no step in flight computes it,
+        its hand-off has read them, and the lane reads its sink's and window's only (its seed names the blocks
+        before they are freed). So a long prompt waiting for device room is admitted that much sooner."""
         rid, pos = r.request_id, r.num_computed_tokens
         if r.status != RequestStatus.RUNNING or r.num_output_placeholders or len(r.all_token_ids) <= pos:
             return False
@@ -370,6 +374,7 @@ class NelssaScheduler(Scheduler):
         self._conn.seeds[rid] = (pos, h, int(r.all_token_ids[pos]), list(blocks[:pos // self.block_size + 1]))
         self._end_hold(rid, time.monotonic())
         self._use_host(rid, h)
+        self.kv_cache_manager.remove_skipped_blocks(rid, pos, r.num_prompt_tokens)  # (NelssaManager: [sink, H))
         self._busy.add(rid)
         self._count("switch_seeds")
         return True
