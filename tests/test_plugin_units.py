@@ -662,6 +662,38 @@ def test_lane_release_keeps_a_running_jobs_request_until_it_ends():
     assert lane.host.stats.totals.get("lane_finish_cancels") == 1
 
 
+def test_lane_runs_a_function_on_its_thread():
+    """Lane._on_thread (Lane.warm's cuBLAS handles, which are per thread): the function runs on the lane's own
+    thread between batches, the caller waits for it and gets its exception; a lane thread that does not run
+    it in time is an error, not a hang of the engine's start."""
+    import threading
+
+    from nelssa.vllm_plugin.lane import Lane
+
+    lane = Lane.__new__(Lane)  # the loop's bookkeeping only: no model
+    lane._cv, lane._queue, lane._calls, lane._checks = threading.Condition(), [], [], []
+    lane._check_drafts = lambda: None
+    lane._thread = threading.Thread(target=lane._loop, name="nelssa-lane", daemon=True)
+    lane._thread.start()
+    ran = []
+    lane._on_thread(lambda: ran.append(threading.current_thread().name))
+    lane._on_thread(lambda: ran.append(threading.current_thread().name))  # again, after the loop went back to waiting
+    assert ran == ["nelssa-lane", "nelssa-lane"]
+
+    def fails():
+        raise ValueError("no handle")
+    with pytest.raises(ValueError, match="no handle"):
+        lane._on_thread(fails)
+
+    idle = Lane.__new__(Lane)  # a lane whose thread is gone
+    idle._cv, idle._calls = threading.Condition(), []
+    idle._thread = threading.Thread(target=lambda: None)
+    idle._thread.start()
+    idle._thread.join()
+    with pytest.raises(RuntimeError, match="did not run .* within 0 s .alive: False"):
+        idle._on_thread(lambda: None, timeout_s=0.2)
+
+
 def test_lane_batch_graph_keys_windows_and_forget():
     """lane_batch.py's bookkeeping (its capture and replay need CUDA: the H200 exactness check runs them):
     the key changes exactly when a request's clusters are replaced (a commit), the window table is the

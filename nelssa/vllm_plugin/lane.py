@@ -515,9 +515,10 @@ class Lane:
         buf, i = j.token_host
         return int(buf[i])
 
-    def _on_thread(self, fn) -> None:
-        """Run ``fn`` on the lane thread (between its batches) and wait for it; its exception is raised here.
-        For what is per thread (``_warm_blas``), called at engine start while no graph is being captured."""
+    def _on_thread(self, fn, timeout_s: float = 120.0) -> None:
+        """Run ``fn`` on the lane thread (between its batches) and wait for it; its exception is raised here, and
+        so is a lane thread that does not run it within ``timeout_s``. For what is per thread (``_warm_blas``),
+        called at engine start while no graph is being captured."""
         done, err = threading.Event(), []
 
         def call():
@@ -530,7 +531,9 @@ class Lane:
         with self._cv:
             self._calls.append(call)
             self._cv.notify_all()
-        done.wait()
+        if not done.wait(timeout_s):
+            raise RuntimeError(f"NELSSA lane: its thread did not run {getattr(fn, '__name__', fn)} within "
+                               f"{timeout_s:.0f} s (alive: {self._thread.is_alive()})")
         if err:
             raise err[0]
 
