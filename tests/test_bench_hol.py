@@ -37,6 +37,10 @@ def test_hol_cpu_preset_is_well_formed_and_exact(tmp_path, cut_model_dir):
         assert sum(v["n"] for v in by_slot.values()) == r["long"][0]["tokens"] - 1, by_slot
         a, b = r["phases_s"]["long_prefill"]
         assert 0 < a <= b <= r["phases_s"]["long_decode"][1]
+        # its TTFT split at its first scheduling (the engine core's clock against the bench's: hol.scheduled_at)
+        x = r["long"][0]
+        assert x["admitted_s"] >= -0.01 and x["prefill_s"] > 0, x
+        assert abs(x["admitted_s"] + x["prefill_s"] - x["ttft_s"]) < 1e-6, x
         pa = r["preempted_at_s"]  # when the preemption counter rose (sampled): within the run's count
         assert all(t >= 0 and n > 0 for t, n in pa) and sum(n for _, n in pa) <= (r["preemptions"] or 0), pa
         f = {"on": "on_lane", "off": "off"}[mode]
@@ -106,6 +110,28 @@ def test_preemption_times_from_the_samples_and_in_the_report():
     md = "\n".join(hol_md({"on": {**ph, "preemptions": 31.0, "preempted_at_s": preempted_at(samples)},
                            "off": {**ph, "preemptions": 0.0, "preempted_at_s": []}}, "."))
     assert "Preemptions (on): 31; 3 at 0.50 s, 28 at 1.25 s" in md and "Preemptions (off)" not in md, md
+
+
+def test_long_ttft_split_at_the_first_scheduling_and_in_the_report():
+    """hol.scheduled_at / long_split: a long request's TTFT = its wait until vLLM first scheduled it + its
+    prefill, from the engine's scheduled_ts (its request stats) on the run's clock; None without stats (an
+    engine without log stats, a request without a token). The report shows the split per request."""
+    from types import SimpleNamespace
+
+    from nelssa.bench.hol import long_split, scheduled_at
+    from nelssa.bench.report import hol_md
+    assert scheduled_at(SimpleNamespace(metrics=SimpleNamespace(scheduled_ts=105.5)), 100.0) == 5.5
+    assert scheduled_at(SimpleNamespace(metrics=SimpleNamespace(scheduled_ts=0.0)), 100.0) is None  # not scheduled
+    assert scheduled_at(SimpleNamespace(metrics=None), 100.0) is None and scheduled_at(None, 100.0) is None
+    r = {"start": 20.0, "scheduled": 31.5, "stamps": [46.5, 46.6]}
+    assert long_split(r) == {"admitted_s": 11.5, "prefill_s": 15.0}
+    assert long_split({**r, "scheduled": None}) == {"admitted_s": None, "prefill_s": None}
+    assert long_split({**r, "stamps": []})["prefill_s"] is None
+    ph = {k: {"short_ttft_p99_ms": 1.0, "short_itl_p99_ms": 1.0} for k in ("before", "long_prefill", "long_decode")}
+    on = [{"id": "long1", "ttft_s": 26.5, **long_split(r)}]
+    off = [{"id": "long1", "ttft_s": 25.7, **long_split({**r, "scheduled": None})}]
+    md = "\n".join(hol_md({"on": {**ph, "long": on}, "off": {**ph, "long": off}}, "."))
+    assert "| on | long1 | 26.50 | 11.50 | 15.00 |" in md and "| off | long1 |" not in md, md
 
 
 def test_itl_by_block_slot_tells_a_blocks_first_slot_apart():

@@ -200,8 +200,9 @@ async def _run_mode(mode: str, sc: Scenario, model: str, out_dir: str = "") -> d
 
     async def one(r: dict, t0: float, rec: list | None) -> None:
         sp = SamplingParams(temperature=0, max_tokens=r["n_out"], ignore_eos=True)
-        start, stamps, ids, finish = time.perf_counter() - t0, [], [], None
+        start, stamps, ids, finish, last = time.perf_counter() - t0, [], [], None, None
         async for out in eng.generate({"prompt_token_ids": prompts[r["id"]]}, sp, request_id=r["id"]):
+            last = out
             o = out.outputs[0]
             now = time.perf_counter() - t0
             stamps.extend([now] * (len(o.token_ids) - len(ids)))
@@ -213,7 +214,7 @@ async def _run_mode(mode: str, sc: Scenario, model: str, out_dir: str = "") -> d
                     decoding.set()
         if rec is not None:
             rec.append({**r, "start": start, "stamps": stamps, "token_ids": ids, "finish_reason": finish,
-                        "n_prompt": len(prompts[r["id"]])})
+                        "n_prompt": len(prompts[r["id"]]), "scheduled": scheduled_at(last, t0)})
 
     # warm-up (not recorded): one short request through the whole path
     prompts["warmup"] = prompts[plan[0]["id"]]
@@ -285,6 +286,27 @@ def _worker(spec: dict) -> None:
 
 
 # ------------------------------------------------------------------ analysis
+
+def scheduled_at(out, t0: float) -> float | None:
+    """When vLLM first scheduled the request (its first prefill chunk), on the run's clock: the engine core's
+    ``scheduled_ts`` (time.monotonic there, in its own process) from the request's last output's stats
+    (AsyncLLM with log stats) less ``t0`` (time.perf_counter here: on Linux both are CLOCK_MONOTONIC, the
+    clock the hol stamps and the engine logs share). None without stats. A long request's TTFT is then its
+    wait for admission (NELSSA holds it outside vLLM's queue until it has room; stock vLLM queues it) plus its
+    prefill (``long_split``)."""
+    m = getattr(out, "metrics", None)
+    ts = getattr(m, "scheduled_ts", 0.0) if m is not None else 0.0
+    return ts - t0 if ts else None
+
+
+def long_split(r: dict) -> dict:
+    """A long request's TTFT split at its first scheduling (``scheduled_at``): admitted_s (arrival to first
+    scheduled) and prefill_s (to its first token); None where the request has no stamp or no stats."""
+    t = r.get("scheduled")
+    if t is None or not r["stamps"]:
+        return {"admitted_s": None, "prefill_s": None}
+    return {"admitted_s": t - r["start"], "prefill_s": r["stamps"][0] - t}
+
 
 def itl_by_phase(stamps: list[float], phases: dict) -> dict[str, dict]:
     """A long request's inter-token latency in each phase its tokens fall in (by the later token's time):
@@ -389,6 +411,7 @@ def analyse(run: dict) -> dict:
     out["long"] = [{"id": r["id"], "ttft_s": (r["stamps"][0] - r["start"]) if r["stamps"] else None,
                     "tpot_ms": 1e3 * (r["stamps"][-1] - r["stamps"][0]) / max(1, len(r["stamps"]) - 1)
                     if len(r["stamps"]) > 1 else None, "tokens": len(r["stamps"]), "finish": r["finish_reason"],
+                    **long_split(r),
                     "itl_ms_by_phase": itl_by_phase(r["stamps"], phases),
                     "itl_ms_by_block_slot": itl_by_block_slot(r["stamps"], r.get("n_prompt", r.get("n_in", 0)),
                                                               run.get("block_size"))}
@@ -632,6 +655,9 @@ def _table(summary: dict) -> str:
                         f"ITL p99 {f(late['short_itl_p99_ms'])} ms")
         rows.append(f"{mode:3} long {[(x['ttft_s'] and round(x['ttft_s'], 2), x['tpot_ms'] and round(x['tpot_ms'], 1)) for x in s['long']]}"
                     f"  tok/s {f(s['output_tok_s'])}  preemptions {s['preemptions']}  errors {s['errors']}")
+        if any(x.get("prefill_s") is not None for x in s["long"]):  # TTFT = admitted + prefill (long_split)
+            rows.append(f"{mode:3} long TTFT = admitted + prefill s: " + "  ".join(
+                f"{x['id']} {f(x.get('admitted_s'), 2)} + {f(x.get('prefill_s'), 2)}" for x in s["long"]))
         bb = s.get("lane_batch_ms_by_beside")
         if bb:  # the lane's batches by the requests of the steps beside them
             rows.append(f"{mode:3} lane batch ms by requests beside: " + "  ".join(

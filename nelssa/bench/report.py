@@ -131,6 +131,11 @@ def hol_md(h: dict, rel: str) -> list[str]:
             when = ", ".join(f"{n:.0f} at {t:.2f} s" for t, n in at[:12]) + (" ..." if len(at) > 12 else "") \
                 if at else "times not sampled"
             out.append(f"\nPreemptions ({mode}): {h[mode]['preemptions']:.0f}; {when}")
+    split = [(mode, x) for mode in result_modes(h) for x in h[mode].get("long", []) if x.get("prefill_s") is not None]
+    if split:  # hol.long_split: a long request's TTFT = its wait for its first scheduling + its prefill
+        out += ["", "| mode | long request | TTFT s | admitted after s | prefill s |", "|---|---|---|---|---|"]
+        out += [f"| {mode} | {x['id']} | {_f(x['ttft_s'], 2)} | {_f(x['admitted_s'], 2)} | {_f(x['prefill_s'], 2)} |"
+                for mode, x in split]
     rows = [(mode, x["id"], ph, v) for mode in result_modes(h) for x in h[mode].get("long", [])
             for ph, v in (x.get("itl_ms_by_phase") or {}).items()]
     if rows:
