@@ -41,7 +41,9 @@
 set -euo pipefail
 what=${1:?usage: gpu_hol.sh stage DIR... | bench [args]}
 shift
-export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ATTENTION_BACKEND=FLASH_ATTN
+# attention: vLLM's own choice on Hopper, FLASH_ATTN (NELSSA refuses any other at start: attention.wrap_impl);
+# vLLM 0.26 ignores VLLM_ATTENTION_BACKEND (it logged it as unknown), --attention-backend selects one
+export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
 export NELSSA_CACHE=/tmp/nelssa-cache PYTHONUNBUFFERED=1
 # grpcio/protobuf newer than the host's (grpc_wheels), nelssa-node (start_node); the extension once
 # shellcheck source=gpu_node.sh

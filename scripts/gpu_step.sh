@@ -5,7 +5,9 @@
 # in two parts + the gguf wheel) for calls 4-5. Results go to $OUT.
 set -euo pipefail
 n=${1:?usage: gpu_step.sh N}
-export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ATTENTION_BACKEND=FLASH_ATTN
+# attention: vLLM's own choice on Hopper, FLASH_ATTN (NELSSA refuses any other at start: attention.wrap_impl);
+# vLLM 0.26 ignores VLLM_ATTENTION_BACKEND (it logged it as unknown), --attention-backend selects one
+export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
 export NELSSA_CACHE=/tmp/nelssa-cache PYTHONUNBUFFERED=1
 case "$n" in
   1|2|3)

@@ -441,6 +441,22 @@ def test_lane_asks_for_hardware_queues_before_cuda_starts(monkeypatch):
     assert hardware_queues(lane) is None and os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "4"
 
 
+def test_an_attention_backend_nelssa_does_not_read_is_refused_with_the_fix():
+    """attention.wrap_impl: a backend whose paged KV NELSSA cannot read (vLLM may pick FlashInfer on some GPUs)
+    stops the engine's start with the argument that selects FLASH_ATTN, not later with a wrong answer."""
+    from types import SimpleNamespace
+
+    from nelssa.config import NelssaConfig
+    from nelssa.vllm_plugin.attention import wrap_impl
+    impl = type("FlashInferImpl", (), {"forward": lambda *a: None})()
+    with pytest.raises(ValueError, match="not FlashInferImpl .*--attention-backend FLASH_ATTN"):
+        wrap_impl(SimpleNamespace(impl=impl), NelssaConfig())
+    assert type(impl).__name__ == "FlashInferImpl" and not hasattr(impl, "nelssa_backend")  # left as it was
+    flash = type("FlashAttentionImpl", (), {"forward": lambda *a: None})()
+    wrap_impl(SimpleNamespace(impl=flash), NelssaConfig())
+    assert type(flash).__name__ == "NelssaFlashAttentionImpl" and flash.nelssa_kv_layout == "flash"
+
+
 def test_estimate_of_unselected_clusters():
     """Budget 100%: nothing to estimate (lse -inf). At 4% the estimate over the unselected clusters,
     merged with the exact selected part, is closer to dense attention than the selection alone."""

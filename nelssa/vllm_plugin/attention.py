@@ -422,7 +422,9 @@ def wrap_impl(layer, cfg: NelssaConfig) -> None:
     elif name == "FlashAttentionImpl":
         backend = layout = "flash"
     else:
-        raise ValueError(f"NELSSA supports the CPU_ATTN and FLASH_ATTN backends, not {name}")
+        raise ValueError(f"NELSSA supports the CPU_ATTN and FLASH_ATTN backends, not {name} (vLLM chose it for this "
+                         f"GPU and model): start vLLM with --attention-backend FLASH_ATTN (engine argument "
+                         f"attention_backend='FLASH_ATTN'; vLLM 0.26 ignores the VLLM_ATTENTION_BACKEND variable)")
     cls = type(f"Nelssa{name}", (type(impl),), {"forward": _forward})
     impl.__class__ = cls
     impl.nelssa_cfg = cfg
