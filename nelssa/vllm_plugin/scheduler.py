@@ -709,10 +709,10 @@ class NelssaScheduler(Scheduler):
     def _holding(self) -> tuple[bool, bool]:
         """Whether a long prompt host-backed by its length holds its prompt's device blocks -> (one still
         prefilling, one done and not given back yet: before its switch, the lane holding it out of the steps
-        meanwhile, and after it until the manager frees them at its next allocation,
+        meanwhile, and after a switch step until the manager frees them at its next allocation,
         NelssaManager.holds_host_range: with the lane, once its first token from the host tier is computed;
-        the CPU test of the hold saw 6 steps of it). A migration is not one: its own rule (``_migrate``)
-        decides under pressure."""
+        the CPU test of the hold saw 6 steps of it; a seeded switch frees them at once, ``_seed_switch``).
+        A migration is not one: its own rule (``_migrate``) decides under pressure."""
         prefilling = unswitched = False
         for rid in self._reserved:
             r = self.requests.get(rid)

@@ -120,7 +120,8 @@ class NelssaManager(FullAttentionManager):
     def holds_host_range(self, request_id: str) -> bool:
         """Whether the request still holds device blocks of its host range: before its H is in use, and after
         it until its next allocation frees them (``remove_skipped_blocks``: a lane request is scheduled
-        again only once the lane has computed its next position)."""
+        again only once the lane has computed its next position; a seeded switch calls it at once,
+        scheduler._seed_switch)."""
         h = self.host_ends.get(request_id, 0)
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
