@@ -710,6 +710,44 @@ def test_lane_runs_a_function_on_its_thread():
         idle._on_thread(lambda: None, timeout_s=0.2)
 
 
+def test_cpu_step_builds_its_attention_metadata_while_the_lane_waits():
+    """lane.py 5: vLLM's CPU attention builder reallocates the process's one kernel scratchpad, which the lane's
+    oneDNN linears write while they run (CI: heap corruption); the runner builds a step's attention metadata
+    under the lane's dense lock, so no lane thread can enter its dense parts meanwhile. CUDA and an engine
+    without the lane build it as vLLM does."""
+    import threading
+    from types import SimpleNamespace
+
+    from nelssa.vllm_plugin.runner import NelssaRunnerMixin
+
+    class Base:  # vLLM's runner: the build, with what another thread (the lane) can take meanwhile
+        def _build_attention_metadata(self, *args, **kwargs):
+            got = []
+
+            def lane():
+                got.append(self.lock.acquire(blocking=False))
+                if got[0]:
+                    self.lock.release()
+            t = threading.Thread(target=lane)
+            t.start()
+            t.join()
+            return args, kwargs, got[0]
+
+    class Runner(NelssaRunnerMixin, Base):
+        pass
+
+    r = Runner.__new__(Runner)
+    r.lock = threading.RLock()
+    r.nelssa_lane = SimpleNamespace(dense_lock=r.lock, cuda=False)
+    assert r._build_attention_metadata(1, x=2) == ((1,), {"x": 2}, False)  # the lane waits
+    assert r.lock.acquire(blocking=False)  # and gets it back after the build
+    r.lock.release()
+    r.nelssa_lane = SimpleNamespace(dense_lock=r.lock, cuda=True)
+    assert r._build_attention_metadata()[2] is True
+    r.nelssa_lane = None
+    assert r._build_attention_metadata()[2] is True
+
+
 def test_lane_batch_graph_keys_windows_and_forget():
     """lane_batch.py's bookkeeping (its capture and replay need CUDA: the H200 exactness check runs them):
     the key changes exactly when a request's clusters are replaced (a commit), the window table is the

@@ -225,6 +225,18 @@ def _context():
     return _ctx
 
 
+def _crash_trace() -> None:
+    """A crash of the run says where, in its log: every Python thread's stack (faulthandler) and the crashing
+    native thread's frames (csrc/fatal_trace.cpp), e.g. for a heap corruption's abort in a host thread."""
+    import faulthandler
+    faulthandler.enable()
+    try:  # the extension itself, not nelssa._ext.ext(): that one also sizes the host pool from the config
+        from nelssa import _C  # type: ignore[attr-defined]
+    except ImportError:
+        return
+    _C.install_fatal_trace()
+
+
 def _child(spec_json: str, env: dict, out_path: str) -> None:
     """A run in a process forked from the fork server: own session (killable as a group), the caller's
     environment, stdout/stderr to ``out_path + '.log'``, the result as JSON in ``out_path``."""
@@ -233,6 +245,7 @@ def _child(spec_json: str, env: dict, out_path: str) -> None:
     os.dup2(fd, 1), os.dup2(fd, 2)
     os.environ.clear()
     os.environ.update(env)
+    _crash_trace()
     res = run(json.loads(spec_json))
     with open(out_path + ".tmp", "w") as f:
         json.dump(res, f)

@@ -33,11 +33,14 @@ and every short row of the step waits with it. With it:
      pad slot -1 (the lane wrote p), so the step runs like any decode step — on its full CUDA graph
      when no row of it is split. Its logits are the lane's (NelssaLlamaForCausalLM.compute_logits),
      so vLLM samples it like any row (sampling parameters, logprobs, stop conditions). Then 2 again.
-  5. CPU: vLLM's CPU linear layers run oneDNN through handles that are not safe to use from two
-     threads at once (they share one scratchpad), so the lane's dense parts and the step's forward
-     and logits (its lm_head is such a linear) take turns (``dense_lock``; CUDA needs none). Without
-     the logits in it, a lane batch's o_proj/MLP and the step's lm_head overlapped: NaN in both (seen
-     on an Intel Xeon: lane requests failed, short ones answered garbage).
+  5. CPU: vLLM's CPU kernels share one process-wide scratchpad (its oneDNN linear layers, its
+     attention), and the CPU attention builder reallocates it (frees the old buffer) when a step needs
+     more; so the lane's dense parts and the step's attention-metadata build, forward and logits (its
+     lm_head is such a linear) take turns (``dense_lock``; CUDA needs none). Without the logits in it,
+     a lane batch's o_proj/MLP and the step's lm_head overlapped: NaN in both (seen on an Intel Xeon:
+     lane requests failed, short ones answered garbage); without the metadata build, a lane batch's
+     lm_head wrote into the freed buffer: heap corruption (CI: "malloc(): unsorted double linked list
+     corrupted"; with glibc's malloc checks, a SIGSEGV in the lane's lm_head on the first run).
   6. A request finished while its job runs: the job is cancelled and the step goes on (``release``);
      the scheduler keeps the request's blocks out of vLLM's pool, and the runner its host KV, until the
      job has ended (NelssaScheduler._free_request_blocks; reported through the connector as

@@ -241,6 +241,16 @@ class NelssaRunnerMixin:
             got = plan.cache["lane_index"] = (d[:n], d[n:])
         return got
 
+    def _build_attention_metadata(self, *args, **kwargs):
+        """CPU lane: vLLM's CPU attention builder sizes the process's one kernel scratchpad for the step
+        (``cpu_attn_get_scheduler_metadata`` reallocates it, freeing the old buffer), the buffer the lane's
+        oneDNN linears write while they run; so the step builds it under the dense lock (lane.py, 5)."""
+        lane = self.nelssa_lane
+        if lane is None or lane.cuda:
+            return super()._build_attention_metadata(*args, **kwargs)
+        with lane.dense_lock:
+            return super()._build_attention_metadata(*args, **kwargs)
+
     def _model_forward(self, *args, **kwargs):
         so, step = self._nelssa_so, self._nelssa_step
         if self.nelssa_host is None or so is None or step is None:  # stock, or a warm-up/profile run
