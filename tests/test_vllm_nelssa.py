@@ -95,6 +95,16 @@ def test_long_prompt_waits_out_of_the_steps_for_its_switch(mixed):
     assert on["sched_counts"].get("switch_seeds", 0) >= 1, on["sched_counts"]
 
 
+def test_no_request_is_preempted_with_nelssa(mixed):
+    """A long prompt is admitted only where its blocks fit beside the running requests and the ones in vLLM's
+    waiting queues (scheduler._queued_growth): vLLM admits those first and in the same step, before the
+    prompt's reserve is in its watermark, and their later chunks allocate unchecked. Without them counted,
+    long5k was admitted beside the waiting 1,950-token "grows_aborted" and preempted after 3,641 of its
+    5,000 tokens (2 runs of 2), its prefill computed again."""
+    on, _ = mixed
+    assert on["preemptions"] == 0 and not any(on["preempted"].values()), on["preempted"]
+
+
 def test_device_blocks_given_back(mixed):
     """A 7K-token long request holds only window + chunk blocks once its prompt is on the host."""
     on, off = mixed

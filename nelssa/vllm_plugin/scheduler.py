@@ -538,16 +538,30 @@ class NelssaScheduler(Scheduler):
 
     def _device_room(self, request: Request) -> bool:
         """The prompt's blocks (a window admission's: its window's) fit in the free blocks beside what
-        running requests need to finish and what running long prefills still have to allocate (a deferred
-        prompt may be admitted beside one)."""
+        running requests need to finish, what running long prefills still have to allocate (a deferred
+        prompt may be admitted beside one) and what the requests in vLLM's waiting queues take to their ends
+        (``_queued_growth``)."""
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
         need = self._prefill_reserve()
         h0 = self._window_end(request)
         if h0:
             first, last = self.nelssa_policy.freed_blocks(h0)
             need -= last - first
-        need += self._device_growth()
+        need += self._device_growth() + self._queued_growth()
         return self._blocks(request.num_prompt_tokens) + need <= free
+
+    def _queued_growth(self) -> int:
+        """Blocks the requests in vLLM's waiting queues allocate up to their ends once admitted. vLLM admits
+        them (first come, first served) ahead of a long prompt admitted now and in the same step, before that
+        prompt's reserve is in the watermark (``_prefill_reserve`` counts from its first scheduling), and their
+        later chunks allocate unchecked: without them counted, a long prompt admitted beside them ran out of
+        blocks mid-prefill and vLLM preempted it (the CPU engine test: long5k after 3,641 of its 5,000 tokens)."""
+        n = 0
+        for q in (self.waiting, self.skipped_waiting):
+            for r in q:
+                have = len(self.kv_cache_manager.get_block_ids(r.request_id)[0])
+                n += max(0, self._blocks(self._end(r)) - have)
+        return n
 
     def _admit_held(self) -> None:
         """Admit held long requests in arrival order. The first one without host or device room holds
