@@ -105,6 +105,28 @@ def test_no_request_is_preempted_with_nelssa(mixed):
     assert on["preemptions"] == 0 and not any(on["preempted"].values()), on["preempted"]
 
 
+def test_a_held_long_prompt_starts_in_the_step_that_seeds_the_one_before():
+    """Two long prompts whose blocks do not fit together (40 + 36 of 69): B is held until A gives its prompt's
+    blocks back. With the lane A's switch is a seed (scheduler._seed_switch), which frees them in the scheduling
+    of its step, and B is admitted in that same scheduling (``schedule``: ``_admit_held`` again after a seed),
+    so its first chunk runs in that step, not the next. Both answer NELSSA_OFF's tokens; none is preempted."""
+    spec = {"model": CUT, "nelssa": {**NELSSA, "segment": 2048, "tail_segment": 512, "lane": True},
+            "requests": [{"id": "A", "text_tokens": 5000, "max_tokens": 16},
+                         {"id": "B", "text_tokens": 4500, "offset": 30000, "max_tokens": 16}],
+            "engine": {"num_gpu_blocks_override": 70, "max_num_batched_tokens": 1024}}
+    on, off = both(spec)
+    steps = on["steps"]
+    held = [i for i, st in enumerate(steps) if "A" in st["switch_held"]]
+    assert held and on["sched_counts"].get("switch_seeds", 0) == 2, (held, on["sched_counts"])
+    seed = held[-1] + 1  # A's seed: its blocks below H back at once
+    assert steps[seed]["blocks"]["A"] <= _window_blocks(on["block_size"]) < steps[seed - 1]["blocks"]["A"], steps[seed]
+    first_b = min(i for i, st in enumerate(steps) if st["computed"].get("B", 0) > 0)
+    assert first_b == seed, (first_b, seed, [st["computed"] for st in steps[:seed + 2]])
+    for rid in ("A", "B"):
+        assert on["results"][rid]["token_ids"] == off["results"][rid]["token_ids"], rid
+    assert on["preemptions"] == 0, on["preempted"]
+
+
 def test_device_blocks_given_back(mixed):
     """A 7K-token long request holds only window + chunk blocks once its prompt is on the host."""
     on, off = mixed

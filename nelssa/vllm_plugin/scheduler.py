@@ -329,10 +329,12 @@ class NelssaScheduler(Scheduler):
             return 0
         return self.nelssa_policy.goal(a, a)
 
-    def _switch(self) -> None:
+    def _switch(self) -> bool:
         """Set H for host-backed requests whose completed hand-offs now cover their anchor's range
-        (with the lane a first H is ``switching`` for one scheduled step, then in use)."""
+        (with the lane a first H is ``switching`` for one scheduled step, then in use) -> whether one was
+        seeded (``_seed_switch``: its blocks below H are free now)."""
         pol = self.nelssa_policy
+        seeded = False
         for rid in self._switched:
             h = self._switching.pop(rid, 0)
             if h and rid in self.requests:
@@ -352,10 +354,12 @@ class NelssaScheduler(Scheduler):
                 if h > self._host_end.get(rid, 0):
                     if not self._host_end.get(rid) and self.nelssa.lane:
                         if rid in self._prefilled and self._seed_switch(r, h):
+                            seeded = True
                             continue  # held for its switch: its next position is the lane's, no switch step
                         self._switching[rid] = h  # its switch step: computed on the device, then the lane
                         continue
                     self._use_host(rid, h)
+        return seeded
 
     def _seed_switch(self, r: Request, h: int) -> bool:
         """A long prompt held for its switch (``_switch_waits``) whose hand-off is done: H in use now and its
@@ -765,7 +769,8 @@ class NelssaScheduler(Scheduler):
         self._last_schedule = now
         self._admit_held()
         self._migrate()
-        self._switch()
+        if self._switch() and self._held:  # a seed gave its prompt's blocks back: a held prompt may fit now,
+            self._admit_held()             # in this step rather than the next
         # before the recall: a lane request is busy from its scheduling until _lane_ready sees its next
         # position computed, so with the recall first it never saw one (in-process lane, async scheduling:
         # H100 growth run of 2026-12-05, 17 migrations, 0 recalls, 16 requests decoding from the host tier
