@@ -162,7 +162,7 @@ def test_grown_request_migrates_without_recompute(mixed):
     held_on = [s["blocks"]["grows"] for s in on["steps"] if "grows" in s["blocks"]]
     held_off = [s["blocks"]["grows"] for s in off["steps"] if "grows" in s["blocks"]]
     full = -(-(1950 + 250 - 1) // bs)
-    window = -(-16 // bs) + -(-(64 + 128 + bs) // bs) + 1 + 1
+    window = _window_blocks(bs)
     print(f"grows device blocks (block size {bs}): NELSSA max {max(held_on)} last {held_on[-1]}; "
           f"NELSSA_OFF last {held_off[-1]}")
     assert held_off[-1] >= full - 1
