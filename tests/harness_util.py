@@ -5,9 +5,9 @@ import socket
 from nelssa.bench.harness import run_subprocess
 
 
-def run_harness(spec: dict, env: dict | None = None, timeout: int = 1500) -> dict:
+def run_harness(spec: dict, env: dict | None = None, timeout: int = 1500, log_path: str | None = None) -> dict:
     try:
-        return run_subprocess(spec, env, timeout)
+        return run_subprocess(spec, env, timeout, log_path=log_path)
     except RuntimeError as e:  # a failed engine run is a test failure with its stderr
         raise AssertionError(str(e)) from None
 

@@ -4,6 +4,8 @@ memory, preemption, lifecycle, errors, accuracy. Each engine runs in a fresh sub
 (nelssa.models.prepare_smollm2_cut: every layer runs the same code, at ~1/4 of the CPU time); the
 needle test runs the whole model."""
 
+import re
+
 import pytest
 
 from harness_util import both, run_harness
@@ -342,18 +344,20 @@ def test_short_requests_admitted_beside_a_long_prefill_do_not_crowd_it_out():
     assert {k: len(r["token_ids"]) for k, r in on["results"].items()} == {r["id"]: r["max_tokens"] for r in reqs}
 
 
-def test_long_context_is_not_the_preemption_victim():
+def test_long_context_is_not_the_preemption_victim(tmp_path):
     """A 3,000-token request kept on the device (opted out of the host tier) decodes beside four short
     ones in a pool of 35 blocks of 128 that fills when the short ones grow into their third block. vLLM's
     FCFS victim is the running list's last request, here the long one: the baseline preempts it and
     recomputes its 3,000 tokens. NELSSA spares requests decoding with >= T_input tokens of context
-    (policy.Policy.spared): a short one is preempted instead, the long one never; the same tokens."""
+    (policy.Policy.spared): a short one is preempted instead, the long one never; the same tokens. Each
+    preemption under NELSSA is logged with the request vLLM allocated for and the step's reserves."""
     shorts = [{"id": f"s{i}", "text_tokens": 250, "offset": 40000 + 5000 * i, "max_tokens": 40} for i in range(4)]
     spec = {"model": CUT, "nelssa": NELSSA,
             "engine": {"num_gpu_blocks_override": 35, "max_num_batched_tokens": 1024, "max_model_len": 4096},
             "requests": shorts + [{"id": "long", "text_tokens": 3000, "max_tokens": 40,
                                    "extra_args": {"nelssa_offload": False}}]}
-    on, off = both(spec)
+    log = tmp_path / "on.log"
+    on, off = run_harness({**spec, "mode": "on"}, log_path=str(log)), run_harness({**spec, "mode": "off"})
     print(f"preempted: baseline {off['preempted']}, NELSSA {on['preempted']}")
     assert on["block_size"] == 128, on["block_size"]  # the pool's arithmetic above
     assert off["preempted"]["long"] >= 1  # vLLM's own order: the long one goes (the test's premise)
@@ -361,6 +365,11 @@ def test_long_context_is_not_the_preemption_victim():
     assert sum(on["preempted"][s["id"]] for s in shorts) >= 1  # the pool is as tight with NELSSA
     assert tokens(on) == tokens(off)
     assert on["host_totals"].get("long_requests", 0) == 0  # opted out: nothing went to the host tier
+    said = [ln for ln in log.read_text().splitlines() if "NELSSA: vLLM preempts" in ln]
+    print("\n".join(said))
+    assert len(said) == sum(on["preempted"].values()), said  # every one, each naming victim and requester
+    assert all(re.search(r"preempts s\d-\w+ \(\d+/\d+ tokens computed, \d+ blocks\) for (s\d|long)-\w+ \(\d+/\d+ tokens", ln)
+               and "free blocks" in ln and "watermark" in ln for ln in said), said
 
 
 def test_lane_requests_count_against_max_num_seqs():

@@ -100,6 +100,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import sys
 import time
 from collections import deque
 
@@ -119,6 +120,7 @@ from nelssa.vllm_plugin.policy import (attention_balance, blocks_to_finish, bloc
 from nelssa.vllm_plugin.spec import NelssaSpec
 
 log = logging.getLogger("vllm.nelssa")
+PREEMPTION_LOG_LINES = 40  # per engine: the first ones say why (_log_preemption)
 
 
 class NelssaScheduler(Scheduler):
@@ -160,6 +162,8 @@ class NelssaScheduler(Scheduler):
         # the migration rule's clock (policy.ends_within_handoff): the engine's step interval and a hand-off's
         # time, start to switch, each a moving average (None until measured)
         self._step_s: float | None = None
+        self._step_reserve: tuple | None = None  # this scheduling's free blocks and reserves (_log_preemption)
+        self._preemptions_logged = 0
         self._last_schedule: float | None = None
         self._handoff_s: float | None = None
         if cfg is None:
@@ -526,6 +530,8 @@ class NelssaScheduler(Scheduler):
 
     def _preempt_request(self, request: Request, timestamp: float) -> None:
         rid = request.request_id
+        if self.nelssa is not None:
+            self._log_preemption(request)
         self._done.pop(rid, None)
         self._busy.discard(rid)
         self._switching.pop(rid, None)
@@ -539,6 +545,31 @@ class NelssaScheduler(Scheduler):
         if self._anchor.pop(rid, None) is not None and not self._long(request):  # it comes back as a short one
             self._reserved.pop(rid, None)
         return super()._preempt_request(request, timestamp)
+
+    def _log_preemption(self, victim: Request) -> None:
+        """A preemption under NELSSA is a failure of its admission (the reserves above exist so that vLLM never
+        preempts): say what the step's reserves were, so the run that shows one shows why. The request vLLM was
+        allocating for is read from vLLM's schedule loop (its local ``request``), for this line only."""
+        self._preemptions_logged += 1
+        if self._preemptions_logged > PREEMPTION_LOG_LINES:
+            return
+        caller = sys._getframe(2).f_locals.get("request")
+        who = (f"{caller.request_id} ({caller.num_computed_tokens}/{caller.num_prompt_tokens} tokens computed, "
+               f"{len(self.kv_cache_manager.get_block_ids(caller.request_id)[0])} blocks)"
+               if isinstance(caller, Request) else "?")
+        free0, prefill, growth, prefilling, unswitched, chunked = self._step_reserve or (-1, 0, 0, False, False, 0)
+        kinds = {"prefilling": 0, "decoding": 0}
+        for r in self.running:
+            kinds["prefilling" if r.num_computed_tokens < r.num_prompt_tokens else "decoding"] += 1
+        log.warning(
+            "NELSSA: vLLM preempts %s (%d/%d tokens computed, %d blocks) for %s; free blocks %d now, %d at this "
+            "scheduling's start; watermark %d (vLLM's %d + long prefills %d + growth %d; prefilling %s, holding %s, "
+            "chunk budget %d, step %.1f ms); running %s, waiting %d, held %d, busy %d",
+            victim.request_id, victim.num_computed_tokens, victim.num_prompt_tokens,
+            len(self.kv_cache_manager.get_block_ids(victim.request_id)[0]), who,
+            self.kv_cache_manager.block_pool.get_num_free_blocks(), free0, self.kv_cache_manager.watermark_blocks,
+            self.kv_cache_manager.watermark_blocks - prefill - growth, prefill, growth, prefilling, unswitched,
+            chunked, (self._step_s or 0.0) * 1e3, kinds, len(self.waiting), len(self._held), len(self._busy))
 
     def _device_room(self, request: Request) -> bool:
         """The prompt's blocks (a window admission's: its window's) fit in the free blocks beside what
@@ -792,8 +823,9 @@ class NelssaScheduler(Scheduler):
         # and until their switch: a long prompt keeps its blocks in its hold (H200 hol run 99: 31 preemptions
         # right after the first prompt's last chunk, with the reserve gone with the prefill)
         prefill, (prefilling, unswitched) = self._prefill_reserve(), self._holding()
-        kvm.watermark_blocks = base + prefill + (
-            self._growth_reserve(thr, chunked, prefilling or unswitched) if prefill or unswitched else 0)
+        growth = self._growth_reserve(thr, chunked, prefilling or unswitched) if prefill or unswitched else 0
+        kvm.watermark_blocks = base + prefill + growth
+        self._step_reserve = (kvm.block_pool.get_num_free_blocks(), prefill, growth, prefilling, unswitched, chunked)
         # the list vLLM schedules: lane requests left out (not scheduled, nor preempted, in this step;
         # still counted against max_num_seqs, so vLLM admits no more than it has room for — on a P/D
         # decode instance with 128 running it had admitted past it and failed its own assertion);
