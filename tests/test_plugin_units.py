@@ -1335,3 +1335,20 @@ def test_context_buckets_of_the_hand_off_metrics():
     c = {"nelssa:migrations_by_context_total{8K-16K}": 2.0, "nelssa:migration_by_context_seconds_total{8K-16K}": 3.0,
          "nelssa:migrations_by_context_total{<4K}": 1.0, "nelssa:migration_by_context_seconds_total{<4K}": 0.5}
     assert handoff_by_context(c) == [("<4K", 1.0, 0.5), ("8K-16K", 2.0, 3.0)]
+
+
+def test_a_hold_is_counted_in_the_steps_after_the_prefill():
+    """scheduler._hold_step_s: the growth reserve counts a long prompt's hold in the interval of the steps
+    without a long-prefill chunk (the hold's own: decodes and short prompts) when that is the shorter one;
+    the engine's interval until one is measured (H100 hol run 107: 150-340-ms prefill steps counted a 2-s hold
+    as ~10 steps, the hold ran ~25 and vLLM preempted 15 requests)."""
+    from nelssa.vllm_plugin.scheduler import NelssaScheduler
+    s = NelssaScheduler.__new__(NelssaScheduler, vllm_config=None)
+    s._step_s, s._decode_step_s = 0.2, None
+    assert s._hold_step_s() == 0.2
+    s._decode_step_s = 0.025
+    assert s._hold_step_s() == 0.025
+    from nelssa.vllm_plugin.policy import switch_steps
+    assert switch_steps(2.0, s._hold_step_s()) == 80 > switch_steps(2.0, s._step_s) == 10
+    s._step_s = 0.02  # a run of decode steps pulled the engine's below
+    assert s._hold_step_s() == 0.02

@@ -162,6 +162,10 @@ class NelssaScheduler(Scheduler):
         # the migration rule's clock (policy.ends_within_handoff): the engine's step interval and a hand-off's
         # time, start to switch, each a moving average (None until measured)
         self._step_s: float | None = None
+        # ... and the interval after a scheduling without a long-prefill chunk: the steps a long prompt's hold
+        # spans are those (_growth_reserve), several times faster than its prefill's (H100 hol run 107)
+        self._decode_step_s: float | None = None
+        self._chunk_step = False                 # the last scheduling ran a long-prefill chunk
         self._step_reserve: tuple | None = None  # this scheduling's free blocks and reserves (_log_preemption)
         self._preemptions_logged = 0
         self._last_schedule: float | None = None
@@ -564,12 +568,13 @@ class NelssaScheduler(Scheduler):
         log.warning(
             "NELSSA: vLLM preempts %s (%d/%d tokens computed, %d blocks) for %s; free blocks %d now, %d at this "
             "scheduling's start; watermark %d (vLLM's %d + long prefills %d + growth %d; prefilling %s, holding %s, "
-            "chunk budget %d, step %.1f ms); running %s, waiting %d, held %d, busy %d",
+            "chunk budget %d, step %.1f ms, %.1f ms after one without a long chunk); running %s, waiting %d, held %d, "
+            "busy %d",
             victim.request_id, victim.num_computed_tokens, victim.num_prompt_tokens,
             len(self.kv_cache_manager.get_block_ids(victim.request_id)[0]), who,
             self.kv_cache_manager.block_pool.get_num_free_blocks(), free0, self.kv_cache_manager.watermark_blocks,
             self.kv_cache_manager.watermark_blocks - prefill - growth, prefill, growth, prefilling, unswitched,
-            chunked, (self._step_s or 0.0) * 1e3, kinds, len(self.waiting), len(self._held), len(self._busy))
+            chunked, (self._step_s or 0.0) * 1e3, (self._decode_step_s or 0.0) * 1e3, kinds, len(self.waiting), len(self._held), len(self._busy))
 
     def _device_room(self, request: Request) -> bool:
         """The prompt's blocks (a window admission's: its window's) fit in the free blocks beside what
@@ -787,8 +792,18 @@ class NelssaScheduler(Scheduler):
                      for r in self._long_prefilling()), default=0)
         if holding:
             cfg = self.nelssa
-            steps += switch_steps(cfg.switch_hold_s if cfg.lane else (self._handoff_s or 0.0), self._step_s)
+            steps += switch_steps(cfg.switch_hold_s if cfg.lane else (self._handoff_s or 0.0), self._hold_step_s())
         return self._device_growth(steps, self._reserved) if steps else 0
+
+    def _hold_step_s(self) -> float | None:
+        """The step interval a long prompt's hold is counted in (``_growth_reserve``): the shorter of the engine's
+        and the one after schedulings without a long-prefill chunk. The hold follows the prefill, and its steps
+        are decodes and short prompts: with ``long_chunk_solo`` 4096 the prefill's steps took 150-340 ms on the
+        H100, so the hold's bound (2 s) counted ~10 steps, and the requests decoding beside it grew past the
+        reserve in the ~25 steps the hold ran (hol run 107: 15 preemptions, 0.2 s into the first prompt's
+        hold)."""
+        d = self._decode_step_s
+        return self._step_s if d is None or (self._step_s is not None and self._step_s < d) else d
 
     def schedule(self, *args, **kwargs):
         if self.nelssa is None:
@@ -797,6 +812,8 @@ class NelssaScheduler(Scheduler):
         if self._last_schedule is not None and now - self._last_schedule < 1.0:  # not across an idle engine
             dt = now - self._last_schedule
             self._step_s = dt if self._step_s is None else 0.9 * self._step_s + 0.1 * dt
+            if not self._chunk_step:
+                self._decode_step_s = dt if self._decode_step_s is None else 0.9 * self._decode_step_s + 0.1 * dt
         self._last_schedule = now
         self._admit_held()
         self._migrate()
@@ -849,8 +866,10 @@ class NelssaScheduler(Scheduler):
                 visible = spared + [r for r in visible if id(r) not in first]
             self.running = visible
             self.max_num_running_reqs = max(0, max_running - len(hidden))
+        chunking = self._long_prefilling() if self._reserved else ()
         try:
             out = super().schedule(*args, **kwargs)
+            self._chunk_step = any(r.request_id in out.num_scheduled_tokens for r in chunking)
         finally:
             kvm.watermark_blocks, sc.long_prefill_token_threshold = base, thr
             self.max_num_running_reqs, self.max_num_scheduled_tokens = max_running, max_tokens
