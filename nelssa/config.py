@@ -167,9 +167,10 @@ class NelssaConfig:
                                   # first long TPOT 60.6 -> 52.2 ms, the second long TTFT 26.67 -> 26.87 s
     long_chunk_solo: int = -1     # long_chunk while no long request decodes from the host tier: a larger chunk
                                   # prefills a first long prompt sooner, and no long request's tokens decode
-                                  # beside its longer steps. -1: max(2048, long_chunk) with long_chunk, else 0;
+                                  # beside its longer steps. -1: max(4096, long_chunk) with long_chunk, else 0;
                                   # 0: long_chunk everywhere (H100 hol runs 91/92: the long TTFTs 13.04 / 27.81 ->
-                                  # 11.30 / 26.67 s; stock 13.93 / 26.78)
+                                  # 11.30 / 26.67 s at 2048; stock 13.93 / 26.78. Runs 106/108, one H100:
+                                  # 11.42 / 27.16 s at 2048, 9.79 / 25.01 at 4096; stock 13.99 / 27.14, 13.69 / 26.34)
     short_chunk: int = 2048       # short-prompt tokens a step adds to its decodes and long chunks while a long
                                   # request is resident and short requests decode (the step budget); 0: long_chunk.
                                   # 2048 takes two 1K prompts arriving together in one step (H100 hol runs 70/73:
@@ -328,10 +329,10 @@ class NelssaConfig:
 
     @property
     def chunk_solo(self) -> int:
-        """``long_chunk_solo`` in effect: -1 is max(2048, long_chunk) with a ``long_chunk``, else 0."""
+        """``long_chunk_solo`` in effect: -1 is max(4096, long_chunk) with a ``long_chunk``, else 0."""
         if self.long_chunk_solo >= 0:
             return self.long_chunk_solo
-        return max(2048, self.long_chunk) if self.long_chunk else 0
+        return max(4096, self.long_chunk) if self.long_chunk else 0
 
     @property
     def tail_piece(self) -> int:

@@ -336,11 +336,11 @@ def test_config_sources_and_errors():
     assert load_config(None, env={"NELSSA_SHORT_CHUNK": "512"}).short_chunk == 512  # the step budget's own cap
     assert load_config(None, env={"NELSSA_LONG_CHUNK_SOLO": "4096"}).chunk_solo == 4096
     assert load_config(None, env={"NELSSA_TAIL_SEGMENT": "1024"}).tail_piece == 1024
-    # the defaults in effect (-1): a solo chunk of max(2048, long_chunk), none without long_chunk; 2K tail
+    # the defaults in effect (-1): a solo chunk of max(4096, long_chunk), none without long_chunk; 2K tail
     # pieces where 2048 divides a longer segment, whole segments elsewhere; 0 turns either off
     d = load_config(None, env={})
-    assert (d.long_chunk, d.chunk_solo, d.tail_piece) == (768, 2048, 2048)
-    assert load_config({"nelssa": {"long_chunk": 4096}}, env={}).chunk_solo == 4096
+    assert (d.long_chunk, d.chunk_solo, d.tail_piece) == (768, 4096, 2048)
+    assert load_config({"nelssa": {"long_chunk": 6144}}, env={}).chunk_solo == 6144
     assert load_config({"nelssa": {"long_chunk": 0}}, env={}).chunk_solo == 0
     assert load_config({"nelssa": {"long_chunk_solo": 0}}, env={}).chunk_solo == 0
     pieces = [load_config({"nelssa": {"segment": s}}, env={}).tail_piece for s in (2048, 4096, 6000, 16384)]

@@ -449,7 +449,7 @@ def test_step_budget_leaves_long_prompt_chunks_alone():
     ``long_chunk``), together more than ``long_chunk`` (a first version made them share it; the H200's
     no-pressure check prefills four deferred 16K prompts at once). Each chunk, the first included (it
     had vLLM's threshold alone: 1,023 tokens here), within ``long_chunk``. Same tokens as NELSSA_OFF. No solo
-    chunk (``long_chunk_solo`` 0): with no long request on the host tier, its default (2048) would size them."""
+    chunk (``long_chunk_solo`` 0): with no long request on the host tier, its default (4096) would size them."""
     spec = {"model": CUT, "nelssa": {**NELSSA, "long_chunk": 512, "long_chunk_solo": 0, "defer_below": 8000},
             "engine": {"num_gpu_blocks_override": 80, "max_num_batched_tokens": 1024},
             "requests": [{"id": "s", "text_tokens": 100, "offset": 40000, "max_tokens": 40},

@@ -27,7 +27,7 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   long_prefill_token_threshold for that step), so a step with a long-prefill chunk costs about the
   same at 1K and at 100K tokens of context, and short requests' next token never waits for a
   chunk's quadratic attention. Without short decodes vLLM's own threshold applies. While no long
-  request decodes from the host tier, ``long_chunk_solo`` (NelssaConfig.chunk_solo: 2048 by default)
+  request decodes from the host tier, ``long_chunk_solo`` (NelssaConfig.chunk_solo: 4096 by default)
   takes ``long_chunk``'s place (policy.chunk_budget): no long request's token waits for those longer
   steps.
 * Step budget: while a long request is resident and short requests decode, a step adds at most
