@@ -55,3 +55,5 @@ for p in $parts; do
 done
 echo "  bash scripts/gpu_hol.sh stage $last && <the run>    carry [\"$last\", \".ninja\", \".gpumodel\"$( \
   [ -d .gpubuild ] && echo ', ".gpubuild"')]"
+echo "then, on the same warm machine, what needs gRPC (check, node; .wheels does not fit in the call above):"
+echo "  bash scripts/gpu_hol.sh check exact                 carry [\".wheels\"]"
