@@ -127,6 +127,15 @@ def test_a_held_long_prompt_starts_in_the_step_that_seeds_the_one_before():
     for rid in ("A", "B"):
         assert on["results"][rid]["token_ids"] == off["results"][rid]["token_ids"], rid
     assert on["preemptions"] == 0, on["preempted"]
+    # the scheduler knows which steps ran a long-prefill chunk, and counts a hold in the others' interval
+    # (_hold_step_s): here 1,024-token chunks at up to 9.5K tokens of context against decodes
+    prompt = {rid: on["results"][rid]["prompt_len"] for rid in ("A", "B")}
+    before = {"A": 0, "B": 0}
+    for st in steps:
+        chunk = any(before[r] < prompt[r] and st["computed"].get(r, 0) > before[r] for r in before)
+        assert st["long_chunk"] == chunk, (st["step"], st["computed"], before)
+        before = {r: st["computed"].get(r, before[r]) for r in before}
+    assert 0 < on["decode_step_s"] < on["step_s"], (on["decode_step_s"], on["step_s"])
 
 
 def test_device_blocks_given_back(mixed):

@@ -156,7 +156,8 @@ def run(spec: dict) -> dict:
                      "host_bytes": host.nbytes if host is not None else 0, "running": len(sched.running),
                      "t": time.time() - t0,
                      "blocks": {}, "computed": {},
-                     "switch_held": sorted(o for o, rid in internal.items() if rid in getattr(sched, "switch_held", ()))}
+                     "switch_held": sorted(o for o, rid in internal.items() if rid in getattr(sched, "switch_held", ())),
+                     "long_chunk": getattr(sched, "_chunk_step", None)}  # the step ran a long-prefill chunk
         for ours, rid in internal.items():
             if rid in sched.requests:
                 b = kvm.get_block_ids(rid)[0]
@@ -186,6 +187,9 @@ def run(spec: dict) -> dict:
         "aborted_migrating": aborted_migrating, "aborted_in_lane": aborted_in_lane,
         "aborted_recalling": aborted_recalling,
         "sched_counts": dict(getattr(sched, "nelssa_counts", {})),
+        # the scheduler's step intervals (moving averages): all steps', and those after a step without a
+        # long-prefill chunk (the one a long prompt's hold is counted in)
+        "step_s": getattr(sched, "_step_s", None), "decode_step_s": getattr(sched, "_decode_step_s", None),
     }
     if spec.get("metrics"):
         out["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()

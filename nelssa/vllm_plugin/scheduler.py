@@ -866,7 +866,9 @@ class NelssaScheduler(Scheduler):
                 visible = spared + [r for r in visible if id(r) not in first]
             self.running = visible
             self.max_num_running_reqs = max(0, max_running - len(hidden))
-        chunking = self._long_prefilling() if self._reserved else ()
+        # admitted long prompts not done prefilling, running or still in vLLM's queue (a first chunk counts too)
+        chunking = [r for r in map(self.requests.get, self._reserved)
+                    if r is not None and r.num_computed_tokens < r.num_prompt_tokens] if self._reserved else ()
         try:
             out = super().schedule(*args, **kwargs)
             self._chunk_step = any(r.request_id in out.num_scheduled_tokens for r in chunking)
