@@ -715,6 +715,7 @@ def test_cpu_step_builds_its_attention_metadata_while_the_lane_waits():
     oneDNN linears write while they run (CI: heap corruption); the runner builds a step's attention metadata
     under the lane's dense lock, so no lane thread can enter its dense parts meanwhile. CUDA and an engine
     without the lane build it as vLLM does."""
+    import contextlib
     import threading
     from types import SimpleNamespace
 
@@ -738,11 +739,11 @@ def test_cpu_step_builds_its_attention_metadata_while_the_lane_waits():
 
     r = Runner.__new__(Runner)
     r.lock = threading.RLock()
-    r.nelssa_lane = SimpleNamespace(dense_lock=r.lock, cuda=False)
+    r.nelssa_lane = SimpleNamespace(dense_lock=r.lock)  # the CPU lane's lock
     assert r._build_attention_metadata(1, x=2) == ((1,), {"x": 2}, False)  # the lane waits
     assert r.lock.acquire(blocking=False)  # and gets it back after the build
     r.lock.release()
-    r.nelssa_lane = SimpleNamespace(dense_lock=r.lock, cuda=True)
+    r.nelssa_lane = SimpleNamespace(dense_lock=contextlib.nullcontext())  # CUDA's lane: no lock (Lane.dense_lock)
     assert r._build_attention_metadata()[2] is True
     r.nelssa_lane = None
     assert r._build_attention_metadata()[2] is True

@@ -244,9 +244,10 @@ class NelssaRunnerMixin:
     def _build_attention_metadata(self, *args, **kwargs):
         """CPU lane: vLLM's CPU attention builder sizes the process's one kernel scratchpad for the step
         (``cpu_attn_get_scheduler_metadata`` reallocates it, freeing the old buffer), the buffer the lane's
-        oneDNN linears write while they run; so the step builds it under the dense lock (lane.py, 5)."""
+        oneDNN linears write while they run; so the step builds it under the dense lock (lane.py, 5; a no-op on
+        CUDA)."""
         lane = self.nelssa_lane
-        if lane is None or lane.cuda:
+        if lane is None:
             return super()._build_attention_metadata(*args, **kwargs)
         with lane.dense_lock:
             return super()._build_attention_metadata(*args, **kwargs)

@@ -574,7 +574,8 @@ class NelssaScheduler(Scheduler):
             len(self.kv_cache_manager.get_block_ids(victim.request_id)[0]), who,
             self.kv_cache_manager.block_pool.get_num_free_blocks(), free0, self.kv_cache_manager.watermark_blocks,
             self.kv_cache_manager.watermark_blocks - prefill - growth, prefill, growth, prefilling, unswitched,
-            chunked, (self._step_s or 0.0) * 1e3, (self._decode_step_s or 0.0) * 1e3, kinds, len(self.waiting), len(self._held), len(self._busy))
+            chunked, (self._step_s or 0.0) * 1e3, (self._decode_step_s or 0.0) * 1e3, kinds, len(self.waiting),
+            len(self._held), len(self._busy))
 
     def _device_room(self, request: Request) -> bool:
         """The prompt's blocks (a window admission's: its window's) fit in the free blocks beside what
@@ -802,8 +803,7 @@ class NelssaScheduler(Scheduler):
         H100, so the hold's bound (2 s) counted ~10 steps, and the requests decoding beside it grew past the
         reserve in the ~25 steps the hold ran (hol run 107: 15 preemptions, 0.2 s into the first prompt's
         hold)."""
-        d = self._decode_step_s
-        return self._step_s if d is None or (self._step_s is not None and self._step_s < d) else d
+        return min((s for s in (self._step_s, self._decode_step_s) if s is not None), default=None)
 
     def schedule(self, *args, **kwargs):
         if self.nelssa is None:
