@@ -264,7 +264,7 @@ PY
     # the GPU's preset first: a --preset among the arguments comes later and wins
     ${pin[@]+"${pin[@]}"} python3 -m nelssa.cli bench hol --preset "$(gpu_preset)" --model .gpumodel/dummy-llama-3.1-8b \
       --out "$out" "$@" 2>&1 \
-      | tee "$out.log" | grep -E "^\[hol|^(on|off)(:[^ ]+)? |^targets|Traceback|Error|error" || rc=$?
+      | tee "$out.log" | grep -E "^\[hol|^(on|off)(:[^ ]+)? |^target|Traceback|Error|error" || rc=$?
     # engine logs: the diagnostic lines (watchdog, slow device steps, lane batches, migrations) apart,
     # the whole log compressed (fewer and smaller files to bring back)
     for lg in "$out"/hol_*.log; do

@@ -185,3 +185,29 @@ def test_targets_of_a_nelssa_only_run():
     off["before"]["short_tpot_p50_ms"] = 8.4
     t = targets(on, off)
     assert t["before_tpot_within_5pct"] is True and t["long_ttft_le_stock"] is False and t["tok_s_ge_stock"] is False
+
+
+def test_target_values_show_each_bound():
+    """hol.target_values: each target's value and bound beside its verdict (the verdicts are hol.targets'),
+    on H100 run 109's numbers (rounded): the decode phase's ITL p99 over 1.5x the before phase's, tok/s
+    0.009% under stock's; the rest met."""
+    from nelssa.bench.hol import _table, target_values, targets
+    ph = lambda ttft, itl, gap=0.05, tpot=7.68: {"short_ttft_p99_ms": ttft, "short_itl_p99_ms": itl,  # noqa: E731
+                                                 "short_tpot_p50_ms": tpot, "max_gap_without_short_token_s": gap}
+    on = {"before": ph(88.5, 32.1), "long_prefill": ph(1010.6, 263.8, 0.33), "long_decode": ph(124.8, 48.29),
+          "long": [{"ttft_s": 9.80, "tpot_ms": 49.8}, {"ttft_s": 25.32, "tpot_ms": 42.8}], "output_tok_s": 985.65}
+    off = {"before": ph(78.9, 29.5, tpot=7.54), "long": [{"ttft_s": 13.63, "tpot_ms": 10.1},
+                                                        {"ttft_s": 26.12, "tpot_ms": 38.0}], "output_tok_s": 985.74}
+    v = target_values(on, off)
+    assert {k: t["met"] for k, t in v.items()} == targets(on, off)
+    itl = v["decode_itl_p99_le_1.5x_before"]
+    assert itl["met"] is False and abs(itl["bound"] - 48.15) < 1e-9 and itl["value"] == 48.29
+    assert v["tok_s_ge_stock"] == {"value": 985.65, "bound": 985.74, "met": False}
+    assert v["long_ttft_le_stock"] == {"value": 25.32, "bound": 26.12, "met": True}
+    assert abs(v["before_tpot_within_5pct"]["bound"] - 1.05 * 7.54) < 1e-9 and v["before_tpot_within_5pct"]["met"]
+    assert [k for k, t in v.items() if not t["met"]] == ["decode_itl_p99_le_1.5x_before", "tok_s_ge_stock"]
+    alone = target_values(on, None)  # without stock's run: those against it are not measurable
+    assert alone["tok_s_ge_stock"]["met"] is None and alone["long_ttft_le_stock"]["bound"] is None
+    assert alone["long_tpot_le_50ms"] == {"value": 49.8, "bound": 50.0, "met": True}
+    line = _table({"target_values": v}).splitlines()[-1]
+    assert "decode_itl_p99_le_1.5x_before 48.29/48.15" in line and "tok_s_ge_stock 985.65/985.74" in line
