@@ -516,9 +516,14 @@ def target_values(on: dict, off: dict | None) -> dict[str, dict]:
     return out
 
 
+def verdicts(values: dict[str, dict]) -> dict:
+    """``target_values``' verdicts: each target met or not (None: not measurable here)."""
+    return {k: t["met"] for k, t in values.items()}
+
+
 def targets(on: dict, off: dict | None) -> dict:
-    """Issue 9's acceptance, met or not (None: not measurable here): ``target_values``' verdicts."""
-    return {k: t["met"] for k, t in target_values(on, off).items()}
+    """Issue 9's acceptance, met or not (None: not measurable here)."""
+    return verdicts(target_values(on, off))
 
 
 def plot(runs: dict[str, dict], summary: dict, path: str) -> None:
@@ -628,16 +633,16 @@ def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout:
     for mode in [m for m in runs if m.partition(":")[0] == "on"]:
         sfx = "" if mode == "on" else "_" + mode.partition(":")[2]  # e.g. targets_threads12 for on:threads12
         if "off" not in runs:  # those of NELSSA's own phases (H100 run 68, --modes on:spin, had none printed)
-            summary["targets" + sfx] = targets(summary[mode], None)
-            summary["target_values" + sfx] = target_values(summary[mode], None)
+            summary["target_values" + sfx] = tv = target_values(summary[mode], None)
+            summary["targets" + sfx] = verdicts(tv)
             continue
         on, off = summary[mode], summary["off"]
         summary["ratios_on_over_off" + sfx] = {
             f"{ph}.{k}": _ratio(on[ph][k], off[ph][k]) for ph in ("before", "long_prefill", "long_decode")
             for k in ("short_ttft_p99_ms", "short_itl_p99_ms", "short_tpot_p50_ms")}
         summary["ratios_on_over_off" + sfx]["output_tok_s"] = _ratio(on["output_tok_s"], off["output_tok_s"])
-        summary["targets" + sfx] = targets(on, off)
-        summary["target_values" + sfx] = target_values(on, off)
+        summary["target_values" + sfx] = tv = target_values(on, off)
+        summary["targets" + sfx] = verdicts(tv)
         eq = [r for r in runs["off"]["requests"]]
         on_ids = {r["id"]: r["token_ids"] for r in runs[mode]["requests"]}
         summary["outputs_equal" + sfx] = sum(on_ids.get(r["id"]) == r["token_ids"] for r in eq)
