@@ -1082,8 +1082,10 @@ def test_handoff_warm_stores_nothing(device):
         assert hand.warm(0) == 0.0
         assert hand.warm(700) > 0
         assert not host.reqs and host.stats.long_requests == 0 and host.stats.moved_tokens == 0
+        assert hand.in_flight() == 0
         hand.submit([("r", list(range(40)), cfg.sink, 640)])
         hand.wait_all()
+        assert hand.in_flight() == 0  # done, not yet taken by ready: not in flight (the step log's count)
         hand.ready("r", 640)
         assert host.committed("r") == 640 - cfg.sink
     finally:

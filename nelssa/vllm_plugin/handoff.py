@@ -295,6 +295,10 @@ class Handoff:
             self._failed.discard(rid)
             on_end(rid)
 
+    def in_flight(self) -> int:
+        """Moves submitted and not yet finished (the step log's context; step thread)."""
+        return sum(not fut.done() for moves in self._moves.values() for _, fut in moves)
+
     def wait_all(self) -> None:
         """Wait until every submitted move has finished (tests and shutdown; never on the step path)."""
         for moves in list(self._moves.values()):

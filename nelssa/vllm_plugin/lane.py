@@ -285,6 +285,10 @@ class Lane:
         if running:
             self.host.stats.add(lane_finish_cancels=len(running))
 
+    def rows_running(self) -> int:
+        """Rows of the lane batch running now, 0 between batches (a snapshot for the step log)."""
+        return len(self._running)
+
     def take_released(self) -> set[str]:
         """Step thread: the finished requests no job of the lane runs for any more (6), their graphs forgotten:
         their host KV and device blocks can go."""

@@ -196,6 +196,9 @@ class NelssaRunnerMixin:
         self._nelssa_so = scheduler_output
         timer = self.nelssa_step_timer
         started = timer.start() if timer is not None else None
+        beside = "" if started is None else (  # what shared the device as it was enqueued (watchdog, 3)
+            f", {self.nelssa_handoff.in_flight()} moves in flight"
+            + (f", a lane batch of {lane.rows_running()} rows running" if lane is not None else ""))
         self._nelssa_lane_rows = 0
         try:
             return super().execute_model(scheduler_output, intermediate_tensors)
@@ -206,7 +209,7 @@ class NelssaRunnerMixin:
                 lane.note_step(len(so.num_scheduled_tokens) - self._nelssa_lane_rows)
             if started is not None:
                 timer.end(started, f"{len(so.num_scheduled_tokens)} requests, {so.total_num_scheduled_tokens} "
-                                   f"tokens, {self._nelssa_lane_rows} lane rows")
+                                   f"tokens, {self._nelssa_lane_rows} lane rows{beside}")
 
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         """vLLM's input preparation, then the step's plan (which rows are split, which the lane computed)

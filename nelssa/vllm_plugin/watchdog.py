@@ -11,8 +11,8 @@ per-token stamps show that short tokens stopped, this shows why.
      length. It needs the GIL to sample: a stall in C code holding the GIL shows as a late sample.
   3. CUDA (``StepTimer``): the device span of every step's ``execute_model`` (events before and after the
      work it enqueues on the step's stream, read back at later steps without waiting); a step whose
-     span exceeds ``stall_log_ms / 5`` is logged with its stamps and what it carried (requests, tokens,
-     lane rows). The H200 profile of hol run 23 found 6-ms decode steps standing ~38 ms on the device
+     span exceeds ``stall_log_ms / 5`` is logged with its stamps, what it carried (requests, tokens,
+     lane rows) and what shared the device as it was enqueued (moves in flight, the lane batch's rows). The H200 profile of hol run 23 found 6-ms decode steps standing ~38 ms on the device
      once per lane batch, below any stall limit: this shows such steps in a plain run.
 """
 
