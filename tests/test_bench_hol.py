@@ -211,3 +211,27 @@ def test_target_values_show_each_bound():
     assert alone["long_tpot_le_50ms"] == {"value": 49.8, "bound": 50.0, "met": True}
     line = _table({"target_values": v}).splitlines()[-1]
     assert "decode_itl_p99_le_1.5x_before 48.29/48.15" in line and "tok_s_ge_stock 985.65/985.74" in line
+
+
+def test_gpu_state_by_phase_and_in_the_table():
+    """gpustate.by_phase: each phase's SM clock (p50, min), mean power, max temperature and the share of
+    samples with a throttling reason active (a power cap, a thermal or hardware slowdown; idle is not one),
+    and its line in the table. Without NVML (this box) the sampler samples nothing."""
+    from nelssa.bench import gpustate
+    s = [{"t": 1.0, "sm_mhz": 1980, "power_w": 400.0, "temp_c": 50, "reasons": 0x1},
+         {"t": 2.0, "sm_mhz": 1980, "power_w": 420.0, "temp_c": 52, "reasons": 0x0},
+         {"t": 21.0, "sm_mhz": 1600, "power_w": 690.0, "temp_c": 70, "reasons": 0x4},
+         {"t": 22.0, "sm_mhz": 1755, "power_w": 680.0, "temp_c": 74, "reasons": 0x4 | 0x20},
+         {"t": 23.0, "sm_mhz": 1980, "power_w": 500.0, "temp_c": 71, "reasons": 0x0}]
+    g = gpustate.by_phase(s, {"before": [0.0, 20.0], "long_prefill": [20.0, 30.0], "long_decode": [30.0, float("inf")]})
+    assert g["before"] == {"n": 2, "sm_mhz_p50": 1980, "sm_mhz_min": 1980, "power_w_mean": 410.0, "temp_c_max": 52,
+                           "throttled": 0.0, "reasons": []}
+    assert g["long_prefill"]["sm_mhz_min"] == 1600 and g["long_prefill"]["sm_mhz_p50"] == 1755
+    assert g["long_prefill"]["throttled"] == round(2 / 3, 3) and g["long_prefill"]["reasons"] == ["sw_power_cap", "sw_thermal"]
+    assert g["long_decode"] == {"n": 0} and gpustate.by_phase([], {"before": [0, 1]}) is None
+    row = gpustate.text(g)
+    assert "before 1980 MHz (min 1980) 410 W 52 C" in row and "throttled 67% sw_power_cap,sw_thermal" in row
+    assert "long_decode" not in row
+    import torch
+    if not torch.cuda.is_available():
+        assert gpustate.Sampler(0.0, 0.01).stop() == []

@@ -35,6 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nelssa.bench import gpustate
 from nelssa.bench.common import metric_key
 from nelssa.bench.common import pct as _pct
 from nelssa.bench.common import prompt_ids
@@ -223,6 +224,7 @@ async def _run_mode(mode: str, sc: Scenario, model: str, out_dir: str = "") -> d
     recs: list[dict] = []
     samples: list[dict] = []
     t0 = time.perf_counter()
+    gpu = gpustate.Sampler(t0)  # the device's clocks beside the run (gpustate.py); nothing without NVML
     done = asyncio.Event()
 
     async def sampler() -> None:
@@ -270,13 +272,14 @@ async def _run_mode(mode: str, sc: Scenario, model: str, out_dir: str = "") -> d
             await prof
     done.set()
     await smp
+    gpu_samples = gpu.stop()
     await asyncio.sleep(1.5)  # let the last iteration stats reach the registry
     end = _scrape()
     eng.shutdown()
     delta = run_metrics(base, end, lambda k: "_created" not in k and (k.endswith(("_total", "_sum", "_count"))
                                                                        or k.startswith("nelssa:")))
     return {"mode": mode, "wall_s": wall, "t0_perf": t0, "requests": recs, "samples": samples, "metrics": delta,
-            "block_size": eng.vllm_config.cache_config.block_size}
+            "block_size": eng.vllm_config.cache_config.block_size, "gpu": gpu_samples}
 
 
 def _worker(spec: dict) -> None:
@@ -450,6 +453,9 @@ def analyse(run: dict) -> dict:
         if n:
             beside[b] = {"batches": int(n), "ms": 1e3 * m.get(f"nelssa:lane_beside_seconds_total{{{b}}}", 0.0) / n}
     out["lane_batch_ms_by_beside"] = beside or None
+    # the GPU's state by phase (gpustate.py): a mode that ran on a throttled device reads slower
+    out["gpu_by_phase"] = gpustate.by_phase(run.get("gpu") or [], out["phases_s"])
+    out["gpu_samples"] = run.get("gpu") or None
     return out
 
 
@@ -546,6 +552,12 @@ def plot(runs: dict[str, dict], summary: dict, path: str) -> None:
             ax.axvspan(hi, d_hi, color="tab:green", alpha=0.10, label="long decode")
         ax.set_yscale("log")
         ax.set_ylabel("ms")
+        if run.get("gpu"):  # the device's SM clock (gpustate.py): a throttled stretch shows as a dip
+            ax2 = ax.twinx()
+            ax2.plot([x["t"] for x in run["gpu"]], [x["sm_mhz"] for x in run["gpu"]], color="gray", lw=0.8,
+                     label="SM clock")
+            ax2.set_ylabel("SM MHz", color="gray", fontsize=8)
+            ax2.set_ylim(0, 1.1 * max(x["sm_mhz"] for x in run["gpu"]))
         name = "stock (NELSSA_OFF)" if mode == "off" else "NELSSA" + (f" ({mode[3:]})" if ":" in mode else "")
         ax.set_title(f"{name}: short-request inter-token latency (dots) and TTFT (x)", fontsize=10)
         ax.legend(loc="upper right", fontsize=8)
@@ -677,6 +689,9 @@ def _table(summary: dict) -> str:
         if any(x.get("prefill_s") is not None for x in s["long"]):  # TTFT = admitted + prefill (long_split)
             rows.append(f"{mode:3} long TTFT = admitted + prefill s: " + "  ".join(
                 f"{x['id']} {f(x.get('admitted_s'), 2)} + {f(x.get('prefill_s'), 2)}" for x in s["long"]))
+        gp = s.get("gpu_by_phase")
+        if gp:  # the device's state: the same in both modes, or one of them ran throttled
+            rows.append(f"{mode:3} gpu by phase: " + gpustate.text(gp))
         bb = s.get("lane_batch_ms_by_beside")
         if bb:  # the lane's batches by the requests of the steps beside them
             rows.append(f"{mode:3} lane batch ms by requests beside: " + "  ".join(
