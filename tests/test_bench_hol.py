@@ -235,3 +235,19 @@ def test_gpu_state_by_phase_and_in_the_table():
     import torch
     if not torch.cuda.is_available():
         assert gpustate.Sampler(0.0, 0.01).stop() == []
+
+
+def test_itl_steps_name_the_steps_behind_a_p99():
+    """hol.itl_steps: gaps that end together are one step; the longest steps with the requests that
+    waited on each and the first tokens that came with it; how many of the longest steps hold the top 1%
+    of gaps. 50 requests decode 10 ms steps for 1 s; at 0.5 s a 60-ms step with two prompts done: its 50
+    gaps are the top 10% of ~500, so the p99 is that one step."""
+    from nelssa.bench.hol import itl_steps
+    ends = [0.01 * i for i in range(1, 50)] + [0.55] + [0.55 + 0.01 * i for i in range(1, 45)]
+    shorts = [{"start": 0.0, "stamps": [e + 1e-4 * k for e in [0.0] + ends]} for k in range(50)]
+    shorts += [{"start": 0.5, "stamps": [0.5501, 0.5601]}, {"start": 0.5, "stamps": [0.5502]}]  # done in the slow step
+    st = itl_steps(shorts, 0.0, 2.0)
+    assert st["worst"][0] == [0.55, 60.0, 50, 2] and st["p99_steps"] == 1
+    assert all(w[1] == 10.0 and w[3] == 0 for w in st["worst"][1:])
+    assert max(w[2] for w in st["worst"][1:]) <= 51  # a step: every request that decoded in it, once
+    assert itl_steps(shorts, 5.0, 6.0) == {"p99_steps": None, "worst": []}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import json
 import os
@@ -348,6 +349,34 @@ def _in_window(shorts: list[dict], lo: float, hi: float) -> tuple[list[float], l
     return ttft, itl_at
 
 
+def itl_steps(shorts: list[dict], lo: float, hi: float, n: int = 8, join_s: float = 0.002) -> dict:
+    """The engine steps behind a phase's short-request ITLs: gaps ending less than ``join_s`` apart came
+    with one engine output (one step; the front end stamps its requests one after another). The ``n`` longest steps as [seconds into the phase, ms (the
+    longest gap of the step), gaps (short requests that waited on it), first tokens (short requests whose
+    first token came with it: their prompts' last chunks ran in it; the engine log's step lines, config
+    ``stall_log_ms``, have every step's tokens)], and ``p99_steps``: how many of the longest steps hold the phase's top 1%
+    of gaps. A step delays every request decoding in it, so with ~50 decoding requests the p99 of ~12,000
+    gaps is the third-longest step: one step with two prompts moves it (H100 hol runs 110-113,
+    docs/results.md)."""
+    _, itl_at = _in_window(shorts, lo, hi)
+    firsts = sorted(r["stamps"][0] for r in shorts if lo <= r["stamps"][0] < hi)
+    steps: list[list] = []  # [first stamp, longest gap, gaps, last stamp]
+    for b, x in sorted(itl_at):
+        if steps and b - steps[-1][3] <= join_s:
+            steps[-1][1], steps[-1][2], steps[-1][3] = max(steps[-1][1], x), steps[-1][2] + 1, b
+        else:
+            steps.append([b, x, 1, b])
+    if not steps:
+        return {"p99_steps": None, "worst": []}
+    worst = sorted(steps, key=lambda s: -s[1])
+    need, k, held = max(1, -(-len(itl_at) // 100)), 0, 0
+    while held < need:
+        held += worst[k][2]
+        k += 1
+    prompts = lambda a, b: bisect.bisect_right(firsts, b + join_s) - bisect.bisect_left(firsts, a - join_s)  # noqa: E731
+    return {"p99_steps": k, "worst": [[round(a - lo, 3), round(x, 1), c, prompts(a, b)] for a, x, c, b in worst[:n]]}
+
+
 def p99_from(shorts: list[dict], lo: float, hi: float, skips=(0.25, 0.5, 1.0)) -> dict[str, dict]:
     """A phase's short-request TTFT p99 (arrivals) and ITL p99 (gaps, by the later token) counted from
     ``skip`` seconds into it on, for each skip: where its p99 comes from a few slow steps at its start
@@ -405,6 +434,8 @@ def analyse(run: dict) -> dict:
                      "short_ttft_worst": [[round(r["start"] - lo, 3), round(1e3 * (r["stamps"][0] - r["start"]), 1)]
                                           for r in sorted((r for r in shorts if lo <= r["start"] < hi),
                                                           key=lambda r: r["start"] - r["stamps"][0])[:8]]}
+    for name, (lo, hi) in phases.items():
+        out[name]["itl_steps"] = itl_steps(shorts, lo, hi)
     lo, hi = phases["long_decode"]
     if hi != float("inf"):
         out["long_decode"]["from_s"] = p99_from(shorts, lo, hi)
@@ -684,6 +715,10 @@ def _table(summary: dict) -> str:
         if late:
             rows.append(f"{mode:3} long_decode from 0.5 s in: TTFT p99 {f(late['short_ttft_p99_ms'])} ms  "
                         f"ITL p99 {f(late['short_itl_p99_ms'])} ms")
+        st = s["long_decode"].get("itl_steps") or {}
+        if st.get("worst"):  # which steps make the phase's ITL p99
+            rows.append(f"{mode:3} long_decode ITL p99 from its {st['p99_steps']} longest steps; longest: " + "  ".join(
+                f"+{t:.2f} s {ms:.1f} ms x{c} ({p} first tokens)" for t, ms, c, p in st["worst"][:4]))
         rows.append(f"{mode:3} long {[(x['ttft_s'] and round(x['ttft_s'], 2), x['tpot_ms'] and round(x['tpot_ms'], 1)) for x in s['long']]}"
                     f"  tok/s {f(s['output_tok_s'])}  preemptions {s['preemptions']}  errors {s['errors']}")
         if any(x.get("prefill_s") is not None for x in s["long"]):  # TTFT = admitted + prefill (long_split)
