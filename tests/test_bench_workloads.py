@@ -340,6 +340,11 @@ def test_hol_modes_and_variants():
     assert specs[1][2]["nelssa"] == {"T_input": 8192, "budget": 0.04, "lane": True}
     assert specs[2][2]["nelssa"] == {"T_input": 8192, "budget": 0.04, "lane": True, "pool_threads": 12}
     assert specs[2][2]["rate"] == specs[0][2]["rate"] == sc.rate
+    v1 = mode_specs(sc, ["off", "off:v1", "on"], {})  # stock on the V1 runner: the same scenario, no variant
+    assert [(label, base) for label, base, _ in v1] == [("off", "off"), ("off:v1", "off"), ("on", "on")]
+    assert v1[1][2] == v1[0][2]
+    from nelssa.bench.hol import result_modes
+    assert result_modes({"on": {}, "off:v1": {}, "off": {}, "on:t12": {}}) == ["off", "off:v1", "on", "on:t12"]
     for bad, why in ((["on:x"], "no --variant x"), (["off:x"], "unknown mode"), (["fast"], "unknown mode"),
                      (["on", "on"], "repeated")):
         with pytest.raises(ValueError, match=why):

@@ -280,7 +280,17 @@ async def _run_mode(mode: str, sc: Scenario, model: str, out_dir: str = "") -> d
     delta = run_metrics(base, end, lambda k: "_created" not in k and (k.endswith(("_total", "_sum", "_count"))
                                                                        or k.startswith("nelssa:")))
     return {"mode": mode, "wall_s": wall, "t0_perf": t0, "requests": recs, "samples": samples, "metrics": delta,
-            "block_size": eng.vllm_config.cache_config.block_size, "gpu": gpu_samples}
+            "block_size": eng.vllm_config.cache_config.block_size, "gpu": gpu_samples,
+            "v2_model_runner": _v2_runner(eng.vllm_config)}
+
+
+def _v2_runner(cfg) -> bool | None:
+    """Whether the engine ran vLLM's V2 model runner (VllmConfig.use_v2_model_runner); None where this vLLM
+    cannot say."""
+    try:
+        return bool(cfg.use_v2_model_runner)
+    except Exception:  # noqa: BLE001 - a diagnostic field; the run's results stand without it
+        return None
 
 
 def _worker(spec: dict) -> None:
@@ -589,7 +599,8 @@ def plot(runs: dict[str, dict], summary: dict, path: str) -> None:
                      label="SM clock")
             ax2.set_ylabel("SM MHz", color="gray", fontsize=8)
             ax2.set_ylim(0, 1.1 * max(x["sm_mhz"] for x in run["gpu"]))
-        name = "stock (NELSSA_OFF)" if mode == "off" else "NELSSA" + (f" ({mode[3:]})" if ":" in mode else "")
+        name = ("stock (NELSSA_OFF)" if mode == "off" else "stock (NELSSA_OFF, V1 model runner)" if mode == OFF_V1
+                else "NELSSA" + (f" ({mode[3:]})" if ":" in mode else ""))
         ax.set_title(f"{name}: short-request inter-token latency (dots) and TTFT (x)", fontsize=10)
         ax.legend(loc="upper right", fontsize=8)
     axes[-1, 0].set_xlabel("seconds since start")
@@ -600,20 +611,26 @@ def plot(runs: dict[str, dict], summary: dict, path: str) -> None:
 
 # ------------------------------------------------------------------ driver
 
+OFF_V1 = "off:v1"  # stock vLLM on the V1 model runner (mode_specs)
+
+
 def mode_specs(sc: Scenario, modes: list[str], variants: dict[str, dict] | None = None) -> list[tuple[str, str, dict]]:
-    """(label, engine mode, scenario) per requested mode: ``on``, ``off``, or ``on:NAME`` — NELSSA with the
+    """(label, engine mode, scenario) per requested mode: ``on``, ``off``, ``on:NAME`` — NELSSA with the
     variant NAME's fields over the scenario's NELSSA config (``--variant NAME=JSON``), so several NELSSA
-    configurations run against one stock baseline in one invocation. ValueError for an unknown one."""
+    configurations run against one stock baseline in one invocation — or ``off:v1``: stock vLLM on its V1
+    model runner (``VLLM_USE_V2_MODEL_RUNNER=0``), the runner NELSSA runs on, where ``off`` has vLLM's default
+    (V2 on CUDA in 0.26): what between ``off`` and ``on`` is the runner's and not NELSSA's. The targets stay
+    against ``off``. ValueError for an unknown one."""
     variants = variants or {}
     out = []
     for m in modes:
         base, _, name = m.partition(":")
-        if base not in ("on", "off") or (name and base != "on"):
-            raise ValueError(f"unknown mode {m!r}: on, off or on:NAME")
-        if name and name not in variants:
+        if base not in ("on", "off") or (name and base != "on" and m != OFF_V1):
+            raise ValueError(f"unknown mode {m!r}: on, off, off:v1 or on:NAME")
+        if name and base == "on" and name not in variants:
             raise ValueError(f"mode {m!r}: no --variant {name}=JSON given (known: {sorted(variants)})")
         d = asdict(sc)
-        if name:
+        if name and base == "on":
             d["nelssa"] = {**sc.nelssa, **variants[name]}
             Scenario(**d)  # the variant's config checked as the scenario's was
         out.append((m, base, d))
@@ -627,8 +644,8 @@ def _file_label(label: str) -> str:
 
 
 def result_modes(summary: dict) -> list[str]:
-    """The modes a hol.json (or its summary) has results for, in table order: off, on, then on:NAME."""
-    return [m for m in ["off", "on"] + sorted(k for k in summary if k.startswith("on:")) if m in summary]
+    """The modes a hol.json (or its summary) has results for, in table order: off, off:v1, on, then on:NAME."""
+    return [m for m in ["off", OFF_V1, "on"] + sorted(k for k in summary if k.startswith("on:")) if m in summary]
 
 
 def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout: float = 1800,
@@ -641,6 +658,8 @@ def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout:
         env = {k: v for k, v in os.environ.items() if k != "NELSSA_OFF"}
         if base == "off":
             env["NELSSA_OFF"] = "1"
+        if mode == OFF_V1:
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         print(f"[hol] mode {mode}: starting the engine", file=sys.stderr, flush=True)
         t = time.time()
         try:
@@ -673,6 +692,7 @@ def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout:
     for mode, run in runs.items():
         summary[mode] = analyse(run)
         summary[mode]["wall_s"] = run["wall_s"]
+        summary[mode]["v2_model_runner"] = run.get("v2_model_runner")  # off: vLLM's default; on, off:v1: V1
     for mode in [m for m in runs if m.partition(":")[0] == "on"]:
         sfx = "" if mode == "on" else "_" + mode.partition(":")[2]  # e.g. targets_threads12 for on:threads12
         if "off" not in runs:  # those of NELSSA's own phases (H100 run 68, --modes on:spin, had none printed)
