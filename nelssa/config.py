@@ -175,6 +175,11 @@ class NelssaConfig:
                                   # request is resident and short requests decode (the step budget); 0: long_chunk.
                                   # 2048 takes two 1K prompts arriving together in one step (H100 hol runs 70/73:
                                   # decode-phase short TTFT p99 248 -> 107 ms, ITL p99 62.8 -> 36.4 ms at 1024)
+    short_chunk_decode: int = -1  # short_chunk while no long prompt prefills (the resident long requests decode
+                                  # or hold): the long decode phase's steps apart from the long prefill's. -1:
+                                  # short_chunk. H100 hol runs 110-115: the decode phase's ITL p99 is its few
+                                  # steps with two 1K prompts at 2048 (45-56 ms); short_chunk 1024 everywhere
+                                  # (run 115) removed them but queued the prefill phase's prompts (TTFT p99 2.5 s)
     migrate: bool = True          # a request that grew past T_input moves to the host tier under pressure
     migrate_watermark: float = 0.9  # device KV blocks in use (fraction) from which such requests migrate
     migrate_lead_steps: int = 0   # also migrate when the free device blocks are fewer than the requests decoding
@@ -265,6 +270,8 @@ class NelssaConfig:
             f"switch_hold_s must be >= 0, got {self.switch_hold_s!r}")
         req(isinstance(self.short_chunk, int) and self.short_chunk >= 0,
             f"short_chunk must be an int >= 0, got {self.short_chunk!r}")
+        req(isinstance(self.short_chunk_decode, int) and self.short_chunk_decode >= -1,
+            f"short_chunk_decode must be an int >= -1 (-1: short_chunk), got {self.short_chunk_decode!r}")
         req(isinstance(self.migrate_lead_steps, int) and self.migrate_lead_steps >= 0,
             f"migrate_lead_steps must be an int >= 0, got {self.migrate_lead_steps!r}")
         req(isinstance(self.migrate_watermark, (int, float)) and 0 <= self.migrate_watermark <= 1,
@@ -373,6 +380,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_LONG_CHUNK": ("long_chunk", int),
     "NELSSA_LONG_CHUNK_SOLO": ("long_chunk_solo", int),
     "NELSSA_SHORT_CHUNK": ("short_chunk", int),
+    "NELSSA_SHORT_CHUNK_DECODE": ("short_chunk_decode", int),
     "NELSSA_MIGRATE": ("migrate", _bool),
     "NELSSA_MIGRATE_WATERMARK": ("migrate_watermark", float),
     "NELSSA_MIGRATE_LEAD_STEPS": ("migrate_lead_steps", int),

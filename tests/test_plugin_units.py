@@ -334,6 +334,8 @@ def test_config_sources_and_errors():
     assert load_config(None, env={"NELSSA_PREFETCH": "l2", "NELSSA_PREFETCH_ROWS": "16"}).prefetch == "l2"
     assert load_config(None, env={}).lane_host_wait == "flags"
     assert load_config(None, env={"NELSSA_SHORT_CHUNK": "512"}).short_chunk == 512  # the step budget's own cap
+    assert load_config(None, env={"NELSSA_SHORT_CHUNK_DECODE": "1024"}).short_chunk_decode == 1024
+    assert load_config(None, env={}).short_chunk_decode == -1  # -1: short_chunk in the long decode phase too
     assert load_config(None, env={"NELSSA_LONG_CHUNK_SOLO": "4096"}).chunk_solo == 4096
     assert load_config(None, env={"NELSSA_TAIL_SEGMENT": "1024"}).tail_piece == 1024
     # the defaults in effect (-1): a solo chunk of max(4096, long_chunk), none without long_chunk; 2K tail
@@ -383,6 +385,7 @@ def test_config_sources_and_errors():
                      ({"nelssa": {"node_spin_us": -2}}, "node_spin_us must be"),
                      ({"nelssa": {"lane_sms": -8}}, "lane_sms must be"),
                      ({"nelssa": {"short_chunk": -1}}, "short_chunk must be"),
+                     ({"nelssa": {"short_chunk_decode": -2}}, "short_chunk_decode must be"),
                      ({"nelssa": {"long_chunk_solo": -2}}, "long_chunk_solo must be"),
                      ({"nelssa": {"tail_segment": -2}}, "tail_segment must be"),
                      ({"nelssa": {"tail_segment": 3000}}, "tail_segment must be"),  # no divisor of 8192

@@ -420,36 +420,46 @@ def test_deferred_prompt_does_not_queue_behind_a_long_prefill():
 def test_prompts_after_a_long_prefill_do_not_all_prefill_in_one_step():
     """While a long request is resident and short requests decode, a step adds at most ``short_chunk``
     (2048 by default; 0: ``long_chunk``) tokens of short prompts to its decodes and long chunks (scheduler.py, step
-    budget): three 300-token prompts that arrive after the long prompt's prefill are spread over steps,
-    where NELSSA_OFF prefills them in one (on the H100 such a burst right after a 100K prompt's prefill
-    gave the long decode phase its short-request ITL p99). ``short_chunk`` 200 below ``long_chunk``
-    256: the cap is its own. Same tokens."""
+    budget): three 300-token prompts that arrive during the long prompt's prefill (in ``long_chunk`` pieces:
+    no solo chunk) are spread over steps, where NELSSA_OFF prefills them in one (on the H100 such a burst
+    right after a 100K prompt's prefill gave the long decode phase its short-request ITL p99).
+    ``short_chunk`` 200 below ``long_chunk`` 256: the cap is its own. Three more that arrive once the long
+    prompt is prefilled and decodes get ``short_chunk_decode`` (100) instead. Same tokens."""
     shorts = [{"id": "s0", "text_tokens": 100, "offset": 40000, "max_tokens": 60}] + [
-        {"id": f"p{i}", "text_tokens": 300, "offset": 50000 + 5000 * i, "max_tokens": 8, "add_at_step": 8}
+        {"id": f"p{i}", "text_tokens": 300, "offset": 50000 + 5000 * i, "max_tokens": 8, "add_at_step": 5}
+        for i in range(3)] + [
+        {"id": f"q{i}", "text_tokens": 300, "offset": 70000 + 5000 * i, "max_tokens": 4, "add_at_step": 30}
         for i in range(3)]
-    spec = {"model": CUT, "nelssa": {**NELSSA, "long_chunk": 256, "short_chunk": 200},
+    spec = {"model": CUT, "nelssa": {**NELSSA, "long_chunk": 256, "long_chunk_solo": 0, "short_chunk": 200,
+                                     "short_chunk_decode": 100},
             "engine": {"num_gpu_blocks_override": 80, "max_num_batched_tokens": 1024},
-            "requests": [{"id": "L", "text_tokens": 2600, "max_tokens": 40}] + shorts}
+            "requests": shorts + [{"id": "L", "text_tokens": 2600, "max_tokens": 40, "add_at_step": 2}]}
     on, off = both(spec)
     lens = {k: r["prompt_len"] for k, r in on["results"].items()}
 
     def prompt_tokens(run):
-        """Per step: (short prompts' tokens it computed, whether L was resident and a short request decoded)."""
+        """Per step: (short prompts' tokens it computed, the phase: "prefill" while L prefills, "decode" once
+        it decodes, each with a short request decoding; else None)."""
         out, before = [], {}
         for st in run["steps"]:
             c = st["computed"]
             n = sum(max(0, min(c[k], lens[k]) - min(before.get(k, 0), lens[k])) for k in c if k != "L")
             decoding = any(before.get(k, 0) >= lens[k] for k in c if k != "L")
-            out.append((n, "L" in c and decoding))
+            phase = None
+            if "L" in c and decoding:
+                phase = "prefill" if before.get("L", 0) < lens["L"] else "decode"
+            out.append((n, phase))
             before = c
         return out
 
     got_on, got_off = prompt_tokens(on), prompt_tokens(off)
-    print(f"prompt tokens per step, NELSSA: {[n for n, _ in got_on]}; NELSSA_OFF: {[n for n, _ in got_off]}")
-    assert max(n for n, _ in got_off) >= 900  # stock: the three prompts in one step
-    capped = [n for n, busy in got_on if busy]
-    assert capped and max(capped) <= 200, got_on
-    assert tokens(on) == tokens(off) and set(tokens(on)) == {"L", "s0", "p0", "p1", "p2"}
+    print(f"prompt tokens per step, NELSSA: {got_on}; NELSSA_OFF: {[n for n, _ in got_off]}")
+    assert max(n for n, _ in got_off) >= 900  # stock: three prompts in one step (each burst)
+    in_prefill = [n for n, ph in got_on if ph == "prefill"]
+    in_decode = [n for n, ph in got_on if ph == "decode"]
+    assert max(in_prefill) > 100 and max(in_prefill) <= 200, got_on  # short_chunk while L prefills
+    assert sum(in_decode) >= 900 and max(in_decode) <= 100, got_on  # the q prompts: short_chunk_decode
+    assert tokens(on) == tokens(off) and set(tokens(on)) == {"L", "s0", "p0", "p1", "p2", "q0", "q1", "q2"}
 
 
 def test_step_budget_leaves_long_prompt_chunks_alone():

@@ -32,7 +32,8 @@ AsyncScheduler) when async scheduling is on, and stays over the synchronous Sche
   steps.
 * Step budget: while a long request is resident and short requests decode, a step adds at most
   ``short_chunk`` (2048; 0: ``long_chunk``) tokens of short prompts to its decodes and long-prompt
-  chunks (policy.step_plan), so the short prompts a long prefill held back do not all prefill in the steps right after it.
+  chunks (policy.step_plan), so the short prompts a long prefill held back do not all prefill in the steps right after it;
+  ``short_chunk_decode`` (-1: the same) while no long prompt prefills.
 * Switch: the worker reports completed hand-offs through the NELSSA connector; before each step the
   scheduler sets each long request's host range in use, H = policy.in_use(prompt, completed end),
   sends it to the worker in the connector's metadata and lets the KV-cache manager free the blocks
@@ -945,13 +946,21 @@ class NelssaScheduler(Scheduler):
         (118 ms) and two more of ~2,000 right after the second 100K prompt's last chunk, which gave the
         long decode phase its short-request ITL p99 (99.9 ms; 44.0 ms from 0.5 s into the phase on).
         None: vLLM's own order and budget (before any long request arrives, NELSSA schedules as stock
-        vLLM). ``thr``: this step's per-request chunk cap (_long_chunk)."""
-        cap = self.nelssa.short_chunk or self.nelssa.long_chunk
+        vLLM). While no long prompt prefills (the resident ones decode or hold), ``short_chunk_decode`` takes
+        ``short_chunk``'s place where set. ``thr``: this step's per-request chunk cap (_long_chunk)."""
+        cfg = self.nelssa
         # a long request is resident: every one holds a reservation from its admission to its end
         # (_admit_held, _free_request), so the few reserved are looked at, not every running request
         # (this runs each step, with no long request too)
-        if not cap or not any(r is not None and r.status == RequestStatus.RUNNING and self._long(r)
-                              for r in map(self.requests.get, self._reserved)):
+        resident = [r for r in map(self.requests.get, self._reserved)
+                    if r is not None and r.status == RequestStatus.RUNNING and self._long(r)]
+        if not resident:
+            return None
+        short = cfg.short_chunk
+        if cfg.short_chunk_decode >= 0 and all(r.num_computed_tokens >= r.num_prompt_tokens for r in resident):
+            short = cfg.short_chunk_decode
+        cap = short or cfg.long_chunk
+        if not cap:
             return None
         first = {id(r) for r in spared}
         kinds, new = [], []
