@@ -353,6 +353,44 @@ def test_short_requests_admitted_beside_a_long_prefill_do_not_crowd_it_out():
     assert {k: len(r["token_ids"]) for k, r in on["results"].items()} == {r["id"]: r["max_tokens"] for r in reqs}
 
 
+DEFER_CHECK = """
+import copy, json
+from nelssa.bench import harness
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from nelssa.vllm_plugin.scheduler import NelssaScheduler
+llm = harness._engine({"model": %r, "mode": "on", "nelssa": {"T_input": 2048},
+                       "engine": {"num_gpu_blocks_override": 35, "max_model_len": 4096}})
+core = llm.llm_engine.engine_core
+s0 = getattr(core, "engine_core", core).scheduler
+cfg = copy.copy(s0.vllm_config)
+cfg.scheduler_config = copy.copy(cfg.scheduler_config)
+cfg.scheduler_config.async_scheduling = True  # vLLM's CPU platform runs without it; a GPU engine with it
+kw = dict(vllm_config=cfg, kv_cache_config=s0.kv_cache_config, structured_output_manager=s0.structured_output_manager,
+          block_size=s0.block_size)
+ours, stock = NelssaScheduler(**kw), AsyncScheduler(**kw)
+print("DEFER " + json.dumps({"batches": cfg.max_concurrent_batches, "ours": type(ours).__name__,
+                             "ours_defer": ours.defer_block_free, "stock_defer": stock.defer_block_free}))
+"""
+
+
+def test_preempted_blocks_go_back_at_once_under_async_scheduling():
+    """With async scheduling vLLM defers returning a freed request's blocks for a consumer KV connector
+    (NELSSA's is kv_both): a preemption then frees nothing in its own scheduling, and vLLM preempted every
+    request after its victim down to the one it allocated for (H100 hol run 115sc: 32 preemptions at one
+    scheduling). NelssaScheduler gives them back at once, as stock vLLM without a connector does (its own
+    loads and the lane are ordered: scheduler.py). Schedulers built from a CPU engine's config with async
+    scheduling turned on (the CPU platform turns it off): vLLM's AsyncScheduler with NELSSA's connector
+    defers, NELSSA's does not."""
+    import json
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-c", DEFER_CHECK % CUT], capture_output=True, text=True, timeout=600)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("DEFER ")), None)
+    assert line is not None, p.stdout[-2000:] + p.stderr[-3000:]
+    got = json.loads(line[len("DEFER "):])
+    assert got == {"batches": 2, "ours": "NelssaAsyncScheduler", "ours_defer": False, "stock_defer": True}, got
+
+
 def test_long_context_is_not_the_preemption_victim(tmp_path):
     """A 3,000-token request kept on the device (opted out of the host tier) decodes beside four short
     ones in a pool of 35 blocks of 128 that fills when the short ones grow into their third block. vLLM's

@@ -191,6 +191,18 @@ class NelssaScheduler(Scheduler):
             raise ValueError("NELSSA needs its KV-cache manager and its KV connector (see nelssa.vllm_plugin.engine_args)")
         managers[0].host_ends = conn.host_ends = self._host_end
         self._manager = managers[0]
+        # vLLM defers returning a freed request's blocks to the pool while a step in flight may still write
+        # them, for a consumer KV connector under async scheduling: the connector's load into blocks given to
+        # another request would not be ordered against that write. NELSSA's connector is kv_both, but alone it
+        # loads nothing so: a recall's load runs after an event recorded behind the steps already launched
+        # (handoff.py, 5), and the lane and the hand-off are waited for before a preempted or finished
+        # request's blocks are written again (lane.py, 6; handoff.py, 3). Deferred, a preemption frees
+        # nothing in its own scheduling, so vLLM preempted every request after the victim down to the one it
+        # allocated for (H100 hol run 115sc: 32 at one scheduling where one victim's 66 blocks were enough;
+        # H200 run 99: 79 running to 51 in one step). Its blocks go back at once, as in stock vLLM; composed
+        # with another connector (a P/D decode instance: NIXL) vLLM's rule stays.
+        if self.defer_block_free and self.connector is conn:
+            self.defer_block_free = False
         # a block past the lookahead for the lane's drafts (spec.NelssaManager.ahead; lane_spec.py, 2)
         self._manager.ahead = self.block_size if cfg.lane and cfg.lane_spec else 0
         self._manager.max_len = self.max_model_len
