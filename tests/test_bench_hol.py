@@ -230,6 +230,9 @@ def test_gpu_state_by_phase_and_in_the_table():
     assert g["long_prefill"]["throttled"] == round(2 / 3, 3) and g["long_prefill"]["reasons"] == ["sw_power_cap", "sw_thermal"]
     assert g["long_decode"] == {"n": 0} and gpustate.by_phase([], {"before": [0, 1]}) is None
     row = gpustate.text(g)
+    from nelssa.bench.report import hol_md
+    ph = {k: {"short_ttft_p99_ms": 1.0, "short_itl_p99_ms": 1.0} for k in ("before", "long_prefill", "long_decode")}
+    assert f"GPU by phase (off): {row}" in "\n".join(hol_md({"off": {**ph, "gpu_by_phase": g}}, "."))
     assert "before 1980 MHz (min 1980) 410 W 52 C" in row and "throttled 67% sw_power_cap,sw_thermal" in row
     assert "long_decode" not in row
     import torch
@@ -251,3 +254,8 @@ def test_itl_steps_name_the_steps_behind_a_p99():
     assert all(w[1] == 10.0 and w[3] == 0 for w in st["worst"][1:])
     assert max(w[2] for w in st["worst"][1:]) <= 51  # a step: every request that decoded in it, once
     assert itl_steps(shorts, 5.0, 6.0) == {"p99_steps": None, "worst": []}
+    from nelssa.bench.report import hol_md  # and in the report
+    ph = {k: {"short_ttft_p99_ms": 1.0, "short_itl_p99_ms": 1.0} for k in ("before", "long_prefill", "long_decode")}
+    ph["long_decode"]["itl_steps"] = st
+    md = "\n".join(hol_md({"on": ph}, "."))
+    assert "Long decode phase (on): short ITL p99 from its 1 longest steps" in md and "0.55 s 60.0 ms x50 (2)" in md, md

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 
+from nelssa.bench import gpustate
 from nelssa.bench.common import preemptions_text
 from nelssa.bench.hol import TIMELINE_PARTS, result_modes
 from nelssa.vllm_plugin.policy import CONTEXTS
@@ -131,6 +132,15 @@ def hol_md(h: dict, rel: str) -> list[str]:
             when = ", ".join(f"{n:.0f} at {t:.2f} s" for t, n in at[:12]) + (" ..." if len(at) > 12 else "") \
                 if at else "times not sampled"
             out.append(f"\nPreemptions ({mode}): {h[mode]['preemptions']:.0f}; {when}")
+    for mode in result_modes(h):
+        st = (h[mode].get("long_decode") or {}).get("itl_steps") or {}
+        if st.get("worst"):  # hol.itl_steps: the steps that make the long decode phase's ITL p99
+            out.append(f"\nLong decode phase ({mode}): short ITL p99 from its {st['p99_steps']} longest steps; the "
+                       "longest (s into the phase, ms, requests that waited, first tokens): " +
+                       ", ".join(f"{t:.2f} s {ms:.1f} ms x{c} ({p})" for t, ms, c, p in st["worst"][:4]))
+        gp = h[mode].get("gpu_by_phase")
+        if gp:  # gpustate.py: the device state each mode ran on
+            out.append(f"\nGPU by phase ({mode}): " + gpustate.text(gp))
     split = [(mode, x) for mode in result_modes(h) for x in h[mode].get("long", []) if x.get("prefill_s") is not None]
     if split:  # hol.long_split: a long request's TTFT = its wait for its first scheduling + its prefill
         out += ["", "| mode | long request | TTFT s | admitted after s | prefill s |", "|---|---|---|---|---|"]
