@@ -269,7 +269,7 @@ PY
     # the whole log compressed (fewer and smaller files to bring back)
     for lg in "$out"/hol_*.log; do
       [ -f "$lg" ] || continue
-      grep -E "NELSSA (watchdog|step:|lane: batch)|migrating|recalling|Traceback|Error" "$lg" > "${lg%.log}_diag.txt" || true
+      grep -E "NELSSA (watchdog|step:|lane: batch|reserve:)|migrating|recalling|Traceback|Error" "$lg" > "${lg%.log}_diag.txt" || true
       # the lane's start and its first transitions (warm-up, enqueued batches of new sets, captures) in the
       # call's output, where the next decision is made
       grep -hE "NELSSA lane: (dense graphs|batch of [0-9]+ rows (\(new_key\)|\(captured\)|captured as))" "$lg" \

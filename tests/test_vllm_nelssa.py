@@ -327,7 +327,7 @@ def test_a_recall_that_fails_or_is_aborted_leaves_nothing_behind(case):
     assert res["final_free_blocks"] == res["total_blocks"] - 1, (res["final_free_blocks"], res["total_blocks"])
 
 
-def test_short_requests_admitted_beside_a_long_prefill_do_not_crowd_it_out():
+def test_short_requests_admitted_beside_a_long_prefill_do_not_crowd_it_out(tmp_path):
     """32 blocks of 128: a 3,000-token prompt (24 blocks) prefills in chunks while 125-token requests arrive one
     a step, each crossing into a second block within a few tokens. vLLM admits a short request where its
     prompt fits beside the prefill's reserve (NELSSA's raised watermark); as the admitted ones grew they took
@@ -335,14 +335,18 @@ def test_short_requests_admitted_beside_a_long_prefill_do_not_crowd_it_out():
     against 54). The watermark also holds what the requests decoding on the device grow to while the prefill
     lasts (policy.prefill_steps): zero preemptions, the late arrivals wait, every request completes. No long
     request decodes from the host tier meanwhile, so the prompt's chunks follow ``long_chunk_solo`` (512
-    tokens at context 0), not ``long_chunk`` (128: a block a step)."""
+    tokens at context 0), not ``long_chunk`` (128: a block a step). With the diagnostics on (``stall_log_ms``)
+    the scheduler traces the reserves while the prompt prefills (NelssaScheduler._trace_reserve)."""
     reqs = [{"id": "s0", "text_tokens": 125, "offset": 90000, "max_tokens": 40},
             {"id": "long", "text_tokens": 3000, "max_tokens": 8, "add_at_step": 1}]
     reqs += [{"id": f"s{i}", "text_tokens": 125, "offset": 90000 + 300 * i, "max_tokens": 40, "add_at_step": 1 + i}
              for i in range(1, 13)]
-    on = run_harness({"model": CUT, "mode": "on", "nelssa": {**NELSSA, "long_chunk": 128, "long_chunk_solo": 512},
+    log = tmp_path / "on.log"
+    on = run_harness({"model": CUT, "mode": "on", "nelssa": {**NELSSA, "long_chunk": 128, "long_chunk_solo": 512,
+                                                             "stall_log_ms": 60000},  # no step is a stall here
                       "max_model_len": 3200,
-                      "engine": {"num_gpu_blocks_override": 32, "max_num_batched_tokens": 1024}, "requests": reqs})
+                      "engine": {"num_gpu_blocks_override": 32, "max_num_batched_tokens": 1024}, "requests": reqs},
+                     log_path=str(log))
     prefill = [st["blocks"] for st in on["steps"] if 0 < st["blocks"].get("long", 0) < 24]
     print(f"preemptions {on['preemptions']} in {on['num_steps']} steps; device blocks while the prompt prefilled: "
           f"{prefill}")
@@ -351,6 +355,16 @@ def test_short_requests_admitted_beside_a_long_prefill_do_not_crowd_it_out():
     grown = [b["long"] - a["long"] for a, b in zip(prefill, prefill[1:])]
     assert max(grown) >= 3, grown  # chunks of long_chunk_solo (3-4 blocks early on), not long_chunk's one
     assert {k: len(r["token_ids"]) for k, r in on["results"].items()} == {r["id"]: r["max_tokens"] for r in reqs}
+    trace = [re.search(r"t=([\d.]+) free blocks (\d+) at the scheduling's start, (\d+) after; watermark (\d+) \(long "
+                       r"prefills (\d+) \+ growth (\d+) over (\d+) steps; prefilling (\w+)", ln)
+             for ln in log.read_text().splitlines() if "NELSSA reserve:" in ln]
+    print("\n".join(m.group(0) for m in trace if m))
+    assert trace and all(trace), trace
+    got = [tuple(float(x) if i == 0 else x for i, x in enumerate(m.groups())) for m in trace]
+    assert [g[0] for g in got] == sorted(g[0] for g in got) and all(b - a >= 0.5 for a, b in zip(
+        [g[0] for g in got], [g[0] for g in got][1:]))  # at most one line per 0.5 s
+    assert got[0][7] == "True" and int(got[0][4]) > 0  # the prompt prefilling, its blocks still to come reserved
+    assert all(int(g[3]) >= int(g[4]) + int(g[5]) for g in got)  # vLLM's watermark under both
 
 
 DEFER_CHECK = """

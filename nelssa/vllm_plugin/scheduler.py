@@ -169,6 +169,8 @@ class NelssaScheduler(Scheduler):
         self._chunk_step = False                 # the last scheduling ran a long-prefill chunk
         self._step_reserve: tuple | None = None  # this scheduling's free blocks and reserves (_log_preemption)
         self._preemptions_logged = 0
+        self._reserve_traced = 0.0  # _trace_reserve's last line (perf_counter)
+        self._horizon = 0           # _growth_reserve's steps, for _trace_reserve
         self._last_schedule: float | None = None
         self._handoff_s: float | None = None
         if cfg is None:
@@ -563,6 +565,28 @@ class NelssaScheduler(Scheduler):
             self._reserved.pop(rid, None)
         return super()._preempt_request(request, timestamp)
 
+    def _trace_reserve(self, out) -> None:
+        """With the watchdog's diagnostics on (``stall_log_ms``), while a long prompt prefills or holds its
+        blocks: the step's free blocks, reserves and admissions, at most every 0.5 s (``t``: perf_counter, the
+        hol benchmark's clock), so a run that preempts shows how the pool got there (H100 hol run 115sc: 2 free
+        blocks against a growth reserve of 244 at the first prompt's hold, the admissions before not logged)."""
+        if not self.nelssa.stall_log_ms:
+            return
+        now = time.perf_counter()
+        if now - self._reserve_traced < 0.5:
+            return
+        self._reserve_traced = now
+        free0, prefill, growth, prefilling, unswitched, chunked = self._step_reserve
+        decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
+        log.info("NELSSA reserve: t=%.3f free blocks %d at the scheduling's start, %d after; watermark %d (long "
+                 "prefills %d + growth %d over %d steps; prefilling %s, holding %s; step %.1f ms, %.1f ms after "
+                 "one without a long chunk); admitted %d (%d tokens); running %d (%d decoding), waiting %d",
+                 now, free0, self.kv_cache_manager.block_pool.get_num_free_blocks(),
+                 self.kv_cache_manager.watermark_blocks, prefill, growth, self._horizon, prefilling, unswitched,
+                 (self._step_s or 0.0) * 1e3, (self._decode_step_s or 0.0) * 1e3, len(out.scheduled_new_reqs),
+                 sum(out.num_scheduled_tokens.get(r.req_id, 0) for r in out.scheduled_new_reqs),
+                 len(self.running), decoding, len(self.waiting))
+
     def _log_preemption(self, victim: Request) -> None:
         """A preemption under NELSSA is a failure of its admission (the reserves above exist so that vLLM never
         preempts): say what the step's reserves were, so the run that shows one shows why. The request vLLM was
@@ -807,6 +831,7 @@ class NelssaScheduler(Scheduler):
         if holding:
             cfg = self.nelssa
             steps += switch_steps(cfg.switch_hold_s if cfg.lane else (self._handoff_s or 0.0), self._hold_step_s())
+        self._horizon = steps
         return self._device_growth(steps, self._reserved) if steps else 0
 
     def _hold_step_s(self) -> float | None:
@@ -885,6 +910,8 @@ class NelssaScheduler(Scheduler):
         try:
             out = super().schedule(*args, **kwargs)
             self._chunk_step = any(r.request_id in out.num_scheduled_tokens for r in chunking)
+            if prefill or unswitched:
+                self._trace_reserve(out)
         finally:
             kvm.watermark_blocks, sc.long_prefill_token_threshold = base, thr
             self.max_num_running_reqs, self.max_num_scheduled_tokens = max_running, max_tokens

@@ -14,6 +14,8 @@ per-token stamps show that short tokens stopped, this shows why.
      span exceeds ``stall_log_ms / 5`` is logged with its stamps, what it carried (requests, tokens,
      lane rows) and what shared the device as it was enqueued (moves in flight, the lane batch's rows). The H200 profile of hol run 23 found 6-ms decode steps standing ~38 ms on the device
      once per lane batch, below any stall limit: this shows such steps in a plain run.
+The same setting turns on the scheduler's trace of its reserves while a long prompt prefills or holds its
+blocks (NelssaScheduler._trace_reserve, at most every 0.5 s).
 """
 
 from __future__ import annotations
