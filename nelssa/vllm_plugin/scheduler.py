@@ -201,8 +201,8 @@ class NelssaScheduler(Scheduler):
         # request's blocks are written again (lane.py, 6; handoff.py, 3). Deferred, a preemption frees
         # nothing in its own scheduling, so vLLM preempted every request after the victim down to the one it
         # allocated for (H100 hol run 115sc: 32 at one scheduling where one victim's 66 blocks were enough).
-        # Its blocks go back at once, as in stock vLLM; composed
-        # with another connector (a P/D decode instance: NIXL) vLLM's rule stays.
+        # So a victim's blocks go back at once, as in stock vLLM; composed with another connector (a P/D
+        # decode instance: NIXL) vLLM's rule stays.
         if self.defer_block_free and self.connector is conn:
             self.defer_block_free = False
         # a block past the lookahead for the lane's drafts (spec.NelssaManager.ahead; lane_spec.py, 2)
