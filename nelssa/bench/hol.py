@@ -443,9 +443,8 @@ def analyse(run: dict) -> dict:
                      "short_gaps_worst": [[round(t - lo, 3), round(1e3 * g, 1)] for t, g in sorted(gap_at, key=lambda p: -p[1])[:8]],
                      "short_ttft_worst": [[round(r["start"] - lo, 3), round(1e3 * (r["stamps"][0] - r["start"]), 1)]
                                           for r in sorted((r for r in shorts if lo <= r["start"] < hi),
-                                                          key=lambda r: r["start"] - r["stamps"][0])[:8]]}
-    for name, (lo, hi) in phases.items():
-        out[name]["itl_steps"] = itl_steps(shorts, lo, hi)
+                                                          key=lambda r: r["start"] - r["stamps"][0])[:8]],
+                     "itl_steps": itl_steps(shorts, lo, hi)}
     lo, hi = phases["long_decode"]
     if hi != float("inf"):
         out["long_decode"]["from_s"] = p99_from(shorts, lo, hi)

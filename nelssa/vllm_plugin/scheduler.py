@@ -167,10 +167,10 @@ class NelssaScheduler(Scheduler):
         # spans are those (_growth_reserve), several times faster than its prefill's (H100 hol run 107)
         self._decode_step_s: float | None = None
         self._chunk_step = False                 # the last scheduling ran a long-prefill chunk
-        self._step_reserve: tuple | None = None  # this scheduling's free blocks and reserves (_log_preemption)
+        self._step_reserve: tuple | None = None  # this scheduling's free blocks and reserves (_log_preemption,
+                                                 # _trace_reserve)
         self._preemptions_logged = 0
         self._reserve_traced = 0.0  # _trace_reserve's last line (perf_counter)
-        self._horizon = 0           # _growth_reserve's steps, for _trace_reserve
         self._last_schedule: float | None = None
         self._handoff_s: float | None = None
         if cfg is None:
@@ -576,13 +576,13 @@ class NelssaScheduler(Scheduler):
         if now - self._reserve_traced < 0.5:
             return
         self._reserve_traced = now
-        free0, prefill, growth, prefilling, unswitched, chunked = self._step_reserve
+        free0, prefill, growth, prefilling, unswitched, chunked, horizon = self._step_reserve
         decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
         log.info("NELSSA reserve: t=%.3f free blocks %d at the scheduling's start, %d after; watermark %d (long "
                  "prefills %d + growth %d over %d steps; prefilling %s, holding %s; step %.1f ms, %.1f ms after "
                  "one without a long chunk); admitted %d (%d tokens); running %d (%d decoding), waiting %d",
                  now, free0, self.kv_cache_manager.block_pool.get_num_free_blocks(),
-                 self.kv_cache_manager.watermark_blocks, prefill, growth, self._horizon, prefilling, unswitched,
+                 self.kv_cache_manager.watermark_blocks, prefill, growth, horizon, prefilling, unswitched,
                  (self._step_s or 0.0) * 1e3, (self._decode_step_s or 0.0) * 1e3, len(out.scheduled_new_reqs),
                  sum(out.num_scheduled_tokens.get(r.req_id, 0) for r in out.scheduled_new_reqs),
                  len(self.running), decoding, len(self.waiting))
@@ -598,7 +598,7 @@ class NelssaScheduler(Scheduler):
         who = (f"{caller.request_id} ({caller.num_computed_tokens}/{caller.num_prompt_tokens} tokens computed, "
                f"{len(self.kv_cache_manager.get_block_ids(caller.request_id)[0])} blocks)"
                if isinstance(caller, Request) else "?")
-        free0, prefill, growth, prefilling, unswitched, chunked = self._step_reserve or (-1, 0, 0, False, False, 0)
+        free0, prefill, growth, prefilling, unswitched, chunked, _ = self._step_reserve or (-1, 0, 0, False, False, 0, 0)
         kinds = {"prefilling": 0, "decoding": 0}
         for r in self.running:
             kinds["prefilling" if r.num_computed_tokens < r.num_prompt_tokens else "decoding"] += 1
@@ -816,14 +816,14 @@ class NelssaScheduler(Scheduler):
                 unswitched = True
         return prefilling, unswitched
 
-    def _growth_reserve(self, thr: int, chunked: int, holding: bool) -> int:
-        """What the requests decoding on the device (``_device_growth``) allocate until the long prompts
+    def _growth_reserve(self, thr: int, chunked: int, holding: bool) -> tuple[int, int]:
+        """(blocks, steps): what the requests decoding on the device (``_device_growth``) allocate until the long prompts
         give their device blocks back: while the running long prefills last (policy.prefill_steps at this
         step's chunk budget ``chunked``, ``_chunk_budget``; 0: vLLM's threshold ``thr``, else its token
         budget) and, while one host-backed by its length holds its blocks (``holding``: either of
         ``_holding``'s), until its switch (policy.switch_steps: ``switch_hold_s`` with the lane, else a
         hand-off's measured time). A deferred prompt (in ``_reserved``) is left out: ``_prefill_reserve``
-        holds its prompt, and it never switches."""
+        holds its prompt, and it never switches. ``steps``: the horizon counted (_trace_reserve)."""
         budget = chunked or thr or self.scheduler_config.max_num_batched_tokens
         l_eq = self._l_eq if chunked else float("inf")
         steps = max((prefill_steps(r.num_computed_tokens, r.num_prompt_tokens, budget, l_eq, self.block_size)
@@ -831,8 +831,7 @@ class NelssaScheduler(Scheduler):
         if holding:
             cfg = self.nelssa
             steps += switch_steps(cfg.switch_hold_s if cfg.lane else (self._handoff_s or 0.0), self._hold_step_s())
-        self._horizon = steps
-        return self._device_growth(steps, self._reserved) if steps else 0
+        return (self._device_growth(steps, self._reserved) if steps else 0), steps
 
     def _hold_step_s(self) -> float | None:
         """The step interval a long prompt's hold is counted in (``_growth_reserve``): the shorter of the engine's
@@ -878,9 +877,11 @@ class NelssaScheduler(Scheduler):
         # and until their switch: a long prompt keeps its blocks in its hold (H200 hol run 99: 31 preemptions
         # right after the first prompt's last chunk, with the reserve gone with the prefill)
         prefill, (prefilling, unswitched) = self._prefill_reserve(), self._holding()
-        growth = self._growth_reserve(thr, chunked, prefilling or unswitched) if prefill or unswitched else 0
+        growth, horizon = (self._growth_reserve(thr, chunked, prefilling or unswitched) if prefill or unswitched
+                           else (0, 0))
         kvm.watermark_blocks = base + prefill + growth
-        self._step_reserve = (kvm.block_pool.get_num_free_blocks(), prefill, growth, prefilling, unswitched, chunked)
+        self._step_reserve = (kvm.block_pool.get_num_free_blocks(), prefill, growth, prefilling, unswitched, chunked,
+                              horizon)
         # the list vLLM schedules: lane requests left out (not scheduled, nor preempted, in this step;
         # still counted against max_num_seqs, so vLLM admits no more than it has room for — on a P/D
         # decode instance with 128 running it had admitted past it and failed its own assertion);
