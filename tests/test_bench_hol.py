@@ -131,7 +131,10 @@ def test_long_ttft_split_at_the_first_scheduling_and_in_the_report():
     on = [{"id": "long1", "ttft_s": 26.5, **long_split(r)}]
     off = [{"id": "long1", "ttft_s": 25.7, **long_split({**r, "scheduled": None})}]
     md = "\n".join(hol_md({"on": {**ph, "long": on}, "off": {**ph, "long": off}}, "."))
-    assert "| on | long1 | 26.50 | 11.50 | 15.00 |" in md and "| off | long1 |" not in md, md
+    assert "| on | long1 | 26.50 | 11.50 | 15.00 | – | – |" in md and "| off | long1 |" not in md, md
+    on[0]["longest_gap"] = {"s": 0.586, "after_token": 0, "tpot_ms_without": 43.2}
+    md = "\n".join(hol_md({"on": {**ph, "long": on}}, "."))
+    assert "| on | long1 | 26.50 | 11.50 | 15.00 | 0.59 (0) | 43.2 |" in md, md
 
 
 def test_itl_by_block_slot_tells_a_blocks_first_slot_apart():
@@ -259,3 +262,22 @@ def test_itl_steps_name_the_steps_behind_a_p99():
     ph["long_decode"]["itl_steps"] = st
     md = "\n".join(hol_md({"on": ph}, "."))
     assert "Long decode phase (on): short ITL p99 from its 1 longest steps" in md and "0.55 s 60.0 ms x50 (2)" in md, md
+
+
+def test_longest_gap_of_a_long_request_and_its_line_in_the_table():
+    """hol.longest_gap: a long request's longest inter-token gap (a switch hold: no token while its hand-off
+    finishes), the token it follows and the TPOT without it; the table names it per long request."""
+    from nelssa.bench.hol import _table, longest_gap
+    stamps = [30.0 + 0.04 * i for i in range(31)]  # 30 gaps of 40 ms, then a 1.5-s hold, then 224 of 40 ms
+    stamps += [stamps[-1] + 1.5 + 0.04 * i for i in range(225)]
+    g = longest_gap(stamps)
+    assert g["after_token"] == 30 and abs(g["s"] - 1.5) < 1e-9
+    assert abs(g["tpot_ms_without"] - 40.0) < 1e-6  # the TPOT with it: (254 * 40 + 1500) / 255 = 45.7 ms
+    assert longest_gap([1.0]) is None and longest_gap([1.0, 1.2])["tpot_ms_without"] is None
+    ph = {k: {"short_ttft_p50_ms": 1.0, "short_ttft_p99_ms": 1.0, "short_itl_p50_ms": 1.0, "short_itl_p99_ms": 1.0,
+              "short_tpot_p50_ms": 1.0, "max_gap_without_short_token_s": 0.1}
+          for k in ("before", "long_prefill", "long_decode")}
+    long = [{"id": "long0", "ttft_s": 9.9, "tpot_ms": 45.7, "longest_gap": g},
+            {"id": "long1", "ttft_s": 25.6, "tpot_ms": None, "longest_gap": None}]
+    table = _table({"on": {**ph, "long": long, "output_tok_s": 985.0, "preemptions": 0.0, "errors": []}})
+    assert "on  long longest gap: long0 1.50 s after token 30 (TPOT 40.0 ms without it)\n" in table + "\n", table

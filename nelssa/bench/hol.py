@@ -322,6 +322,21 @@ def long_split(r: dict) -> dict:
     return {"admitted_s": t - r["start"], "prefill_s": r["stamps"][0] - t}
 
 
+def longest_gap(stamps: list[float]) -> dict | None:
+    """A long request's longest inter-token gap: s, after_token (the index of the token before it) and the
+    request's TPOT without it (ms). The first request's switch hold (scheduler._switch_waits: a prompt done
+    prefilling waits, without a token, for the last of its hand-off and its first lane batch) is one such
+    gap of 1.2-1.5 s on the H100 (hol runs 116-118), 5-6 ms of a 256-token request's TPOT: this tells it
+    apart from the lane's per-token time. None with fewer than two tokens."""
+    if len(stamps) < 2:
+        return None
+    i = max(range(len(stamps) - 1), key=lambda j: stamps[j + 1] - stamps[j])
+    g = stamps[i + 1] - stamps[i]
+    rest = len(stamps) - 2
+    return {"s": g, "after_token": i,
+            "tpot_ms_without": 1e3 * (stamps[-1] - stamps[0] - g) / rest if rest else None}
+
+
 def itl_by_phase(stamps: list[float], phases: dict) -> dict[str, dict]:
     """A long request's inter-token latency in each phase its tokens fall in (by the later token's time):
     n, p50, mean, max in ms. A long request's TPOT mixes the tokens it decodes beside the other's prefill
@@ -454,7 +469,7 @@ def analyse(run: dict) -> dict:
     out["long"] = [{"id": r["id"], "ttft_s": (r["stamps"][0] - r["start"]) if r["stamps"] else None,
                     "tpot_ms": 1e3 * (r["stamps"][-1] - r["stamps"][0]) / max(1, len(r["stamps"]) - 1)
                     if len(r["stamps"]) > 1 else None, "tokens": len(r["stamps"]), "finish": r["finish_reason"],
-                    **long_split(r),
+                    **long_split(r), "longest_gap": longest_gap(r["stamps"]),
                     "itl_ms_by_phase": itl_by_phase(r["stamps"], phases),
                     "itl_ms_by_block_slot": itl_by_block_slot(r["stamps"], r.get("n_prompt", r.get("n_in", 0)),
                                                               run.get("block_size"))}
@@ -743,6 +758,10 @@ def _table(summary: dict) -> str:
         if any(x.get("prefill_s") is not None for x in s["long"]):  # TTFT = admitted + prefill (long_split)
             rows.append(f"{mode:3} long TTFT = admitted + prefill s: " + "  ".join(
                 f"{x['id']} {f(x.get('admitted_s'), 2)} + {f(x.get('prefill_s'), 2)}" for x in s["long"]))
+        if any(x.get("longest_gap") for x in s["long"]):  # a hold or a stall, apart from the per-token time
+            rows.append(f"{mode:3} long longest gap: " + "  ".join(
+                f"{x['id']} {g['s']:.2f} s after token {g['after_token']} (TPOT {f(g['tpot_ms_without'])} ms without it)"
+                for x in s["long"] if (g := x.get("longest_gap"))))
         gp = s.get("gpu_by_phase")
         if gp:  # the device's state: the same in both modes, or one of them ran throttled
             rows.append(f"{mode:3} gpu by phase: " + gpustate.text(gp))

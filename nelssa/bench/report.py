@@ -143,8 +143,12 @@ def hol_md(h: dict, rel: str) -> list[str]:
             out.append(f"\nGPU by phase ({mode}): " + gpustate.text(gp))
     split = [(mode, x) for mode in result_modes(h) for x in h[mode].get("long", []) if x.get("prefill_s") is not None]
     if split:  # hol.long_split: a long request's TTFT = its wait for its first scheduling + its prefill
-        out += ["", "| mode | long request | TTFT s | admitted after s | prefill s |", "|---|---|---|---|---|"]
-        out += [f"| {mode} | {x['id']} | {_f(x['ttft_s'], 2)} | {_f(x['admitted_s'], 2)} | {_f(x['prefill_s'], 2)} |"
+        # and hol.longest_gap: its longest time without a token (a switch hold), the TPOT without it
+        out += ["", "| mode | long request | TTFT s | admitted after s | prefill s | longest gap s (after token) | "
+                "TPOT without it ms |", "|---|---|---|---|---|---|---|"]
+        out += [f"| {mode} | {x['id']} | {_f(x['ttft_s'], 2)} | {_f(x['admitted_s'], 2)} | {_f(x['prefill_s'], 2)} | "
+                + (f"{g['s']:.2f} ({g['after_token']}) | {_f(g['tpot_ms_without'])} |" if (g := x.get("longest_gap"))
+                   else "– | – |")
                 for mode, x in split]
     rows = [(mode, x["id"], ph, v) for mode in result_modes(h) for x in h[mode].get("long", [])
             for ph, v in (x.get("itl_ms_by_phase") or {}).items()]
