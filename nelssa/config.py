@@ -180,6 +180,7 @@ class NelssaConfig:
                                   # short_chunk. H100 hol runs 110-115: the decode phase's ITL p99 is its few
                                   # steps with two 1K prompts at 2048 (45-56 ms); short_chunk 1024 everywhere
                                   # (run 115) removed them but queued the prefill phase's prompts (TTFT p99 2.5 s)
+                                  # At 1024 here (run 116, one invocation with -1): decode ITL p99 38.5 against 33.4 ms
     migrate: bool = True          # a request that grew past T_input moves to the host tier under pressure
     migrate_watermark: float = 0.9  # device KV blocks in use (fraction) from which such requests migrate
     migrate_lead_steps: int = 0   # also migrate when the free device blocks are fewer than the requests decoding
