@@ -844,6 +844,42 @@ def test_prepared_parts_committed_at_once_equal_part_by_part():
     assert rel_err(out, ref) < 1e-4 and lse_err(lse, ref_lse) < 1e-4
 
 
+def test_parts_stats_of_stacked_layers_equal_part_stats_layer_by_layer():
+    """clustered.parts_stats: layers stacked along the head axis, in groups bounded by bytes and by equal
+    cluster counts, give each layer's part_stats exactly (and with cpu=True the same sizes and perm on the
+    CPU); a ClusteredKV appended from them holds what one appended layer by layer holds."""
+    from nelssa.sparse.clustered import ClusteredKV, cluster_layers, part_stats, parts_stats
+    g = torch.Generator().manual_seed(5)
+    L, H, n, D = 7, 2, 48, 16
+    keys = [torch.randn(H, n, D, generator=g).to(torch.bfloat16) for _ in range(L)]
+    values = [torch.randn(H, n, D, generator=g).to(torch.bfloat16) for _ in range(L)]
+    labels = cluster_layers(keys, seed=3, cluster_size=8, segment=32, iters=2)
+    labels[5] = (labels[5][0] % 3, 3)  # a layer with another cluster count ends a group
+    ref = [part_stats(k, v, *lab) for k, v, lab in zip(keys, values, labels)]
+    one = 2 * H * n * D * (4 + 2)  # a layer's stacked bf16 keys and values and their fp32 copies
+    for max_bytes in (1, 3 * one, 1 << 30):  # one layer a group, groups of 3, one group (split at layer 5)
+        got = parts_stats(keys, values, labels, max_bytes=max_bytes)
+        assert len(got) == L and all(len(x) == 4 for x in got)
+        for i, (a, b) in enumerate(zip(got, ref)):
+            for x, y, name in zip(a, b, ("sizes", "perm", "cent", "vmean")):
+                assert x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y), (max_bytes, i, name)
+    got = parts_stats(keys, values, labels, cpu=True)
+    assert all(torch.equal(x[4], x[0]) and torch.equal(x[5], x[1]) and x[4].device.type == "cpu" for x in got)
+    assert parts_stats([], [], []) == []
+
+    def store():
+        return ClusteredKV(H, D, torch.bfloat16, torch.device("cpu"), cluster_size=8, segment=32, iters=2, seed=1)
+
+    a, b = store(), store()
+    a.append(keys[0], values[0], labels=labels[0])
+    b.append(keys[0], values[0], stats=got[0])
+    for name in ("cpart", "cstart", "csize", "perm", "centroids", "sizes", "vmeans"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.equal(a.parts[0].kv, b.parts[0].kv)
+    with pytest.raises(ValueError, match="stats of"):
+        store().append(keys[0][:, :40], values[0][:, :40], stats=got[0])  # stats of another chunk
+
+
 def test_append_beside_a_commit_numbers_its_part_right():
     """A chunk's append (the hand-off thread) while the first part is committed (the step thread, at a
     switch): the new part's clusters name a part that exists. Without ``ClusteredKV._swap`` the append

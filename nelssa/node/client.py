@@ -41,7 +41,7 @@ from nelssa.node.wire import (DTYPE_IDS, ITEMSIZE, MAX_RELEASED_QUERY, TOKEN_HEA
                               W_RESP_SEQ, Limits, NativeChannel, PlanLayout, ShmChannel, StoreSlot, WireError,
                               decode_result, encode_job, plan_layout, store_bytes)
 from nelssa.sparse import Selection, hostmem, pack
-from nelssa.sparse.clustered import cluster_part, part_stats, settled, unpack_parts
+from nelssa.sparse.clustered import cluster_part, parts_stats, settled, unpack_parts
 
 log = logging.getLogger("nelssa.node.client")
 
@@ -615,7 +615,7 @@ class NodeHostTier:
         part = r.parts
         labels, kmeans_s = cluster_part(keys, cfg, part)
         t1 = time.perf_counter()
-        stats = [part_stats(k, v, lab, C) for k, v, (lab, C) in zip(keys, values, labels)]
+        stats = parts_stats(keys, values, labels)
         header = pb.StoreHeader(client_id=self.client_id, req_id=req_id, part=part, num_layers=self.num_layers,
                                 kv_heads=H, head_dim=D, dtype=DTYPE_IDS[dtype], tokens=n,
                                 clusters=[C for _, C in labels], keep_centroids=self.keep_centroids)

@@ -19,7 +19,7 @@ from nelssa._ext import ext
 from nelssa.config import NelssaConfig
 from nelssa.sparse import ClusteredKV, RequestKV, Selection, attend, prepare_attend
 from nelssa.sparse import hostmem
-from nelssa.sparse.clustered import cluster_part, settled
+from nelssa.sparse.clustered import cluster_part, parts_stats, settled
 
 
 class HostError(RuntimeError):
@@ -206,13 +206,14 @@ class LocalHostTier:
         part = 0 if rkv.layers[0] is None else rkv.layers[0].num_parts
         labels, kmeans_s = cluster_part(keys, cfg, part)
         t = time.perf_counter()
-        for i, (k, v, lab) in enumerate(zip(keys, values, labels)):
+        stats = parts_stats(keys, values, labels, cpu=True)
+        for i, (k, v, lab, st) in enumerate(zip(keys, values, labels, stats)):
             ckv = rkv.layers[i]
             if ckv is None:
                 ckv = ClusteredKV(k.shape[0], k.shape[2], k.dtype, k.device, cluster_size=cfg.cluster_size,
                                   segment=cfg.segment, iters=cfg.iters, seed=cfg.seed + i)
                 rkv.set_layer(i, ckv)
-            ckv.append(k, v, commit=commit, labels=lab)
+            ckv.append(k, v, commit=commit, labels=lab, stats=st)
         self.stats.add(move_split_s={"kmeans": kmeans_s, "pack": settled(keys[0]) - t})
 
     def commit(self, req_id: str, length: int) -> None:

@@ -191,6 +191,43 @@ def part_stats(keys: torch.Tensor, values: torch.Tensor, labels: torch.Tensor, C
     return sizes, perm, cent, vmean
 
 
+PART_STATS_BYTES = 256 << 20  # parts_stats: a group of stacked layers' keys and values and their fp32 copies
+                              # (cluster_layers' logits take up to 1 GiB before it, in the same move)
+
+
+def parts_stats(keys: list[torch.Tensor], values: list[torch.Tensor], labels: list[tuple[torch.Tensor, int]],
+                cpu: bool = False, max_bytes: int = PART_STATS_BYTES) -> list[tuple]:
+    """``part_stats`` of one chunk of several layers (each [H, n, D], the same shape; ``labels`` per layer
+    (ids [H, n], C) as ``cluster_layers`` gives them) in as few launches as memory allows: consecutive
+    layers with the same C stacked along the head axis (every operation of ``part_stats`` is per row), in
+    groups whose fp32 sums stay under ``max_bytes``. Layer by layer a move of 32 layers made ~400 tensor
+    operations from its hand-off thread, which shares the GIL with the engine's step thread. -> per layer
+    (sizes, perm, cent, vmean), equal to ``part_stats``'s; with ``cpu`` also (sizes, perm) on the CPU,
+    copied once per group (``ClusteredKV.append``'s two copies per layer each waited for the move's
+    stream: on CUDA a wait behind the steps' kernels)."""
+    if not keys:
+        return []
+    H, n, D = keys[0].shape
+    g = max(1, max_bytes // max(1, 2 * H * n * D * (4 + keys[0].element_size())))  # the stacked copies, fp32 sums
+    out: list[tuple] = []
+    i = 0
+    while i < len(keys):
+        C = labels[i][1]
+        j = i + 1
+        while j < len(keys) and j - i < g and labels[j][1] == C:
+            j += 1
+        if j - i == 1:
+            st = part_stats(keys[i], values[i], *labels[i])
+        else:
+            st = part_stats(torch.cat(keys[i:j], 0), torch.cat(values[i:j], 0),
+                            torch.cat([lab for lab, _ in labels[i:j]], 0), C)
+        if cpu:
+            st = (*st, st[0].cpu(), st[1].cpu())
+        out.extend(zip(*(t.split(H, 0) for t in st)))
+        i = j
+    return out
+
+
 class ClusteredKV:
     """A request's clustered KV for one layer.
 
@@ -260,7 +297,7 @@ class ClusteredKV:
             raise ValueError("this ClusteredKV was freed")
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, commit: bool = True,
-               labels: tuple[torch.Tensor, int] | None = None) -> None:
+               labels: tuple[torch.Tensor, int] | None = None, stats: tuple | None = None) -> None:
         """Cluster a chunk of new tokens [H, n, D] on its own and append it as a new part.
 
         Existing clusters are untouched; new tokens get positions length .. length + n - 1. With
@@ -269,7 +306,8 @@ class ClusteredKV:
         attention keeps reading the committed parts. One thread appends; readers and the committer
         are another (the appender's table and part count and the committer's swap hold ``_swap``).
         ``labels`` ([H, n] cluster ids, C): clustering done by the caller (``cluster_layers`` runs it
-        for many layers at once).
+        for many layers at once); ``stats``: their ``part_stats`` too, with or without the CPU copies of
+        sizes and perm (``parts_stats``, for many layers at once).
         """
         self.check_alive()
         _check_kv(keys, values)
@@ -277,13 +315,18 @@ class ClusteredKV:
         if (H, D) != (self.num_kv_heads, self.head_dim) or keys.dtype != self.dtype:
             raise ValueError(f"append: chunk is [{H}, *, {D}] {keys.dtype}, store is "
                              f"[{self.num_kv_heads}, *, {self.head_dim}] {self.dtype}")
-        if labels is None:
-            labels = segmented_kmeans(keys, seed=self.seed + self.num_parts, **self.params)
-        sizes, perm, cent, vmean = part_stats(keys, values, *labels)
+        if stats is None:
+            if labels is None:
+                labels = segmented_kmeans(keys, seed=self.seed + self.num_parts, **self.params)
+            stats = part_stats(keys, values, *labels)
+        sizes, perm, cent, vmean = stats[:4]
+        if sizes.shape[0] != H or perm.shape != (H, n):
+            raise ValueError(f"append: stats of [{sizes.shape[0]}, *] sizes and {tuple(perm.shape)} perm for a "
+                             f"chunk of [{H}, {n}, *]")
+        sizes_cpu, perm_cpu = stats[4:] if len(stats) == 6 else (sizes.cpu(), perm.cpu())
         dev = self.device
-        sizes_cpu = sizes.cpu()
         part = _Pending(n=n, kv=pack(keys, values, perm), sizes_cpu=sizes_cpu.to(torch.int32),
-                        starts=torch.cumsum(sizes_cpu, 1) - sizes_cpu, perm=perm.cpu(),
+                        starts=torch.cumsum(sizes_cpu, 1) - sizes_cpu, perm=perm_cpu,
                         cent=cent.to(dev), sizes=sizes.to(device=dev, dtype=torch.int32), vmean=vmean.to(dev))
         # the table after this part, from the newest prepared part's (or the committed one: an empty list
         # read here means the committer swapped its tables in before it removed the parts)
