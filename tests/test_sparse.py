@@ -603,6 +603,12 @@ out = pack(k, v, perm)                              # 16 MiB: from the registere
 assert out.is_pinned() and hostmem.stats()["hits"] >= 1
 ref = pack(k.cpu(), v.cpu(), perm.cpu())
 assert torch.equal(out, ref)
+from nelssa.sparse.clustered import pack_parts  # several layers, the copies enqueued, one wait per group
+ks, vs = ([torch.randn(8, 1024, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for _ in range(2))
+ps = [torch.stack([torch.randperm(1024, device="cuda") for _ in range(8)]) for _ in range(3)]
+outs = pack_parts(ks, vs, ps, max_bytes=2 * 4 * 8 * 1024 * 128 * 2)  # groups of 2 and 1
+assert len(outs) == 3 and all(o.is_pinned() for o in outs)
+assert all(torch.equal(o, pack(k.cpu(), v.cpu(), p.cpu())) for o, k, v, p in zip(outs, ks, vs, ps))
 big = torch.randn(20 << 20, device="cuda")         # 80 MiB: more than the reservation, a new pageable mapping
 dst = hostmem.host_empty((20 << 20,), torch.float32)
 assert not dst.is_pinned()
@@ -615,8 +621,9 @@ print("ok", hostmem.stats())
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="registration with CUDA")
 def test_reserved_host_memory_registered_with_cuda_takes_one_dma():
     """hostmem.py 3 (its own process: the reservation is process-wide): a reservation made by a CUDA process
-    is registered; a move's packed K/V go straight into it (pinned) and equal the CPU reorganisation; memory
-    beyond it still goes through the staging buffers."""
+    is registered; a move's packed K/V go straight into it (pinned) and equal the CPU reorganisation, also
+    several layers' at once with one wait (pack_parts); memory beyond it still goes through the staging
+    buffers."""
     r = subprocess.run([sys.executable, "-c", _REGISTERED_SCRIPT], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout + r.stderr
 
@@ -878,6 +885,32 @@ def test_parts_stats_of_stacked_layers_equal_part_stats_layer_by_layer():
     assert torch.equal(a.parts[0].kv, b.parts[0].kv)
     with pytest.raises(ValueError, match="stats of"):
         store().append(keys[0][:, :40], values[0][:, :40], stats=got[0])  # stats of another chunk
+
+
+@pytest.mark.parametrize("cpp", [True, False])
+def test_pack_parts_of_stacked_layers_equal_pack_layer_by_layer(cpp, use_cpp):
+    """clustered.pack_parts: each layer's records as ``pack`` writes them, on the C++ path (layer by layer)
+    and on the torch path (gathers of stacked layers, in groups bounded by bytes: the one a CUDA move takes,
+    there with one wait per group); an append given them holds the same part; records of another shape are
+    refused."""
+    use_cpp(cpp)
+    from nelssa.sparse.clustered import ClusteredKV, cluster_layers, pack, pack_parts, parts_stats
+    g = torch.Generator().manual_seed(6)
+    L, H, n, D = 5, 2, 40, 16
+    keys = [torch.randn(H, n, D, generator=g).to(torch.bfloat16) for _ in range(L)]
+    values = [torch.randn(H, n, D, generator=g).to(torch.bfloat16) for _ in range(L)]
+    stats = parts_stats(keys, values, cluster_layers(keys, seed=3, cluster_size=8, segment=32, iters=2), cpu=True)
+    perms = [st[1] for st in stats]
+    ref = [pack(k, v, p) for k, v, p in zip(keys, values, perms)]
+    for max_bytes in (1, 2 * 4 * H * n * D * 2, 1 << 30):  # groups of 1, 2 (and a last of 1), all 5
+        got = pack_parts(keys, values, perms, max_bytes=max_bytes)
+        assert len(got) == L and all(torch.equal(a, b) for a, b in zip(got, ref)), max_bytes
+    assert pack_parts([], [], []) == []
+    a = ClusteredKV(H, D, torch.bfloat16, torch.device("cpu"), cluster_size=8, segment=32, iters=2, seed=1)
+    a.append(keys[0], values[0], stats=stats[0], kv=got[0])
+    assert torch.equal(a.parts[0].kv, ref[0])
+    with pytest.raises(ValueError, match="packed records"):
+        a.append(keys[1], values[1], stats=stats[1], kv=got[1][:, :20])
 
 
 def test_append_beside_a_commit_numbers_its_part_right():

@@ -19,7 +19,7 @@ from nelssa._ext import ext
 from nelssa.config import NelssaConfig
 from nelssa.sparse import ClusteredKV, RequestKV, Selection, attend, prepare_attend
 from nelssa.sparse import hostmem
-from nelssa.sparse.clustered import cluster_part, parts_stats, settled
+from nelssa.sparse.clustered import cluster_part, pack_parts, parts_stats, settled
 
 
 class HostError(RuntimeError):
@@ -207,13 +207,14 @@ class LocalHostTier:
         labels, kmeans_s = cluster_part(keys, cfg, part)
         t = time.perf_counter()
         stats = parts_stats(keys, values, labels, cpu=True)
-        for i, (k, v, lab, st) in enumerate(zip(keys, values, labels, stats)):
+        kvs = pack_parts(keys, values, [st[1] for st in stats])
+        for i, (k, v, lab, st, kv) in enumerate(zip(keys, values, labels, stats, kvs)):
             ckv = rkv.layers[i]
             if ckv is None:
                 ckv = ClusteredKV(k.shape[0], k.shape[2], k.dtype, k.device, cluster_size=cfg.cluster_size,
                                   segment=cfg.segment, iters=cfg.iters, seed=cfg.seed + i)
                 rkv.set_layer(i, ckv)
-            ckv.append(k, v, commit=commit, labels=lab, stats=st)
+            ckv.append(k, v, commit=commit, labels=lab, stats=st, kv=kv)
         self.stats.add(move_split_s={"kmeans": kmeans_s, "pack": settled(keys[0]) - t})
 
     def commit(self, req_id: str, length: int) -> None:

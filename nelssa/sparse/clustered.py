@@ -228,6 +228,44 @@ def parts_stats(keys: list[torch.Tensor], values: list[torch.Tensor], labels: li
     return out
 
 
+def pack_parts(keys: list[torch.Tensor], values: list[torch.Tensor], perms: list[torch.Tensor],
+               max_bytes: int = PART_STATS_BYTES) -> list[torch.Tensor]:
+    """``pack`` of one chunk of several layers (each [H, n, D], the same shape; ``perms`` [H, n] each) into new
+    host-tier tensors. CPU keys with the C++ extension: layer by layer (its row copy). Else the layers'
+    gathers stacked in groups (``max_bytes``: the stacked keys and values and the gathered pairs), and on
+    CUDA each layer's copy into host memory registered with CUDA (the reserved host tier: hostmem) only
+    enqueued, the group waited for once (``pack`` waits once per layer, each a wait behind the steps'
+    kernels from the hand-off's low-priority stream); a copy into pageable memory goes through
+    ``to_host``'s staging, as ``pack``'s."""
+    if not keys:
+        return []
+    if keys[0].device.type == "cpu" and ext() is not None:
+        return [pack(k, v, p) for k, v, p in zip(keys, values, perms)]
+    H, n, D = keys[0].shape
+    g = max(1, max_bytes // max(1, 4 * H * n * D * keys[0].element_size()))
+    outs: list[torch.Tensor] = []
+    for i in range(0, len(keys), g):
+        idx = torch.cat(perms[i:i + g], 0).unsqueeze(-1).expand(-1, -1, D)
+        packed = torch.stack([torch.cat(keys[i:i + g], 0).gather(1, idx),
+                              torch.cat(values[i:i + g], 0).gather(1, idx)], dim=2)  # [g H, n, 2, D]
+        enqueued = False
+        for part in packed.split(H, 0):
+            out = host_empty((H, n, 2, D), keys[0].dtype)
+            if part.device.type != "cuda":
+                out.copy_(part)
+            elif out.is_pinned():
+                out.copy_(part, non_blocking=True)
+                enqueued = True
+            else:
+                to_host(part, out)
+            outs.append(out)
+        if enqueued:  # before ``packed`` (the copies' source) is released
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(packed.device))
+            ev.synchronize()
+    return outs
+
+
 class ClusteredKV:
     """A request's clustered KV for one layer.
 
@@ -297,7 +335,8 @@ class ClusteredKV:
             raise ValueError("this ClusteredKV was freed")
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, commit: bool = True,
-               labels: tuple[torch.Tensor, int] | None = None, stats: tuple | None = None) -> None:
+               labels: tuple[torch.Tensor, int] | None = None, stats: tuple | None = None,
+               kv: torch.Tensor | None = None) -> None:
         """Cluster a chunk of new tokens [H, n, D] on its own and append it as a new part.
 
         Existing clusters are untouched; new tokens get positions length .. length + n - 1. With
@@ -307,7 +346,8 @@ class ClusteredKV:
         are another (the appender's table and part count and the committer's swap hold ``_swap``).
         ``labels`` ([H, n] cluster ids, C): clustering done by the caller (``cluster_layers`` runs it
         for many layers at once); ``stats``: their ``part_stats`` too, with or without the CPU copies of
-        sizes and perm (``parts_stats``, for many layers at once).
+        sizes and perm (``parts_stats``, for many layers at once); ``kv``: the chunk packed by the caller
+        in the order of ``stats``'s perm (``pack_parts``).
         """
         self.check_alive()
         _check_kv(keys, values)
@@ -325,7 +365,12 @@ class ClusteredKV:
                              f"chunk of [{H}, {n}, *]")
         sizes_cpu, perm_cpu = stats[4:] if len(stats) == 6 else (sizes.cpu(), perm.cpu())
         dev = self.device
-        part = _Pending(n=n, kv=pack(keys, values, perm), sizes_cpu=sizes_cpu.to(torch.int32),
+        if kv is None:
+            kv = pack(keys, values, perm)
+        elif kv.shape != (H, n, 2, D) or kv.dtype != keys.dtype or kv.device.type != "cpu":
+            raise ValueError(f"append: packed records {tuple(kv.shape)} {kv.dtype} on {kv.device} for a chunk of "
+                             f"[{H}, {n}, {D}] {keys.dtype}")
+        part = _Pending(n=n, kv=kv, sizes_cpu=sizes_cpu.to(torch.int32),
                         starts=torch.cumsum(sizes_cpu, 1) - sizes_cpu, perm=perm_cpu,
                         cent=cent.to(dev), sizes=sizes.to(device=dev, dtype=torch.int32), vmean=vmean.to(dev))
         # the table after this part, from the newest prepared part's (or the committed one: an empty list
