@@ -281,3 +281,26 @@ def test_longest_gap_of_a_long_request_and_its_line_in_the_table():
             {"id": "long1", "ttft_s": 25.6, "tpot_ms": None, "longest_gap": None}]
     table = _table({"on": {**ph, "long": long, "output_tok_s": 985.0, "preemptions": 0.0, "errors": []}})
     assert "on  long longest gap: long0 1.50 s after token 30 (TPOT 40.0 ms without it)\n" in table + "\n", table
+
+
+def test_compile_source_from_the_engine_log_and_in_the_table():
+    """hol.compile_source: from a mode's engine log (lines as vLLM 0.26 writes them on the H100), whether the
+    model was compiled afresh or loaded from vLLM's torch.compile cache, and in how many seconds; None for
+    an eager engine's log. The table says which per mode."""
+    from nelssa.bench.hol import _table, compile_source
+    pre = "(EngineCore pid=4071) INFO 12-07 12:10:57 "
+    cached = [pre + "[backends.py:292] Directly load the compiled graph(s) for compile range (1, 8192) from the "
+                    "cache, took 2.659 s", pre + "[monitor.py:53] torch.compile took 5.84 s in total"]
+    fresh = [pre + "[backends.py:393] Compiling a graph for compile range (1, 8192) takes 7.79 s",
+             pre + "[monitor.py:53] torch.compile took 20.98 s in total"]
+    assert compile_source(cached) == {"cached": True, "s": 5.84}
+    assert compile_source(fresh) == {"cached": False, "s": 20.98}
+    assert compile_source([pre + "[core.py:340] init engine (profile, create kv cache, warmup model) took 9.1 s"]) is None
+    ph = {k: {"short_ttft_p50_ms": 1.0, "short_ttft_p99_ms": 1.0, "short_itl_p50_ms": 1.0, "short_itl_p99_ms": 1.0,
+              "short_tpot_p50_ms": 1.0, "max_gap_without_short_token_s": 0.1}
+          for k in ("before", "long_prefill", "long_decode")}
+    base = {**ph, "long": [], "output_tok_s": 985.0, "preemptions": 0.0, "errors": []}
+    table = _table({"off": {**base, "torch_compile": compile_source(fresh)},
+                    "on": {**base, "torch_compile": compile_source(cached)}})
+    assert "off torch.compile: compiled in 21.0 s" in table and "on  torch.compile: loaded from the cache in 5.8 s" in table
+    assert "torch.compile" not in _table({"on": {**base, "torch_compile": None}})

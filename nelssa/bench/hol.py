@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -320,6 +321,22 @@ def long_split(r: dict) -> dict:
     if t is None or not r["stamps"]:
         return {"admitted_s": None, "prefill_s": None}
     return {"admitted_s": t - r["start"], "prefill_s": r["stamps"][0] - t}
+
+
+_COMPILE_LOADED = "Directly load the compiled graph"
+_COMPILE_TOOK = re.compile(r"torch\.compile took ([0-9.]+) s in total")
+
+
+def compile_source(lines: list[str]) -> dict | None:
+    """From a mode's engine log: whether vLLM compiled the model afresh or loaded it from its torch.compile
+    cache (a machine kept warm between invocations keeps it), and the seconds it took -> {"cached", "s"}; None
+    where the log says neither (eager mode). On one warm H100, three of four modes that loaded from the
+    cache ran their before phase slower than the four that compiled (runs 116-118), also the machine's
+    last runs: recorded so runs can be compared on it."""
+    took = next((m for m in map(_COMPILE_TOOK.search, lines) if m), None)
+    if took is None:
+        return None
+    return {"cached": any(_COMPILE_LOADED in x for x in lines), "s": float(took.group(1))}
 
 
 def longest_gap(stamps: list[float]) -> dict | None:
@@ -667,6 +684,7 @@ def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout:
     os.makedirs(out_dir, exist_ok=True)
     runs: dict[str, dict] = {}
     failed: dict[str, str] = {}
+    compiled: dict[str, dict | None] = {}
     for mode, base, scenario in mode_specs(sc, modes, variants):
         spec = {"mode": base, "scenario": scenario, "model": model, "out_dir": out_dir}
         env = {k: v for k, v in os.environ.items() if k != "NELSSA_OFF"}
@@ -687,6 +705,7 @@ def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout:
         # vLLM logs to stdout: the engine's log (and any error in it) kept beside the results
         with open(os.path.join(out_dir, f"hol_{_file_label(mode)}.log"), "w") as f:
             f.write("".join(x + "\n" for x in lines if not x.startswith("HOL_JSON ")))
+        compiled[mode] = compile_source(lines)
         errors = [x for x in lines if " ERROR " in x or x.startswith("Traceback")]
         if errors:
             print(f"[hol] mode {mode}: {len(errors)} error lines in hol_{_file_label(mode)}.log, first: {errors[0][:300]}",
@@ -707,6 +726,7 @@ def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout:
         summary[mode] = analyse(run)
         summary[mode]["wall_s"] = run["wall_s"]
         summary[mode]["v2_model_runner"] = run.get("v2_model_runner")  # off: vLLM's default; on, off:v1: V1
+        summary[mode]["torch_compile"] = compiled.get(mode)
     for mode in [m for m in runs if m.partition(":")[0] == "on"]:
         sfx = "" if mode == "on" else "_" + mode.partition(":")[2]  # e.g. targets_threads12 for on:threads12
         if "off" not in runs:  # those of NELSSA's own phases (H100 run 68, --modes on:spin, had none printed)
@@ -762,6 +782,9 @@ def _table(summary: dict) -> str:
             rows.append(f"{mode:3} long longest gap: " + "  ".join(
                 f"{x['id']} {g['s']:.2f} s after token {g['after_token']} (TPOT {f(g['tpot_ms_without'])} ms without it)"
                 for x in s["long"] if (g := x.get("longest_gap"))))
+        tc = s.get("torch_compile")
+        if tc:  # vLLM's compiled model: afresh, or loaded from its cache (a warm machine's earlier run)
+            rows.append(f"{mode:3} torch.compile: {'loaded from the cache' if tc['cached'] else 'compiled'} in {tc['s']:.1f} s")
         gp = s.get("gpu_by_phase")
         if gp:  # the device's state: the same in both modes, or one of them ran throttled
             rows.append(f"{mode:3} gpu by phase: " + gpustate.text(gp))
