@@ -265,8 +265,9 @@ def test_node_host_reserve_serves_stores_from_touched_memory():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="registration with CUDA")
 def test_device_stores_go_through_the_store_slot_registered_with_cuda(nodes):
-    """Keys on a CUDA device: the client registers its store slot with CUDA once (hostmem.pin), each
-    layer's packed K/V is one DMA into it, the node's results equal dense attention, and a read-back to the
+    """Keys on a CUDA device: the client registers its store slot with CUDA once (hostmem.pin), every
+    piece of a store (each layer's sizes, packed K/V, centroids) is a DMA into it enqueued on the stream,
+    waited for once per store (_fill_slot), the node's results equal dense attention, and a read-back to the
     device comes out of it by DMA; a larger store replaces the slot (the old one unregistered first), and
     close unregisters the last one."""
     from nelssa.sparse import hostmem

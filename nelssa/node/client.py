@@ -41,7 +41,7 @@ from nelssa.node.wire import (DTYPE_IDS, ITEMSIZE, MAX_RELEASED_QUERY, TOKEN_HEA
                               W_RESP_SEQ, Limits, NativeChannel, PlanLayout, ShmChannel, StoreSlot, WireError,
                               decode_result, encode_job, plan_layout, store_bytes)
 from nelssa.sparse import Selection, hostmem, pack
-from nelssa.sparse.clustered import cluster_part, parts_stats, settled, unpack_parts
+from nelssa.sparse.clustered import cluster_part, parts_stats, settled, unpack_parts, wait_stream
 
 log = logging.getLogger("nelssa.node.client")
 
@@ -344,28 +344,39 @@ class _NativePlane:
         self.chan = None
 
 
-def _wire_pieces(keys: list[torch.Tensor], values: list[torch.Tensor], stats: list, keep: bool):
+def _wire_pieces(keys: list[torch.Tensor], values: list[torch.Tensor], stats: list, keep: bool, wait: bool = True):
     """A store's data in its wire order, the one description both paths write from: per layer the
     cluster sizes (int32 [H, C]), then the K/V packed by cluster ([H, n, 2, D]), then with ``keep`` the
     centroids and value means ([H, C, D] each); as (bytes, fill) pairs, ``fill(out)`` writing the
-    piece into ``out`` (uint8 [bytes], host memory: the store slot or a buffer for the stream's chunks)."""
+    piece into ``out`` (uint8 [bytes], host memory: the store slot or a buffer for the stream's chunks).
+    ``wait=False`` (``out`` registered with CUDA): a device piece's copy is only enqueued on the current
+    stream; the caller waits for it once (``_fill_slot``)."""
+    nb = not wait
     for k, v, (sizes, perm, cent, vmean) in zip(keys, values, stats):
         H, n, D = k.shape
-        yield sizes.numel() * 4, lambda out, s=sizes: out.view(torch.int32).copy_(s.reshape(-1))
+        yield sizes.numel() * 4, lambda out, s=sizes: out.view(torch.int32).copy_(s.reshape(-1), non_blocking=nb)
         yield (H * n * 2 * D * k.element_size(),
-               lambda out, k=k, v=v, p=perm, shape=(H, n, 2, D): pack(k, v, p, out=out.view(k.dtype).view(shape)))
+               lambda out, k=k, v=v, p=perm, shape=(H, n, 2, D): pack(k, v, p, out=out.view(k.dtype).view(shape),
+                                                                      wait=wait))
         if keep:
             for t in (cent, vmean):
-                yield t.numel() * t.element_size(), lambda out, t=t: out.view(t.dtype).copy_(t.reshape(-1))
+                yield (t.numel() * t.element_size(),
+                       lambda out, t=t: out.view(t.dtype).copy_(t.reshape(-1), non_blocking=nb))
 
 
 def _fill_slot(buf: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], stats: list,
                keep: bool) -> None:
-    """A store's data written into the store slot ``buf`` (uint8) in its wire order (pack() in place)."""
+    """A store's data written into the store slot ``buf`` (uint8) in its wire order (pack() in place). From
+    a CUDA device into a slot registered with CUDA (``_pin_slot``) every piece's copy is enqueued and the
+    stream waited for once, not once or more per layer (each such wait on the hand-off's low-priority
+    stream stood behind the steps' kernels)."""
+    enqueue = keys[0].is_cuda and buf.is_pinned()
     off = 0
-    for nb, fill in _wire_pieces(keys, values, stats, keep):
+    for nb, fill in _wire_pieces(keys, values, stats, keep, wait=not enqueue):
         fill(buf[off:off + nb])
         off += nb
+    if enqueue:
+        wait_stream(keys[0].device)
 
 
 def _stream_chunks(header, keys: list[torch.Tensor], values: list[torch.Tensor], stats: list, step: int):

@@ -42,13 +42,16 @@ def settled(t: torch.Tensor) -> float:
     return time.perf_counter()
 
 
-def pack(keys: torch.Tensor, values: torch.Tensor, perm: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def pack(keys: torch.Tensor, values: torch.Tensor, perm: torch.Tensor, out: torch.Tensor | None = None,
+         wait: bool = True) -> torch.Tensor:
     """Host KV in cluster-contiguous layout: [H, L, 2, D], row i of head h = (K, V) of token perm[h, i].
 
     perm [H, L] lists each head's tokens grouped by cluster, so a cluster is one contiguous run of
     K/V records that the kernel reads as a single stream. CPU inputs use the C++ OpenMP row copy
     (torch fallback); device inputs are permuted on the device and copied to the host once. ``out``:
     a contiguous host tensor of that shape and dtype to write into (e.g. nelssa-node's store slot).
+    ``wait=False``: device inputs into memory registered with CUDA are only enqueued on the current stream
+    (``to_host``); the caller waits for the stream before reading ``out``.
     """
     H, L, D = keys.shape
     if out is None:
@@ -66,7 +69,7 @@ def pack(keys: torch.Tensor, values: torch.Tensor, perm: torch.Tensor, out: torc
     idx = perm.unsqueeze(-1).expand(-1, -1, D)
     packed = torch.stack([keys.gather(1, idx), values.gather(1, idx)], dim=2)
     if packed.device.type == "cuda":
-        to_host(packed, out)
+        to_host(packed, out, wait)
     else:
         out.copy_(packed)
     return out
@@ -77,7 +80,7 @@ COPY_THREADS = 4  # host-side copy of a staged chunk (to_host)
 _stage = threading.local()
 
 
-def to_host(src: torch.Tensor, out: torch.Tensor) -> None:
+def to_host(src: torch.Tensor, out: torch.Tensor, wait: bool = True) -> bool:
     """Copy a contiguous CUDA tensor into host-tier memory (same shape and dtype).
 
     The host tier is huge-page memory (the kernel wants the TLB reach). Registered with CUDA (reserved
@@ -86,21 +89,25 @@ def to_host(src: torch.Tensor, out: torch.Tensor) -> None:
     by chunk: the next chunk's DMA on the current stream overlaps the host copy of the previous one, that
     copy on ``COPY_THREADS`` threads (``hostmem.copy``; torch's copy runs on one where vLLM
     sets OMP_NUM_THREADS=1: into fresh pages 11 GB/s against 17 with two threads on the 2-vCPU box).
-    Returns when ``out`` holds the data.
+    Returns when ``out`` holds the data -> False; with ``wait=False`` a copy into registered memory is
+    only enqueued on the current stream -> True (the caller waits for the stream before reading ``out``, and
+    keeps ``src`` or lets the caching allocator order its reuse after the copy: same stream).
     """
     a = src.contiguous().view(-1).view(torch.uint8)
     b = out.view(-1).view(torch.uint8)
     if a.numel() != b.numel():
         raise ValueError(f"to_host: {a.numel()} bytes into {b.numel()}")
     if a.numel() == 0:
-        return
+        return False
     stream = torch.cuda.current_stream(src.device)
     if b.is_pinned():  # a range of one registered reservation (host_pool.cpp, 3)
         b.copy_(a, non_blocking=True)
+        if not wait:
+            return True
         ev = torch.cuda.Event()
         ev.record(stream)
         ev.synchronize()
-        return
+        return False
     bufs = getattr(_stage, "bufs", None)
     if bufs is None:
         bufs = _stage.bufs = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
@@ -121,6 +128,7 @@ def to_host(src: torch.Tensor, out: torch.Tensor) -> None:
             issue(i + 1)  # its buffer's previous chunk (i - 1) was copied out below already
         done[i].synchronize()
         hostmem.copy(b[o:o + n], bufs[i % 2][:n], COPY_THREADS)
+    return False
 
 
 @dataclass
@@ -251,19 +259,21 @@ def pack_parts(keys: list[torch.Tensor], values: list[torch.Tensor], perms: list
         enqueued = False
         for part in packed.split(H, 0):
             out = host_empty((H, n, 2, D), keys[0].dtype)
-            if part.device.type != "cuda":
-                out.copy_(part)
-            elif out.is_pinned():
-                out.copy_(part, non_blocking=True)
-                enqueued = True
+            if part.device.type == "cuda":
+                enqueued |= to_host(part, out, wait=False)
             else:
-                to_host(part, out)
+                out.copy_(part)
             outs.append(out)
-        if enqueued:  # before ``packed`` (the copies' source) is released
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(packed.device))
-            ev.synchronize()
+        if enqueued:
+            wait_stream(packed.device)
     return outs
+
+
+def wait_stream(device: torch.device) -> None:
+    """Wait for the work enqueued on ``device``'s current stream so far (copies ``to_host`` left pending)."""
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    ev.synchronize()
 
 
 class ClusteredKV:
