@@ -684,7 +684,6 @@ def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout:
     os.makedirs(out_dir, exist_ok=True)
     runs: dict[str, dict] = {}
     failed: dict[str, str] = {}
-    compiled: dict[str, dict | None] = {}
     for mode, base, scenario in mode_specs(sc, modes, variants):
         spec = {"mode": base, "scenario": scenario, "model": model, "out_dir": out_dir}
         env = {k: v for k, v in os.environ.items() if k != "NELSSA_OFF"}
@@ -705,7 +704,6 @@ def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout:
         # vLLM logs to stdout: the engine's log (and any error in it) kept beside the results
         with open(os.path.join(out_dir, f"hol_{_file_label(mode)}.log"), "w") as f:
             f.write("".join(x + "\n" for x in lines if not x.startswith("HOL_JSON ")))
-        compiled[mode] = compile_source(lines)
         errors = [x for x in lines if " ERROR " in x or x.startswith("Traceback")]
         if errors:
             print(f"[hol] mode {mode}: {len(errors)} error lines in hol_{_file_label(mode)}.log, first: {errors[0][:300]}",
@@ -715,6 +713,7 @@ def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout:
             print(f"[hol] mode {mode}: {failed[mode]}", file=sys.stderr, flush=True)
             continue
         runs[mode] = json.loads(line[len("HOL_JSON "):])
+        runs[mode]["torch_compile"] = compile_source(lines)
         with open(os.path.join(out_dir, f"hol_{_file_label(mode)}.jsonl"), "w") as f:
             for r in runs[mode]["requests"]:
                 f.write(json.dumps(r) + "\n")
@@ -726,7 +725,7 @@ def run_modes(sc: Scenario, model: str, modes: list[str], out_dir: str, timeout:
         summary[mode] = analyse(run)
         summary[mode]["wall_s"] = run["wall_s"]
         summary[mode]["v2_model_runner"] = run.get("v2_model_runner")  # off: vLLM's default; on, off:v1: V1
-        summary[mode]["torch_compile"] = compiled.get(mode)
+        summary[mode]["torch_compile"] = run["torch_compile"]
     for mode in [m for m in runs if m.partition(":")[0] == "on"]:
         sfx = "" if mode == "on" else "_" + mode.partition(":")[2]  # e.g. targets_threads12 for on:threads12
         if "off" not in runs:  # those of NELSSA's own phases (H100 run 68, --modes on:spin, had none printed)

@@ -66,8 +66,7 @@ def pack(keys: torch.Tensor, values: torch.Tensor, perm: torch.Tensor, out: torc
         mod.copy_rows(keys.contiguous(), perm, flat, (2 * rows).contiguous())
         mod.copy_rows(values.contiguous(), perm, flat, (2 * rows + 1).contiguous())
         return out
-    idx = perm.unsqueeze(-1).expand(-1, -1, D)
-    packed = torch.stack([keys.gather(1, idx), values.gather(1, idx)], dim=2)
+    packed = _pairs(keys, values, perm)
     if packed.device.type == "cuda":
         to_host(packed, out, wait)
     else:
@@ -78,6 +77,20 @@ def pack(keys: torch.Tensor, values: torch.Tensor, perm: torch.Tensor, out: torc
 STAGE_BYTES = 16 << 20  # per pinned staging buffer (two per thread that copies from a GPU; made on first use)
 COPY_THREADS = 4  # host-side copy of a staged chunk (to_host)
 _stage = threading.local()
+
+
+def _pairs(keys: torch.Tensor, values: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``pack``'s records on the inputs' device (the torch path): [H, L, 2, D], row i of head h = (K, V) of
+    token perm[h, i]."""
+    idx = perm.unsqueeze(-1).expand(-1, -1, keys.shape[2])
+    return torch.stack([keys.gather(1, idx), values.gather(1, idx)], dim=2)
+
+
+def wait_stream(device: torch.device) -> None:
+    """Wait for the work enqueued on ``device``'s current stream so far (copies ``to_host`` left pending)."""
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    ev.synchronize()
 
 
 def to_host(src: torch.Tensor, out: torch.Tensor, wait: bool = True) -> bool:
@@ -102,12 +115,9 @@ def to_host(src: torch.Tensor, out: torch.Tensor, wait: bool = True) -> bool:
     stream = torch.cuda.current_stream(src.device)
     if b.is_pinned():  # a range of one registered reservation (host_pool.cpp, 3)
         b.copy_(a, non_blocking=True)
-        if not wait:
-            return True
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        ev.synchronize()
-        return False
+        if wait:
+            wait_stream(src.device)
+        return not wait
     bufs = getattr(_stage, "bufs", None)
     if bufs is None:
         bufs = _stage.bufs = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
@@ -253,9 +263,8 @@ def pack_parts(keys: list[torch.Tensor], values: list[torch.Tensor], perms: list
     g = max(1, max_bytes // max(1, 4 * H * n * D * keys[0].element_size()))
     outs: list[torch.Tensor] = []
     for i in range(0, len(keys), g):
-        idx = torch.cat(perms[i:i + g], 0).unsqueeze(-1).expand(-1, -1, D)
-        packed = torch.stack([torch.cat(keys[i:i + g], 0).gather(1, idx),
-                              torch.cat(values[i:i + g], 0).gather(1, idx)], dim=2)  # [g H, n, 2, D]
+        packed = _pairs(torch.cat(keys[i:i + g], 0), torch.cat(values[i:i + g], 0),
+                        torch.cat(perms[i:i + g], 0))  # [g H, n, 2, D]
         enqueued = False
         for part in packed.split(H, 0):
             out = host_empty((H, n, 2, D), keys[0].dtype)
@@ -267,13 +276,6 @@ def pack_parts(keys: list[torch.Tensor], values: list[torch.Tensor], perms: list
         if enqueued:
             wait_stream(packed.device)
     return outs
-
-
-def wait_stream(device: torch.device) -> None:
-    """Wait for the work enqueued on ``device``'s current stream so far (copies ``to_host`` left pending)."""
-    ev = torch.cuda.Event()
-    ev.record(torch.cuda.current_stream(device))
-    ev.synchronize()
 
 
 class ClusteredKV:
