@@ -25,13 +25,14 @@ def _normalize(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
-def _update(xn: torch.Tensor, labels: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
-    """New unit centroids = normalised sums of members; empty clusters keep their centroid."""
-    H, _, D = xn.shape
-    sums = torch.zeros_like(cent).scatter_add_(1, labels.unsqueeze(-1).expand(H, -1, D), xn)
-    counts = torch.zeros(cent.shape[:2], device=xn.device, dtype=xn.dtype)
-    counts.scatter_add_(1, labels, torch.ones_like(labels, dtype=xn.dtype))
-    return torch.where(counts.unsqueeze(-1) > 0, _normalize(sums), cent)
+def _update(xs1: torch.Tensor, labels: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
+    """New unit centroids = normalised sums of members; empty clusters keep their centroid. ``xs1``: the
+    unit rows [H, n, D] with a column of ones appended, so one scatter sums the members and counts them
+    (a k-means iteration's launches are what a background move pays beside the engine's steps)."""
+    H, n, D1 = xs1.shape
+    sums = torch.zeros(H, cent.shape[1], D1, dtype=xs1.dtype, device=xs1.device)
+    sums.scatter_add_(1, labels.unsqueeze(-1).expand(H, n, D1), xs1)
+    return torch.where(sums[..., D1 - 1:] > 0, _normalize(sums[..., :D1 - 1]), cent)
 
 
 def similarity_dtype(device: torch.device) -> torch.dtype:
@@ -82,11 +83,13 @@ def segmented_kmeans(keys: torch.Tensor, *, cluster_size: int = 16, segment: int
         n = hi - lo
         c = min(n, max(1, round(n / cluster_size)))
         init = to_device(torch.randperm(n, generator=gen)[:c].sort().values, keys.device)
-        xs = xs_all[:, lo:hi].float()  # fp32: a view, else this segment's copy
-        cent = xs[:, init].clone()
+        seg = xs_all[:, lo:hi]
+        cent = seg[:, init].float()
+        if iters > 1:  # fp32 unit rows and a column of ones (_update): this segment's one copy
+            xs1 = torch.cat([seg.float(), seg.new_ones(H, n, 1, dtype=torch.float32)], dim=-1)
         for _ in range(max(0, iters - 1)):
-            labels = _logits(xs_all[:, lo:hi], cent.to(sd).transpose(1, 2)).argmax(-1)
-            cent = _update(xs, labels, cent)
+            labels = _logits(seg, cent.to(sd).transpose(1, 2)).argmax(-1)
+            cent = _update(xs1, labels, cent)
         cents.append(cent)
     cent = torch.cat(cents, dim=1)
     labels = torch.empty(H, L, dtype=torch.long, device=keys.device)
