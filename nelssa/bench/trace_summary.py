@@ -7,7 +7,12 @@ Prints and writes, over the traced window:
     spends its time on: the step thread, NELSSA's host pool and hand-off threads, ...);
   * the GPU: busy time (union of kernels and copies), idle gaps, the longest gaps with what the step
     thread was doing meanwhile (its innermost op), and the kernels with the most time;
-  * CUDA runtime calls that wait (synchronize, blocking copies) with their total time;
+  * per GPU stream: busy time, kernels and copies, the kernels with the most time, and how long they
+    sat queued (kernel start minus the end of the runtime call that launched it, matched by the trace's
+    correlation ids) by launching thread: a background stream's work that waits behind the engine's
+    kernels shows as queued time, a thread too slow to launch as a busy thread and little queueing;
+  * CUDA runtime calls that wait (synchronize, blocking copies) with their total time, overall and per
+    thread;
   * user annotations (``record_function`` ranges such as vLLM's per-step ones): count and total.
 No profiler output is interpreted beyond these event categories; unknown events are ignored.
 """
@@ -129,8 +134,41 @@ def summarize(events: list[dict], top: int = 25) -> dict:
             w[0] += 1
             w[1] += e["dur"] / 1e3
     out["cuda_waits"] = {k: {"n": n, "ms": round(ms, 3)} for k, (n, ms) in sorted(waits.items(), key=lambda kv: -kv[1][1])}
+    out["streams"] = streams(gpu, runtime, top)
+    for tid, th in out["threads"].items():
+        mine = [e for e in runtime if str(e.get("tid")) == tid]
+        th["cuda_launches"] = sum(1 for e in mine if "Launch" in e["name"])
+        th["cuda_wait_ms"] = round(sum(e["dur"] for e in mine
+                                       if e["name"].startswith(WAITS) or "Synchronize" in e["name"]) / 1e3, 3)
     out["annotations"] = {k: {"n": len(v), "ms": round(sum(v) / 1e3, 3), "mean_ms": round(sum(v) / len(v) / 1e3, 3)}
                           for k, v in sorted(ann.items(), key=lambda kv: -sum(kv[1]))[:top]}
+    return out
+
+
+def streams(gpu: list[dict], runtime: list[dict], top: int = 10) -> dict:
+    """Per GPU stream (the kernels' ``args.stream``): busy ms, kernel/copy count, top kernels, and per
+    launching thread the queued time of its kernels (start minus the launch call's end; correlation ids)."""
+    launch = {e["args"]["correlation"]: e for e in runtime if "correlation" in e.get("args", {})}
+    by: dict[str, list[dict]] = defaultdict(list)
+    for e in gpu:
+        by[str(e.get("args", {}).get("stream", "?"))].append(e)
+    out = {}
+    for sid, evs in sorted(by.items(), key=lambda kv: -sum(e["dur"] for e in kv[1])):
+        kern = defaultdict(float)
+        for e in evs:
+            kern[e["name"][:90]] += e["dur"]
+        queued: dict[str, list[float]] = defaultdict(list)
+        for e in evs:
+            r = launch.get(e.get("args", {}).get("correlation"))
+            if r is not None:
+                queued[str(r.get("tid"))].append(max(0.0, e["ts"] - (r["ts"] + r["dur"])))
+        out[sid] = {
+            "busy_ms": round(sum(b - a for a, b in _union([(e["ts"], e["ts"] + e["dur"]) for e in evs])) / 1e3, 3),
+            "n": len(evs),
+            "top_kernels_ms": {k: round(v / 1e3, 3) for k, v in sorted(kern.items(), key=lambda kv: -kv[1])[:top]},
+            "queued_by_thread": {tid: {"n": len(q), "ms": round(sum(q) / 1e3, 3),
+                                       "p50_us": round(sorted(q)[len(q) // 2], 1), "max_us": round(max(q), 1)}
+                                 for tid, q in queued.items()}}
     return out
 
 
