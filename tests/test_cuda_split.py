@@ -215,6 +215,71 @@ def test_host_call_on_a_stream(way):
             assert torch.equal(out_d.cpu(), ref) and torch.equal(lse_d.cpu(), rlse)
 
 
+def kmeans_kernel_case(device: str) -> None:
+    """kmeans_kernel against the torch k-means: the assignment (labels = argmax of the products, ties to the
+    lowest index also across scoring tiles; sums and counts of the members), the finish (normalised sums,
+    an empty cluster kept), and segmented_kmeans with the kernels equal to the torch path on clustered keys."""
+    from nelssa.sparse import kmeans, kmeans_kernel as kk
+    g = torch.Generator().manual_seed(0)
+    dts = [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])
+    for dt in dts:
+        H, n, C, D = 3, 150, 70, 64  # C spans two scoring tiles (BLOCK_C 64)
+        x = kmeans._normalize(torch.randn(H, n, D, generator=g)).to(dt)
+        cent = kmeans._normalize(torch.randn(H, C, D, generator=g)).to(dt)
+        cent[:, 66] = cent[:, 2]   # duplicates: the lower index wins, across tiles
+        cent[:, 5] = cent[:, 4]
+        x[:, 7], x[:, 8] = cent[:, 66], cent[:, 5]
+        xd, cd = x.to(device), cent.to(device)
+        lab = torch.empty(H, n, dtype=torch.long, device=device)
+        sums = torch.zeros(H, C, D + 1, device=device)
+        kk.assign(xd, cd, lab, sums)
+        logits = torch.bmm(x.float(), cent.float().transpose(1, 2))
+        want = logits.argmax(-1)
+        lab = lab.cpu()
+        top = logits.gather(-1, lab.unsqueeze(-1)).squeeze(-1)
+        assert (top >= logits.max(-1).values - (1e-5 if dt == torch.float32 else 2e-2)).all()
+        assert (lab == want).float().mean() > 0.97
+        assert (lab[:, 7] == 2).all() and (lab[:, 8] == 4).all()
+        ref = torch.zeros(H, C, D + 1).scatter_add_(
+            1, lab.unsqueeze(-1).expand(H, n, D + 1), torch.cat([x.float(), torch.ones(H, n, 1)], -1))
+        assert torch.allclose(sums.cpu(), ref, atol=1e-5)
+        assert sums[..., D].sum().item() == H * n
+        # finish: cluster 9 of head 0 emptied
+        ref[0, 9] = 0
+        c32 = cent.float().clone()
+        want_c = torch.where(ref[..., D:] > 0, kmeans._normalize(ref[..., :D]), c32)
+        cf, out = c32.to(device), torch.empty(H, C, D, dtype=dt, device=device)
+        kk.finish(ref.to(device), cf, out)
+        assert torch.allclose(cf.cpu(), want_c, atol=1e-6)
+        assert torch.equal(cf.cpu()[0, 9], c32[0, 9])
+        assert torch.equal(out.cpu(), cf.cpu().to(dt))
+    # the whole clustering: 40 well-separated directions per head, tokens near them; both paths agree
+    H, L, D = 2, 900, 64
+    centers = torch.randn(H, 40, D, generator=g) * 4
+    keys = centers[:, torch.randint(0, 40, (L,), generator=g)] + 0.05 * torch.randn(H, L, D, generator=g)
+    for dt in dts:
+        kd = keys.to(dt).to(device)
+        want, wc = kmeans.segmented_kmeans(kd, seed=3, cluster_size=16, segment=400, iters=5, kernels=False,
+                                           sim_dtype=dt)
+        got, gc = kmeans.segmented_kmeans(kd, seed=3, cluster_size=16, segment=400, iters=5, kernels=True,
+                                          sim_dtype=dt)
+        assert gc == wc
+        same = torch.zeros(H, dtype=torch.bool)
+        for h in range(H):  # the same partition of the tokens (cluster ids may only be equal, not renamed)
+            same[h] = torch.equal(got[h].cpu(), want[h].cpu())
+        assert same.all(), (got.cpu() != want.cpu()).sum()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_kmeans_kernel_cuda():
+    kmeans_kernel_case("cuda")
+
+
+@pytest.mark.skipif(CUDA, reason="the CUDA test covers it")
+def test_kmeans_kernel_interpreted():
+    interpreted("kmeans_kernel_case")
+
+
 def uva_copy_case(device: str) -> None:
     """uva.copy (the lane's transfers without the copy engines): a sliced [n, H, :bound] source, a
     flat one, bf16 and int64; on CUDA through the device views of pinned buffers, both directions."""

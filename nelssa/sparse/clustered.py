@@ -12,7 +12,7 @@ from nelssa._ext import ext
 from nelssa.config import get_config
 from nelssa.sparse import hostmem
 from nelssa.sparse.hostmem import host_empty
-from nelssa.sparse.kmeans import segmented_kmeans
+from nelssa.sparse.kmeans import kernels_for, segmented_kmeans
 
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -511,10 +511,13 @@ def cluster_layers(keys: list[torch.Tensor], *, seed: int, cluster_size: int, se
                    max_logits_bytes: int = 1 << 30, sim_dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, int]]:
     """Segmented k-means of several layers' keys ([H, n, D] each, same shape) in as few launches as
     memory allows: layers are stacked along the head axis (k-means is per head), in groups whose
-    assignment logits stay under ``max_logits_bytes``. -> per layer (labels [H, n], C)."""
-    H, n, _ = keys[0].shape
-    c = max(1, round(min(n, segment) / cluster_size))
-    per_layer = H * min(n, segment) * c * 4
+    working set stays under ``max_logits_bytes``: in torch the assignment logits, with the Triton kernels
+    (kmeans.kernels_for) the keys in fp32 and in the similarity dtype. -> per layer (labels [H, n], C)."""
+    H, n, D = keys[0].shape
+    if kernels_for(keys[0].device):
+        per_layer = H * n * D * 6
+    else:
+        per_layer = H * min(n, segment) * max(1, round(min(n, segment) / cluster_size)) * 4
     g = max(1, min(len(keys), max_logits_bytes // max(1, per_layer)))
     out: list[tuple[torch.Tensor, int]] = []
     for i in range(0, len(keys), g):

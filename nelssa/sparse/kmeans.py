@@ -2,7 +2,25 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
+
+log = logging.getLogger("nelssa")
+_kernels_broken = False  # set when the Triton path failed once in this process (logged; torch from then on)
+
+
+def kernels_for(device: torch.device) -> bool:
+    """Whether k-means on ``device`` runs as kmeans_kernel's Triton kernels: on CUDA (and on the CPU under
+    Triton's interpreter, ``TRITON_INTERPRET=1``: the tests), unless they failed once in this process."""
+    if _kernels_broken or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    try:
+        import nelssa.sparse.kmeans_kernel  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -56,27 +74,46 @@ def _logits(x: torch.Tensor, ct: torch.Tensor) -> torch.Tensor:
 def segmented_kmeans(keys: torch.Tensor, *, cluster_size: int = 16, segment: int = 8192, iters: int = 10,
                      seed: int = 0, assign_chunk: int = 8192,
                      max_logits_bytes: int = 256 << 20,
-                     sim_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, int]:
+                     sim_dtype: torch.dtype | None = None, kernels: bool | None = None) -> tuple[torch.Tensor, int]:
     """Cluster keys [H, L, D] per head -> (labels [H, L] int64, number of clusters C).
 
     Keys are mean-centred per head and compared by cosine (spherical k-means). Each segment of
     ~``segment`` tokens gets round(len / cluster_size) clusters initialised from its own tokens
     (seeded, device independent) and ``iters - 1`` local iterations; a last assignment is global
-    over all segments' centroids, in token chunks whose logits [H, chunk, C] stay under
-    ``max_logits_bytes`` (C grows with L: at 128K tokens, 8 heads x 4 layers and 8192-token chunks
-    the logits were 17 GB, allocated at once beside the serving engine, and each chunk's fp32 matmul
-    ~1.1 TFLOP in one kernel). Tokens are compared with the centroids in ``sim_dtype`` (default
+    over all segments' centroids. Tokens are compared with the centroids in ``sim_dtype`` (default
     ``similarity_dtype``: bf16 on CUDA), the centroids updated in fp32 one segment at a time: the
     whole context is held once, in ``sim_dtype`` (a 128K-token move of 4 layers: 1 GB in bf16 on
-    CUDA, where fp32 keys and their normalised copy had held 4 GB). Deterministic given the seed and
-    device.
+    CUDA, where fp32 keys and their normalised copy had held 4 GB).
+    ``kernels`` (default ``kernels_for``: CUDA): the iterations and the assignment as kmeans_kernel's
+    Triton kernels, 3 launches per iteration and no logits in memory. Otherwise in torch: the logits
+    of the last assignment in token chunks that stay under ``max_logits_bytes`` (C grows with L: at
+    128K tokens, 8 heads x 4 layers and 8192-token chunks the logits were 17 GB, allocated at once
+    beside the serving engine, and each chunk's fp32 matmul ~1.1 TFLOP in one kernel); deterministic
+    given the seed on the CPU. A failure of the kernels is logged and the clustering redone in torch (and
+    the kernels not used again in this process).
     """
+    global _kernels_broken
+    if kernels if kernels is not None else kernels_for(keys.device):
+        try:
+            return _kmeans(keys, cluster_size, segment, iters, seed, assign_chunk, max_logits_bytes, sim_dtype, True)
+        except Exception:  # noqa: BLE001 - the torch path computes the same clustering
+            if kernels:
+                raise
+            _kernels_broken = True
+            log.exception("NELSSA k-means: the Triton kernels failed; clustering in torch from now on")
+    return _kmeans(keys, cluster_size, segment, iters, seed, assign_chunk, max_logits_bytes, sim_dtype, False)
+
+
+def _kmeans(keys, cluster_size, segment, iters, seed, assign_chunk, max_logits_bytes, sim_dtype, kern):
     H, L, D = keys.shape
     sd = sim_dtype or similarity_dtype(keys.device)
     x = keys.to(torch.float32, copy=True)  # fp32 keys: .float() is the caller's tensor (the KV being stored)
     x -= x.mean(dim=1, keepdim=True)
-    xs_all = _normalize(x).to(sd)  # fp32: the same tensor
+    x /= x.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # _normalize, in place
+    xs_all = x.to(sd)  # fp32: the same tensor
     del x
+    if kern:
+        from nelssa.sparse import kmeans_kernel as kk
     gen = torch.Generator().manual_seed(seed)
     cents = []
     for lo, hi in segments(L, segment):
@@ -85,6 +122,16 @@ def segmented_kmeans(keys: torch.Tensor, *, cluster_size: int = 16, segment: int
         init = to_device(torch.randperm(n, generator=gen)[:c].sort().values, keys.device)
         seg = xs_all[:, lo:hi]
         cent = seg[:, init].float()
+        if kern:
+            cs = seg[:, init]  # the centroids in the similarity dtype (a copy), rewritten by each finish
+            lab = torch.empty(H, n, dtype=torch.long, device=keys.device)
+            sums = torch.empty(H, c, D + 1, dtype=torch.float32, device=keys.device)
+            for _ in range(max(0, iters - 1)):
+                sums.zero_()
+                kk.assign(seg, cs, lab, sums)
+                kk.finish(sums, cent, cs)
+            cents.append(cent)
+            continue
         if iters > 1:  # fp32 unit rows and a column of ones (_update): this segment's one copy
             xs1 = torch.cat([seg.float(), seg.new_ones(H, n, 1, dtype=torch.float32)], dim=-1)
         for _ in range(max(0, iters - 1)):
@@ -93,6 +140,9 @@ def segmented_kmeans(keys: torch.Tensor, *, cluster_size: int = 16, segment: int
         cents.append(cent)
     cent = torch.cat(cents, dim=1)
     labels = torch.empty(H, L, dtype=torch.long, device=keys.device)
+    if kern:
+        kk.assign(xs_all, cent.to(sd), labels)
+        return labels, cent.shape[1]
     ct = cent.to(sd).transpose(1, 2)
     chunk = max(1, min(assign_chunk, max_logits_bytes // max(1, H * cent.shape[1] * 4)))
     for lo in range(0, L, chunk):
