@@ -8,7 +8,8 @@ measures exactly that object on a synthetic paged cache of the model's shape (Ll
 
   move_s       submit -> the move's completion (what a migration of that context takes), and its parts
                measured alone on an idle device: ``read_s`` (the gather from the paged cache, all layers),
-               ``cluster_s`` (k-means over the layers; ``cluster_fp32_s`` with fp32 similarities) and
+               ``cluster_s`` (k-means over the layers; ``cluster_torch_s`` the torch k-means, not the Triton
+               kernels of config ``kmeans_kernel``; ``cluster_fp32_s`` with fp32 similarities) and
                ``put_s`` (the host tier's store: k-means, the parts' tables, packing and the copy into
                host memory; ``pack_s`` = put_s - cluster_s; ``put_new_mappings``: its parts that went into
                new memory rather than the ``--host-reserve`` reservation);
@@ -173,12 +174,16 @@ def main() -> None:
         sync()
         read_s = time.perf_counter() - t
         cluster_s = {}
-        for sd in (None, torch.float32):  # the default (bf16 similarities on CUDA) and all-fp32
+        # the default (on CUDA: bf16 similarities, the Triton kernels), the torch k-means, all-fp32 similarities
+        for name, sd, kern in (("default", None, cfg.kmeans_kernel), ("torch", None, False),
+                               ("fp32", torch.float32, cfg.kmeans_kernel)):
+            set_config(cfg.replace(kmeans_kernel=kern))
             t = time.perf_counter()
             cluster_layers(ks, seed=cfg.seed, cluster_size=cfg.cluster_size, segment=cfg.segment, iters=cfg.iters,
                            sim_dtype=sd)
             sync()
-            cluster_s["fp32" if sd is not None else "default"] = time.perf_counter() - t
+            cluster_s[name] = time.perf_counter() - t
+        set_config(cfg)
         # the store alone (k-means, the parts' tables, packing, the copy into host memory), device idle
         mapped = hostmem.stats()["misses"]
         t = time.perf_counter()
@@ -220,7 +225,8 @@ def main() -> None:
         hand.drop(rid)
         host.free(rid)
         row = {"context": n, "move_s": move_s, "tokens_per_s": (n - cfg.sink) / move_s, "read_s": read_s,
-               "cluster_s": cluster_s["default"], "cluster_fp32_s": cluster_s["fp32"], "put_s": put_s,
+               "cluster_s": cluster_s["default"], "cluster_torch_s": cluster_s["torch"],
+               "cluster_fp32_s": cluster_s["fp32"], "put_s": put_s,
                "pack_s": put_s - cluster_s["default"], "put_new_mappings": put_mappings, "bytes": 2 * L * KH * D * (n - cfg.sink) * torch.finfo(dtype).bits // 8,
                "steps_during": {**step_stats([x for _, x, _ in box["s"]]),
                                 "enqueue": step_stats([e for _, _, e in box["s"]])},
@@ -230,7 +236,7 @@ def main() -> None:
         res["contexts"].append(row)
         sd = row["steps_during"]
         print(f"[handoff] {n:>7} tokens: move {move_s:.2f} s (alone: read {read_s:.2f}, cluster {cluster_s['default']:.2f} "
-              f"(fp32 {cluster_s['fp32']:.2f}), store {put_s:.2f} = cluster + tables, packing, copy, "
+              f"(torch {cluster_s['torch']:.2f}, fp32 {cluster_s['fp32']:.2f}), store {put_s:.2f} = cluster + tables, packing, copy, "
               f"{put_mappings} new mappings); "
               f"steps during: {sd['n']} p50 {sd['p50_ms']:.2f} p99 {sd['p99_ms']:.2f} max {sd['max_ms']:.2f} ms "
               f"(enqueue p99 {sd['enqueue']['p99_ms']:.2f} max {sd['enqueue']['max_ms']:.2f} ms)",

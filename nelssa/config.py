@@ -226,6 +226,9 @@ class NelssaConfig:
                                   # -1: 2048 where that divides a longer segment, else 0 (H100 hol runs 91/92:
                                   # switch holds 0.31 -> 0.23 s a request)
     iters: int = 10               # k-means iterations
+    kmeans_kernel: bool = True    # CUDA: k-means as Triton kernels (sparse/kmeans_kernel.py: ~3 launches an
+                                  # iteration, no logits in memory); false: torch (a bmm and an argmax over
+                                  # fp32 logits, ~10 launches an iteration)
     seed: int = 0
     use_cpp: bool = True          # C++ kernels (False: pure-torch reference path)
     pool_threads: int = field(default_factory=_default_threads)
@@ -363,6 +366,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_ESTIMATE": ("estimate", _bool),
     "NELSSA_GRAPHS": ("graphs", _bool),
     "NELSSA_SELECT_KERNEL": ("select_kernel", _bool),
+    "NELSSA_KMEANS_KERNEL": ("kmeans_kernel", _bool),
     "NELSSA_LANE": ("lane", _bool),
     "NELSSA_STALL_LOG_MS": ("stall_log_ms", float),
     "NELSSA_SINK": ("sink", int),

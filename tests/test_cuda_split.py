@@ -270,6 +270,25 @@ def kmeans_kernel_case(device: str) -> None:
         assert same.all(), (got.cpu() != want.cpu()).sum()
 
 
+def test_kmeans_kernels_follow_the_config(monkeypatch):
+    """kmeans.kernels_for: on CUDA (here: Triton's interpreter) with config kmeans_kernel, never without it,
+    never on a plain CPU."""
+    pytest.importorskip("triton")
+    from nelssa.config import get_config, set_config
+    from nelssa.sparse import kmeans
+    cfg = get_config()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not kmeans.kernels_for(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    try:
+        set_config(cfg.replace(kmeans_kernel=True))
+        assert kmeans.kernels_for(torch.device("cpu"))
+        set_config(cfg.replace(kmeans_kernel=False))
+        assert not kmeans.kernels_for(torch.device("cpu"))
+    finally:
+        set_config(cfg)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_kmeans_kernel_cuda():
     kmeans_kernel_case("cuda")

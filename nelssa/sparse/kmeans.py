@@ -7,14 +7,19 @@ import os
 
 import torch
 
-log = logging.getLogger("nelssa")
+from nelssa.config import get_config
+
+log = logging.getLogger("vllm.nelssa")  # shown in an engine's log (vLLM configures "vllm")
 _kernels_broken = False  # set when the Triton path failed once in this process (logged; torch from then on)
 
 
 def kernels_for(device: torch.device) -> bool:
     """Whether k-means on ``device`` runs as kmeans_kernel's Triton kernels: on CUDA (and on the CPU under
-    Triton's interpreter, ``TRITON_INTERPRET=1``: the tests), unless they failed once in this process."""
+    Triton's interpreter, ``TRITON_INTERPRET=1``: the tests) with config ``kmeans_kernel``, unless they failed
+    once in this process."""
     if _kernels_broken or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    if not get_config().kmeans_kernel:
         return False
     try:
         import nelssa.sparse.kmeans_kernel  # noqa: F401
