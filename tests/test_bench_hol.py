@@ -67,6 +67,10 @@ def test_hol_cpu_preset_is_well_formed_and_exact(tmp_path, cut_model_dir):
     assert set(mv) == {"read", "kmeans", "pack"} and all(v > 0 for v in mv.values()), mv
     per_move = nel["nelssa:clustering_seconds_sum"] / nel["nelssa:clustering_seconds_count"]
     assert sum(mv.values()) <= per_move * 1.01, (mv, per_move)
+    # the same moves by the hand-off thread's state (handoff.thread_clock): running, waiting for a core, blocked
+    th = s["on"]["move_thread_s_per_move"]
+    assert set(th) == {"cpu", "runq", "blocked"} and th["cpu"] > 0, th
+    assert abs(sum(th.values()) - per_move) <= 0.05 * per_move + 1e-3, (th, per_move)
     assert nel.get("nelssa:lane_rows_total", 0) >= 10, nel  # the long request's tokens came from the lane
     # every lane batch counted once by what the steps computed beside it (lane.beside_bucket)
     bb = s["on"]["lane_batch_ms_by_beside"]
@@ -281,6 +285,12 @@ def test_longest_gap_of_a_long_request_and_its_line_in_the_table():
             {"id": "long1", "ttft_s": 25.6, "tpot_ms": None, "longest_gap": None}]
     table = _table({"on": {**ph, "long": long, "output_tok_s": 985.0, "preemptions": 0.0, "errors": []}})
     assert "on  long longest gap: long0 1.50 s after token 30 (TPOT 40.0 ms without it)\n" in table + "\n", table
+    # the moves' line: by part, and by the hand-off thread's state
+    table = _table({"on": {**ph, "long": long, "output_tok_s": 985.0, "preemptions": 0.0, "errors": [],
+                           "move_split_s_per_move": {"read": 0.06, "kmeans": 0.3, "pack": 0.2},
+                           "move_thread_s_per_move": {"cpu": 0.1, "runq": 0.05, "blocked": 0.41}}})
+    assert ("on  moves, s per move: read 0.060  kmeans 0.300  pack 0.200  (thread: cpu 0.100  runq 0.050  "
+            "blocked 0.410)") in table, table
 
 
 def test_compile_source_from_the_engine_log_and_in_the_table():

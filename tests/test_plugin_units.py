@@ -1004,6 +1004,23 @@ def test_lane_batch_timeline_from_the_calls_stamps():
     assert (c.started, c.ended) == (0.0, 0.0) and timeline(calls, launched, waited) is None
 
 
+def test_thread_clock_tells_running_from_blocked():
+    """handoff.thread_clock: a busy loop counts as CPU time, a sleep as neither CPU nor runqueue time."""
+    import time as _t
+    from nelssa.vllm_plugin.handoff import thread_clock
+    a = thread_clock()
+    end = _t.perf_counter() + 0.05
+    while _t.perf_counter() < end:
+        pass
+    b = thread_clock()
+    _t.sleep(0.05)
+    c = thread_clock()
+    assert b[1] - a[1] >= 0.025 and b[0] - a[0] >= 0.05
+    assert c[0] - b[0] >= 0.05 and c[1] - b[1] < 0.01
+    if a[2] is not None:  # Linux: runqueue time is never more than the wall time
+        assert 0 <= c[2] - a[2] <= c[0] - a[0]
+
+
 def test_handoff_bench_moves_every_token(tmp_path):
     """benchmarks/bench_handoff.py on a tiny CPU shape: the real Handoff moves each context to the host
     tier (the bench checks the committed length itself), steps beside the move are recorded and the

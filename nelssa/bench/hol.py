@@ -63,6 +63,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 MOVE_PARTS = ("read", "kmeans", "pack", "store")  # a move's time by part (vllm_plugin/handoff.py)
+THREAD_STATES = ("cpu", "runq", "blocked")  # a move's time by its thread's state (handoff.thread_clock)
 CALL_PARTS = ("prep", "fork", "tables", "items", "wait", "combine")  # a local host call by part (KernelSplit)
 COMM_PARTS = ("copy", "wire", "dispatch")  # a node call's communication by part (node/local.py call_results)
 TIMELINE_PARTS = ("lead", "host", "between", "tail")  # a lane batch's time by part (vllm_plugin/lane_host.py, 7)
@@ -514,6 +515,10 @@ def analyse(run: dict) -> dict:
     out["move_split_s_per_move"] = {
         p: m[f"nelssa:move_split_seconds_total{{{p}}}"] / nm for p in MOVE_PARTS
         if f"nelssa:move_split_seconds_total{{{p}}}" in m} if nm else None
+    # the hand-off thread's state during those moves (handoff.thread_clock): mean seconds per move
+    out["move_thread_s_per_move"] = {
+        p: m[f"nelssa:move_thread_seconds_total{{{p}}}"] / nm for p in THREAD_STATES
+        if f"nelssa:move_thread_seconds_total{{{p}}}" in m} if nm else None
     # where a lane batch's time goes (lane_host.py, 7): mean ms per batch with host calls, by part
     nb = m.get("nelssa:lane_timeline_batches_total")
     out["lane_timeline_ms_per_batch"] = {
@@ -787,6 +792,10 @@ def _table(summary: dict) -> str:
         gp = s.get("gpu_by_phase")
         if gp:  # the device's state: the same in both modes, or one of them ran throttled
             rows.append(f"{mode:3} gpu by phase: " + gpustate.text(gp))
+        mv, th = s.get("move_split_s_per_move"), s.get("move_thread_s_per_move")
+        if mv:  # a move's time by part, and by its thread's state
+            rows.append(f"{mode:3} moves, s per move: " + "  ".join(f"{p} {v:.3f}" for p, v in mv.items()) + (
+                "  (thread: " + "  ".join(f"{p} {v:.3f}" for p, v in th.items()) + ")" if th else ""))
         bb = s.get("lane_batch_ms_by_beside")
         if bb:  # the lane's batches by the requests of the steps beside them
             rows.append(f"{mode:3} lane batch ms by requests beside: " + "  ".join(

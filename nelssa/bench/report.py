@@ -172,6 +172,9 @@ def hol_md(h: dict, rel: str) -> list[str]:
         if mv:
             out.append(f"\nMoves to the host tier ({mode}), mean s per move (handoff.py): " +
                        ", ".join(f"{p} {_f(v, 3)}" for p, v in mv.items()))
+            th = h[mode].get("move_thread_s_per_move")
+            if th:
+                out[-1] += "; the hand-off thread " + ", ".join(f"{p} {_f(v, 3)}" for p, v in th.items())
         ks = h[mode].get("host_call_split_us_per_call") if mode != "off" else None
         if ks:
             out.append(f"\nHost attention calls ({mode}), mean us per call: " +

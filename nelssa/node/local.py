@@ -41,6 +41,9 @@ class HostStats:
         self.move_split_s: dict[str, float] = {}  # those moves' seconds per part (summed): read (paged cache),
                                                   # kmeans, pack (cluster tables, packing, copy to host memory),
                                                   # store (nelssa-node's store call)
+        self.move_thread_s: dict[str, float] = {}  # those moves' wall seconds by the hand-off thread's state
+                                                   # (summed): cpu (running), runq (runnable, waiting for a
+                                                   # core), blocked (the rest: the GIL, stream waits)
         self.moved_tokens = 0
         self.moved_bytes = 0                   # those tokens' KV bytes read from the device (all layers, K and V)
         self.failures = 0
@@ -87,7 +90,7 @@ class HostStats:
     def take(self) -> dict:
         with self._lock:
             d = {"long_requests": self.long_requests, "attn_s": self.attn_s, "cluster_s": self.cluster_s,
-                 "move_split_s": self.move_split_s,
+                 "move_split_s": self.move_split_s, "move_thread_s": self.move_thread_s,
                  "moved_tokens": self.moved_tokens, "moved_bytes": self.moved_bytes, "failures": self.failures,
                  "handoff_wait_s": self.handoff_wait_s, "offload_step_s": self.offload_step_s,
                  "offload_decode_step_s": self.offload_decode_step_s,

@@ -182,6 +182,10 @@ _BY_PART = {
                      "Moves to the host tier (nelssa:clustering_seconds): the hand-off thread's seconds per part "
                      "(read, kmeans, pack: tables, packing and the copy to host memory, store: nelssa-node's store "
                      "call)"),
+    "move_thread_s": ("nelssa:move_thread_seconds", "part",
+                      "Moves to the host tier: their wall seconds by the hand-off thread's state (Linux schedstat): "
+                      "cpu (running), runq (runnable, waiting for a core), blocked (neither: the GIL, stream "
+                      "waits)"),
     "host_call_split_s": ("nelssa:host_call_split_seconds", "part",
                           "In-process host attention calls (nelssa:host_attention_seconds) by part: prep (checks, "
                           "queries), fork (until the last pool thread entered), tables (spans and work items), items "

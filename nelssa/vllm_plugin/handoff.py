@@ -53,6 +53,20 @@ from nelssa.vllm_plugin.attention import write_kv
 log = logging.getLogger("vllm.nelssa")
 
 
+def thread_clock() -> tuple[float, float, float | None]:
+    """(wall, CPU, runqueue) seconds of the calling thread so far (wall: time.perf_counter): Linux's
+    schedstat gives the time it ran and the time it was runnable without a core; elsewhere CPU from
+    time.thread_time and runqueue None. A move's wall time beyond the two is time blocked (waiting
+    for the GIL or a stream): what tells a GIL-bound move from one starved of cores."""
+    wall = time.perf_counter()
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            run_ns, wait_ns = f.read().split()[:2]
+        return wall, int(run_ns) / 1e9, int(wait_ns) / 1e9
+    except (OSError, ValueError):
+        return wall, time.thread_time(), None
+
+
 class HandoffFailed(RuntimeError):
     """A move of a request whose earlier move failed (it stays on its device blocks)."""
 
@@ -166,12 +180,17 @@ class Handoff:
 
     def _copy(self, rid: str, blocks: list[int], lo: int, hi: int) -> None:
         """Read [lo, hi) of every layer from the paged cache, cluster, prepare it on the host."""
-        t = time.perf_counter()
+        c0 = thread_clock()
+        t = c0[0]
         ks, vs = self._read(blocks, lo, hi)
         self.host.stats.add(move_split_s={"read": settled(ks[0]) - t})
         self.host.put_layers(rid, ks, vs, commit=False)  # adds its parts (kmeans, pack[, store])
-        self.host.stats.add(cluster_s=time.perf_counter() - t, moved_tokens=hi - lo,
-                            moved_bytes=sum(2 * k.numel() * k.element_size() for k in ks))
+        c1 = thread_clock()
+        wall, cpu = c1[0] - t, c1[1] - c0[1]
+        runq = c1[2] - c0[2] if c0[2] is not None and c1[2] is not None else 0.0
+        self.host.stats.add(cluster_s=wall, moved_tokens=hi - lo,
+                            moved_bytes=sum(2 * k.numel() * k.element_size() for k in ks),
+                            move_thread_s={"cpu": cpu, "runq": runq, "blocked": max(0.0, wall - cpu - runq)})
 
     def _read(self, blocks: list[int], lo: int, hi: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Tokens [lo, hi) of every layer (nelssa_layer order) from the paged cache: keys, values [H, n, D]."""
