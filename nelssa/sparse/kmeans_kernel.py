@@ -41,7 +41,7 @@ BLOCK_F = 32   # centroids per finishing program
 def _assign_kernel(x_ptr, c_ptr, lab_ptr, s_ptr, n, C, sx_h, sx_n, sc_h, sc_c, sl_h, ss_h, ss_c,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                    ACC: tl.constexpr, IEEE: tl.constexpr):
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)  # offsets in int64: H x L x D may pass 2^31 in one group
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     in_r = rows < n
@@ -73,7 +73,7 @@ def _assign_kernel(x_ptr, c_ptr, lab_ptr, s_ptr, n, C, sx_h, sx_n, sc_h, sc_c, s
 @triton.jit(do_not_specialize=["C", "ss_h", "sc_h", "so_h"])
 def _finish_kernel(s_ptr, c_ptr, o_ptr, C, ss_h, ss_c, sc_h, sc_c, so_h, so_c,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr):
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)  # offsets in int64: H x L x D may pass 2^31 in one group
     cols = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
     d = tl.arange(0, BLOCK_D)
     in_c = cols < C
