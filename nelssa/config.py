@@ -256,6 +256,11 @@ class NelssaConfig:
             if not ok:
                 raise ValueError(f"nelssa config: {msg}")
 
+        for f in dataclasses.fields(self):  # a switch given as "false" or 0 would read as on (or off) silently
+            v = getattr(self, f.name)
+            if f.type in ("bool", "bool | None") and not (isinstance(v, bool) or (v is None and f.type != "bool")):
+                raise ValueError(f"nelssa config: {f.name} must be true or false"
+                                 f"{' (or null: by device)' if f.type != 'bool' else ''}, got {v!r}")
         req(isinstance(self.T_input, int) and self.T_input >= 1, f"T_input must be an int >= 1, got {self.T_input!r}")
         req(isinstance(self.budget, (int, float)) and 0 < self.budget <= 1,
             f"budget must be in (0, 1], got {self.budget!r}")
@@ -269,7 +274,6 @@ class NelssaConfig:
             f"long_chunk_solo must be an int >= -1 (-1: by long_chunk), got {self.long_chunk_solo!r}")
         req(self.long_chunk_solo <= 0 or self.long_chunk,
             "long_chunk_solo needs long_chunk (0: vLLM's own threshold caps every prefill chunk)")
-        req(self.recall in (True, False), f"recall must be true or false, got {self.recall!r}")
         req(isinstance(self.switch_hold_s, (int, float)) and self.switch_hold_s >= 0,
             f"switch_hold_s must be >= 0, got {self.switch_hold_s!r}")
         req(isinstance(self.short_chunk, int) and self.short_chunk >= 0,
@@ -282,7 +286,6 @@ class NelssaConfig:
             f"migrate_watermark must be in [0, 1], got {self.migrate_watermark!r}")
         req(isinstance(self.defer_below, int) and self.defer_below >= 0,
             f"defer_below must be an int >= 0, got {self.defer_below!r}")
-        req(self.lane in (None, True, False), f"lane must be true, false or null (on with CUDA), got {self.lane!r}")
         req(self.engine in ("local", "node"), f"engine must be 'local' or 'node', got {self.engine!r}")
         req(self.node_transport in ("auto", "native", "shm", "grpc"),
             f"node_transport must be auto, native, shm or grpc, got {self.node_transport!r}")

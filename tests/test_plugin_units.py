@@ -378,6 +378,9 @@ def test_config_sources_and_errors():
         load_config({"nelssa": {"lane": "yes"}}, env={})
     assert parse_bytes("64GiB") == 64 << 30 and parse_cores("2") == (2,)
     for bad, msg in [({"nelssa": {"budget": 0}}, "budget"), ({"nelssa": {"bogus": 1}}, "unknown nelssa config"),
+                     ({"nelssa": {"kmeans_kernel": "false"}}, "kmeans_kernel must be true or false"),
+                     ({"nelssa": {"graphs": 0}}, "graphs must be true or false"),  # every switch, not only some
+                     ({"nelssa": {"recall": None}}, "recall must be true or false"),
                      ({"nelssa": {"engine": "x"}}, "engine"), ({"nelssa": []}, "must be an object"),
                      ({"nelssa": {"prefetch": "t0"}}, "prefetch must be one of"),
                      ({"nelssa": {"lane_host_wait": "event"}}, "lane_host_wait must be"),
