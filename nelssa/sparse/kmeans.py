@@ -101,6 +101,8 @@ def segmented_kmeans(keys: torch.Tensor, *, cluster_size: int = 16, segment: int
     if kernels if kernels is not None else kernels_for(keys.device):
         try:
             return _kmeans(keys, cluster_size, segment, iters, seed, assign_chunk, max_logits_bytes, sim_dtype, True)
+        except torch.OutOfMemoryError:
+            raise  # the device's memory, not the kernels: the caller's to handle (the torch path needs more)
         except Exception:  # noqa: BLE001 - the torch path computes the same clustering
             if kernels:
                 raise
