@@ -289,6 +289,29 @@ def test_kmeans_kernels_follow_the_config(monkeypatch):
         set_config(cfg)
 
 
+def test_kmeans_kernel_failure_is_logged_and_clustered_in_torch(monkeypatch, caplog):
+    """A failing Triton k-means (here: its assignment raising) is logged once, the clustering comes from the
+    torch path (equal to it), and the kernels are not tried again in the process; an explicit
+    ``kernels=True`` raises instead."""
+    pytest.importorskip("triton")
+    from nelssa.sparse import kmeans, kmeans_kernel as kk
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # kernels_for(cpu) -> True
+    monkeypatch.setattr(kk, "assign", broken)
+    monkeypatch.setattr(kmeans, "_kernels_broken", False)
+    keys = torch.randn(2, 300, 64, generator=torch.Generator().manual_seed(4))
+    want = kmeans.segmented_kmeans(keys, seed=1, cluster_size=16, kernels=False)
+    with caplog.at_level("ERROR", logger="vllm.nelssa"):
+        got = kmeans.segmented_kmeans(keys, seed=1, cluster_size=16)
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+    assert "Triton kernels failed" in caplog.text and kmeans._kernels_broken
+    assert not kmeans.kernels_for(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="no kernel"):
+        kmeans.segmented_kmeans(keys, seed=1, cluster_size=16, kernels=True)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_kmeans_kernel_cuda():
     kmeans_kernel_case("cuda")
