@@ -6,7 +6,8 @@ side stream), clusters every layer and packs it into host memory while the engin
 measures exactly that object on a synthetic paged cache of the model's shape (Llama-3.1-8B by default:
 32 layers, 8 KV heads of 128, bf16, 16-token blocks), per context length:
 
-  move_s       submit -> the move's completion (what a migration of that context takes), and its parts
+  move_s       submit -> the move's completion (what a migration of that context takes; ``move_thread_s``: by
+               the hand-off thread's state, running, runnable without a core, blocked), and its parts
                measured alone on an idle device: ``read_s`` (the gather from the paged cache, all layers),
                ``cluster_s`` (k-means over the layers; ``cluster_torch_s`` the torch k-means, not the Triton
                kernels of config ``kmeans_kernel``; ``cluster_fp32_s`` with fp32 similarities) and
@@ -206,6 +207,7 @@ def main() -> None:
             prof.__enter__()
         th.start()
         time.sleep(0.05)
+        states0 = {p: host.stats.totals.get(f"move_thread_s:{p}", 0.0) for p in ("cpu", "runq", "blocked")}
         t = time.perf_counter()
         hand.submit([(rid, blocks, cfg.sink, n)])
         hand.wait_all()
@@ -218,6 +220,8 @@ def main() -> None:
             with open(os.path.join(a.out, f"profile_{n}.txt"), "w") as f:
                 f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
         move_s = end - t
+        # the move's wall time by the hand-off thread's state (handoff.thread_clock): running, runnable, blocked
+        thread_s = {p: host.stats.totals.get(f"move_thread_s:{p}", 0.0) - v for p, v in states0.items()}
         hand.ready(rid, n)
         stored = host.committed(rid)
         if stored != n - cfg.sink:
@@ -227,7 +231,7 @@ def main() -> None:
         row = {"context": n, "move_s": move_s, "tokens_per_s": (n - cfg.sink) / move_s, "read_s": read_s,
                "cluster_s": cluster_s["default"], "cluster_torch_s": cluster_s["torch"],
                "cluster_fp32_s": cluster_s["fp32"], "put_s": put_s,
-               "pack_s": put_s - cluster_s["default"], "put_new_mappings": put_mappings, "bytes": 2 * L * KH * D * (n - cfg.sink) * torch.finfo(dtype).bits // 8,
+               "pack_s": put_s - cluster_s["default"], "move_thread_s": thread_s, "put_new_mappings": put_mappings, "bytes": 2 * L * KH * D * (n - cfg.sink) * torch.finfo(dtype).bits // 8,
                "steps_during": {**step_stats([x for _, x, _ in box["s"]]),
                                 "enqueue": step_stats([e for _, _, e in box["s"]])},
                # the slowest steps beside the move: (start - submit, ms, of which enqueue ms), to place them
@@ -235,7 +239,8 @@ def main() -> None:
                "worst_steps": sorted(((st - t, 1e3 * x, 1e3 * e) for st, x, e in box["s"]), key=lambda y: -y[1])[:10]}
         res["contexts"].append(row)
         sd = row["steps_during"]
-        print(f"[handoff] {n:>7} tokens: move {move_s:.2f} s (alone: read {read_s:.2f}, cluster {cluster_s['default']:.2f} "
+        print(f"[handoff] {n:>7} tokens: move {move_s:.2f} s (thread: " +
+              ", ".join(f"{p} {v:.2f}" for p, v in thread_s.items()) + f"; alone: read {read_s:.2f}, cluster {cluster_s['default']:.2f} "
               f"(torch {cluster_s['torch']:.2f}, fp32 {cluster_s['fp32']:.2f}), store {put_s:.2f} = cluster + tables, packing, copy, "
               f"{put_mappings} new mappings); "
               f"steps during: {sd['n']} p50 {sd['p50_ms']:.2f} p99 {sd['p99_ms']:.2f} max {sd['max_ms']:.2f} ms "

@@ -1046,6 +1046,8 @@ def test_handoff_bench_moves_every_token(tmp_path):
     for r in d["contexts"]:
         assert r["move_s"] > 0 and r["steps_during"]["n"] >= 3 and r["worst_steps"]
         assert r["bytes"] == 2 * 2 * 2 * 64 * (r["context"] - d["shape"]["sink"]) * 4
+        th = r["move_thread_s"]  # the move's time by its thread's state, within the submit-to-done time
+        assert set(th) == {"cpu", "runq", "blocked"} and th["cpu"] > 0 and sum(th.values()) <= r["move_s"] * 1.05, th
     assert os.path.getsize(tmp_path / "handoff.png") > 5_000
     from nelssa.bench.report import main as report
     assert report([str(tmp_path)]) == 0
