@@ -101,6 +101,9 @@ def assign(x: torch.Tensor, cent: torch.Tensor, labels: torch.Tensor, sums: torc
     added to its cluster's sum and 1 to its count."""
     _check(x, cent)
     H, n, D = x.shape
+    if labels.shape != (H, n) or labels.dtype != torch.int64 or labels.stride(1) != 1:
+        raise ValueError(f"kmeans kernels: labels must be [H, n] int64, contiguous rows; got {tuple(labels.shape)} "
+                         f"{labels.dtype}")
     acc = sums is not None
     if acc and (sums.shape != (H, cent.shape[1], D + 1) or sums.dtype != torch.float32 or sums.stride(2) != 1):
         raise ValueError(f"kmeans kernels: sums must be [H, C, D + 1] fp32, got {tuple(sums.shape)} {sums.dtype}")
