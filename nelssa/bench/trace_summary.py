@@ -30,6 +30,11 @@ WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize
          "cudaMemcpy\0", "cudaStreamWaitEvent")
 
 
+def _is_wait(name: str) -> bool:
+    """A CUDA runtime call that waits (a synchronize or a blocking copy)."""
+    return name.startswith(WAITS) or "Synchronize" in name
+
+
 def load(path: str) -> list[dict]:
     op = gzip.open if path.endswith(".gz") else open
     with op(path, "rt") as f:
@@ -129,7 +134,7 @@ def summarize(events: list[dict], top: int = 25) -> dict:
             "step_thread": str(main_tid)}
     waits = defaultdict(lambda: [0, 0.0])
     for e in runtime:
-        if e["name"].startswith(WAITS) or "Synchronize" in e["name"]:
+        if _is_wait(e["name"]):
             w = waits[e["name"]]
             w[0] += 1
             w[1] += e["dur"] / 1e3
@@ -138,8 +143,7 @@ def summarize(events: list[dict], top: int = 25) -> dict:
     for tid, th in out["threads"].items():
         mine = [e for e in runtime if str(e.get("tid")) == tid]
         th["cuda_launches"] = sum(1 for e in mine if "Launch" in e["name"])
-        th["cuda_wait_ms"] = round(sum(e["dur"] for e in mine
-                                       if e["name"].startswith(WAITS) or "Synchronize" in e["name"]) / 1e3, 3)
+        th["cuda_wait_ms"] = round(sum(e["dur"] for e in mine if _is_wait(e["name"])) / 1e3, 3)
     out["annotations"] = {k: {"n": len(v), "ms": round(sum(v) / 1e3, 3), "mean_ms": round(sum(v) / len(v) / 1e3, 3)}
                           for k, v in sorted(ann.items(), key=lambda kv: -sum(kv[1]))[:top]}
     return out
