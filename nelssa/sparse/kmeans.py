@@ -44,8 +44,10 @@ def segments(length: int, segment: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(n)]
 
 
-def _normalize(x: torch.Tensor) -> torch.Tensor:
-    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+def _normalize(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """Rows of x scaled to unit length (zero rows stay zero); ``inplace``: x itself, no second copy."""
+    n = x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return x.div_(n) if inplace else x / n
 
 
 def _update(xs1: torch.Tensor, labels: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
@@ -116,7 +118,7 @@ def _kmeans(keys, cluster_size, segment, iters, seed, assign_chunk, max_logits_b
     sd = sim_dtype or similarity_dtype(keys.device)
     x = keys.to(torch.float32, copy=True)  # fp32 keys: .float() is the caller's tensor (the KV being stored)
     x -= x.mean(dim=1, keepdim=True)
-    x /= x.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # _normalize, in place
+    _normalize(x, inplace=True)
     xs_all = x.to(sd)  # fp32: the same tensor
     del x
     if kern:
