@@ -39,6 +39,7 @@ from types import SimpleNamespace
 import torch
 
 from nelssa.bench.common import pct
+from nelssa.bench.hol import THREAD_STATES
 from nelssa.config import get_config, parse_bytes, set_config
 from nelssa.node.local import LocalHostTier
 from nelssa.sparse import hostmem
@@ -207,7 +208,7 @@ def main() -> None:
             prof.__enter__()
         th.start()
         time.sleep(0.05)
-        states0 = {p: host.stats.totals.get(f"move_thread_s:{p}", 0.0) for p in ("cpu", "runq", "blocked")}
+        states0 = {p: host.stats.totals.get(f"move_thread_s:{p}", 0.0) for p in THREAD_STATES}
         t = time.perf_counter()
         hand.submit([(rid, blocks, cfg.sink, n)])
         hand.wait_all()
