@@ -66,11 +66,7 @@ def pack(keys: torch.Tensor, values: torch.Tensor, perm: torch.Tensor, out: torc
         mod.copy_rows(keys.contiguous(), perm, flat, (2 * rows).contiguous())
         mod.copy_rows(values.contiguous(), perm, flat, (2 * rows + 1).contiguous())
         return out
-    packed = _pairs(keys, values, perm)
-    if packed.device.type == "cuda":
-        to_host(packed, out, wait)
-    else:
-        out.copy_(packed)
+    _store(_pairs(keys, values, perm), out, wait)
     return out
 
 
@@ -84,6 +80,15 @@ def _pairs(keys: torch.Tensor, values: torch.Tensor, perm: torch.Tensor) -> torc
     token perm[h, i]."""
     idx = perm.unsqueeze(-1).expand(-1, -1, keys.shape[2])
     return torch.stack([keys.gather(1, idx), values.gather(1, idx)], dim=2)
+
+
+def _store(packed: torch.Tensor, out: torch.Tensor, wait: bool) -> bool:
+    """``packed`` records into the host tensor ``out``: from CUDA by ``to_host`` (-> whether the copy was
+    only enqueued), else a copy."""
+    if packed.device.type == "cuda":
+        return to_host(packed, out, wait)
+    out.copy_(packed)
+    return False
 
 
 def wait_stream(device: torch.device) -> None:
@@ -271,10 +276,7 @@ def pack_parts(keys: list[torch.Tensor], values: list[torch.Tensor], perms: list
         enqueued = False
         for part in packed.split(H, 0):
             out = host_empty((H, n, 2, D), keys[0].dtype)
-            if part.device.type == "cuda":
-                enqueued |= to_host(part, out, wait=False)
-            else:
-                out.copy_(part)
+            enqueued |= _store(part, out, wait=False)
             outs.append(out)
         if enqueued:
             wait_stream(packed.device)
