@@ -15,6 +15,8 @@
 #                                                    # carry .wheels (grpcio: the node's CUDA test)
 #   bash scripts/gpu_hol.sh select                   # benchmarks/bench_select_gpu.py (centroid search, torch vs kernel)
 #   bash scripts/gpu_hol.sh handoff [args]           # benchmarks/bench_handoff.py (no vLLM needed: no staging) + its report
+#   bash scripts/gpu_hol.sh kmeans [args]            # the k-means kernels' CUDA test, then benchmarks/bench_kmeans_kernel.py
+#                                                    # (tilings vs torch; no vLLM: no staging, no build)
 #   bash scripts/gpu_hol.sh hostcall [args]          # benchmarks/bench_host_call.py with the call's team sleeping and
 #                                                    # spinning between calls (NELSSA_POOL_SPIN_US 0, 1000), torch's
 #                                                    # team of 16 beside it as in an engine (no staging)
@@ -107,6 +109,10 @@ case "$what" in
     python3 benchmarks/bench_handoff.py --out "$hout" "$@" 2>&1 | grep -v -i warn | tail -n 20
     python3 -m nelssa.cli bench report "$hout" >/dev/null 2>&1 || true
     pack "$hout"
+    exit 0 ;;
+  kmeans)
+    python3 -m pytest -q -p no:cacheprovider tests/test_cuda_split.py -k kmeans 2>&1 | tail -n 5
+    python3 benchmarks/bench_kmeans_kernel.py --out "$OUT/kmeans${HOL_TAG:+_$HOL_TAG}" "$@" 2>&1 | grep -v -i warn | tail -n 20
     exit 0 ;;
   hostcall)
     build_ext

@@ -3,6 +3,7 @@
 (nelssa.vllm_plugin.select_graph) against select_clusters. On a CPU the merge kernel runs in Triton's
 interpreter (a subprocess: TRITON_INTERPRET is read when kernels are defined); the graphs need CUDA."""
 
+import json
 import os
 import subprocess
 import sys
@@ -283,6 +284,24 @@ def test_kmeans_kernels_follow_the_config(monkeypatch):
         assert not kmeans.kernels_for(torch.device("cpu"))
     finally:
         set_config(cfg)
+
+
+def test_bench_kmeans_kernel_runs(tmp_path):
+    """benchmarks/bench_kmeans_kernel.py on a tiny shape (Triton's interpreter without CUDA): every tiling
+    computes the torch argmax's labels, and the whole clustering is the torch path's."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root} if CUDA else {**os.environ, "PYTHONPATH": root, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_kmeans_kernel.py"), "--out",
+                        str(tmp_path), "--layers", "1", "--segment", "256", "--configs", "64x64x4,32x32x4"],
+                       env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "kmeans_kernel.json").read_text())
+    assert res["shape"] == dict(H=8, n=256, C=32, D=128, layers=1)
+    assert set(res["configs"]) == {"64x64x4", "32x32x4"}
+    for c in res["configs"].values():
+        assert "error" not in c and c["near_tie"] and c["agree"] > 0.97 and c["iteration_ms"] > 0
+    assert res["kmeans_labels_equal_frac"] == 1.0 and res["kmeans_kernel_s"] > 0 and res["kmeans_torch_s"] > 0
 
 
 def test_kmeans_kernel_failure_is_logged_and_clustered_in_torch(monkeypatch, caplog):

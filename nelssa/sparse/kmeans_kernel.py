@@ -95,10 +95,12 @@ def _check(x: torch.Tensor, cent: torch.Tensor) -> None:
                          f"{cent.dtype} do not match")
 
 
-def assign(x: torch.Tensor, cent: torch.Tensor, labels: torch.Tensor, sums: torch.Tensor | None = None) -> None:
+def assign(x: torch.Tensor, cent: torch.Tensor, labels: torch.Tensor, sums: torch.Tensor | None = None, *,
+           block_n: int = BLOCK_N, block_c: int = BLOCK_C, num_warps: int = 4) -> None:
     """Labels [H, n] int64 (written) of unit rows x [H, n, D] against centroids cent [H, C, D] (same dtype):
     the nearest by dot product (2). With ``sums`` [H, C, D + 1] fp32 (zeroed by the caller), each row is also
-    added to its cluster's sum and 1 to its count."""
+    added to its cluster's sum and 1 to its count. ``block_n``, ``block_c``, ``num_warps``: the tiling
+    (benchmarks/bench_kmeans_kernel.py compares some on the GPU)."""
     _check(x, cent)
     H, n, D = x.shape
     if labels.shape != (H, n) or labels.dtype != torch.int64 or labels.stride(1) != 1:
@@ -108,11 +110,11 @@ def assign(x: torch.Tensor, cent: torch.Tensor, labels: torch.Tensor, sums: torc
     if acc and (sums.shape != (H, cent.shape[1], D + 1) or sums.dtype != torch.float32 or sums.stride(2) != 1):
         raise ValueError(f"kmeans kernels: sums must be [H, C, D + 1] fp32, got {tuple(sums.shape)} {sums.dtype}")
     s = sums if acc else labels  # a placeholder pointer without ACC
-    _assign_kernel[(triton.cdiv(n, BLOCK_N), H)](
+    _assign_kernel[(triton.cdiv(n, block_n), H)](
         x, cent, labels, s, n, cent.shape[1], x.stride(0), x.stride(1), cent.stride(0), cent.stride(1),
         labels.stride(0), s.stride(0) if acc else 0, s.stride(1) if acc else 0,
-        D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C, ACC=acc,
-        IEEE=x.dtype == torch.float32, num_warps=4)
+        D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=block_n, BLOCK_C=block_c, ACC=acc,
+        IEEE=x.dtype == torch.float32, num_warps=num_warps)
 
 
 def finish(sums: torch.Tensor, cent: torch.Tensor, out: torch.Tensor) -> None:
