@@ -24,30 +24,12 @@ import time
 
 import torch
 
+from nelssa.bench.common import device_ms
 from nelssa.sparse import kmeans, kmeans_kernel as kk
 
 KV_HEADS, HEAD_DIM = 8, 128  # Llama-3.1-8B
-
-
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-
-
-def gpu_ms(fn, n: int = 20) -> float:
-    for _ in range(2):
-        fn()
-    if not CUDA:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / n
 
 
 def sync() -> None:
@@ -99,8 +81,8 @@ def main() -> None:
         lab = kmeans._logits(x, cent.transpose(1, 2)).argmax(-1)
         kmeans._update(xs1, lab, cent32)
 
-    res["torch_assign_ms"] = gpu_ms(lambda: kmeans._logits(x, cent.transpose(1, 2)).argmax(-1))
-    res["torch_ms"] = gpu_ms(torch_iter)
+    res["torch_assign_ms"] = device_ms(lambda: kmeans._logits(x, cent.transpose(1, 2)).argmax(-1))
+    res["torch_ms"] = device_ms(torch_iter)
     print(f"[kmeans] {res['device']}: H {H} n {n} C {C} D {D}; torch: iteration {res['torch_ms']:.2f} ms, "
           f"bmm+argmax {res['torch_assign_ms']:.2f} ms ({tflops(res['torch_assign_ms'])} TFLOP/s)", flush=True)
     del logits
@@ -119,14 +101,14 @@ def main() -> None:
             top = kmeans._logits(x, cent.transpose(1, 2)).gather(-1, lab.unsqueeze(-1)).squeeze(-1)
             r = {"compile_s": round(compile_s, 2), "agree": (lab == want).float().mean().item(),
                  "near_tie": bool((top >= best - 2e-2).all().item())}
-            r["assign_ms"] = gpu_ms(lambda: kk.assign(x, cent, lab, **kw))
+            r["assign_ms"] = device_ms(lambda: kk.assign(x, cent, lab, **kw))
 
             def it():
                 sums.zero_()
                 kk.assign(x, cs, lab, sums, **kw)
                 kk.finish(sums, cf, cs)
 
-            r["iteration_ms"] = gpu_ms(it)
+            r["iteration_ms"] = device_ms(it)
             r["assign_tflops"] = tflops(r["assign_ms"])
             r["speedup_vs_torch"] = round(res["torch_ms"] / r["iteration_ms"], 2)
         except Exception as e:  # noqa: BLE001 - a tiling that does not compile or fit is reported, not fatal

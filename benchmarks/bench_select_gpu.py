@@ -19,23 +19,10 @@ import time
 
 import torch
 
-from nelssa.bench.common import HOL_HEADS, add_hol_shape_args, hol_shape_kv
+from nelssa.bench.common import HOL_HEADS, add_hol_shape_args, device_ms, hol_shape_kv
 from nelssa.config import get_config, set_config
 from nelssa.sparse import attend, select_clusters
 from nelssa.sparse.search import budget_targets
-
-
-def gpu_ms(fn, n: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / n
 
 
 def main() -> None:
@@ -60,7 +47,7 @@ def main() -> None:
         p = "kernel" if kern else "torch"
         for est in (True, False):
             eager = lambda: select_clusters(q[tok], ckvs, a.budget, scale, estimate=est, no_sync=True, target=target)
-            res[f"{p}_eager_gpu_ms_est{int(est)}"] = gpu_ms(eager)
+            res[f"{p}_eager_gpu_ms_est{int(est)}"] = device_ms(eager, 50, 3)
             t = time.perf_counter()
             for _ in range(20):
                 eager()
@@ -69,8 +56,8 @@ def main() -> None:
             g = SelectGraphs()
             for _ in range(2):
                 g.select(0, q, tok, ckvs, a.budget, scale, est, target, None)
-            res[f"{p}_graph_gpu_ms_est{int(est)}"] = gpu_ms(lambda: g.select(0, q, tok, ckvs, a.budget, scale, est,
-                                                                              target, None))
+            res[f"{p}_graph_gpu_ms_est{int(est)}"] = device_ms(lambda: g.select(0, q, tok, ckvs, a.budget, scale, est,
+                                                                              target, None), 50, 3)
             t = time.perf_counter()
             for _ in range(20):
                 g.select(0, q, tok, ckvs, a.budget, scale, est, target, None)

@@ -18,6 +18,26 @@ def pct(v: list[float], p: float) -> float | None:
     return float(np.percentile(np.asarray(v), p))
 
 
+def device_ms(fn, n: int = 20, warm: int = 2) -> float:
+    """Milliseconds per call of ``fn`` on the current CUDA stream (events around ``n`` calls after ``warm``);
+    without CUDA one call's wall time (the microbenchmarks' CPU checks under Triton's interpreter)."""
+    import torch
+    for _ in range(warm):
+        fn()
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / n
+
+
 def metric_key(name: str, labels: dict[str, str]) -> str:
     """A Prometheus sample's key in the benches' metric dicts: its name, and its "part", "path", "outcome",
     "beside" or "context" label as name{part} (a lane batch's or a move's time by part, batches by path,
