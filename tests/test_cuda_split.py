@@ -288,7 +288,7 @@ def test_kmeans_kernels_follow_the_config(monkeypatch):
 
 def test_bench_kmeans_kernel_runs(tmp_path):
     """benchmarks/bench_kmeans_kernel.py on a tiny shape (Triton's interpreter without CUDA): every tiling
-    computes the torch argmax's labels, and the whole clustering is the torch path's."""
+    computes the torch argmax's labels (but for near-ties), and the whole clustering is the torch path's."""
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root} if CUDA else {**os.environ, "PYTHONPATH": root, "TRITON_INTERPRET": "1"}
@@ -301,7 +301,9 @@ def test_bench_kmeans_kernel_runs(tmp_path):
     assert set(res["configs"]) == {"64x64x4", "32x32x4"}
     for c in res["configs"].values():
         assert "error" not in c and c["near_tie"] and c["agree"] > 0.97 and c["iteration_ms"] > 0
-    assert res["kmeans_labels_equal_frac"] == 1.0 and res["kmeans_kernel_s"] > 0 and res["kmeans_torch_s"] > 0
+    # fp32 in the interpreter: the same partition; bf16 on CUDA: near-ties may go the other way
+    assert res["kmeans_labels_equal_frac"] >= (0.99 if CUDA else 1.0)
+    assert res["kmeans_kernel_s"] > 0 and res["kmeans_torch_s"] > 0
 
 
 def test_kmeans_kernel_failure_is_logged_and_clustered_in_torch(monkeypatch, caplog):
