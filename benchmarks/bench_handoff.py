@@ -14,13 +14,17 @@ measures exactly that object on a synthetic paged cache of the model's shape (Ll
                ``put_s`` (the host tier's store: k-means, the parts' tables, packing and the copy into
                host memory; ``pack_s`` = put_s - cluster_s; ``put_new_mappings``: its parts that went into
                new memory rather than the ``--host-reserve`` reservation);
+  prefill      a long prompt's hand-off (``--prefill`` tokens): its segments' moves submitted back to back
+               (a backlog, as at the end of a 100K prompt's prefill, when the hand-off trails it), timed to the
+               last one's completion with one thread (``serial_s``) and with the read and k-means on a
+               thread ahead of the packing (``ahead_s``; config ``handoff_ahead``, handoff.py 1), steps beside;
   steps        a synthetic decode step on the main stream (per layer one GEMM that reads a
                ``--step-gb``/layers slice of weights, then a wait for that stream, as an engine's step
                ends on its sampled tokens), run back to back on another Python thread (GIL switch
                interval as the engine's with the lane) while the move is in flight: step time p50 / p99 /
                max against the same loop with no move (``idle``) — the hand-off's jitter on a step.
 
-    python3 benchmarks/bench_handoff.py --out DIR [--contexts 8192,16384,32768,65536,131072]
+    python3 benchmarks/bench_handoff.py --out DIR [--contexts 8192,16384,32768,65536,131072] [--prefill 98304]
 
 Writes handoff.json and handoff.png (move time vs context; step time during moves vs idle).
 """
@@ -120,6 +124,10 @@ def main() -> None:
     ap.add_argument("--host-reserve", default="",
                     help="host-tier memory reserved (touched; with CUDA registered) before the moves, e.g. 20GiB "
                          "(config host_reserve, sparse/hostmem.py; default: the config's, 0)")
+    ap.add_argument("--prefill", type=int, default=98304,
+                    help="tokens of a long prompt handed off as back-to-back moves of one segment each, by one "
+                         "thread and with the stage ahead (config handoff_ahead); 0: skip")
+    ap.add_argument("--segment", type=int, default=0, help="k-means segment and the prefill's move (default: the config's)")
     ap.add_argument("--switch-us", type=float, default=200.0,
                     help="Python's GIL switch interval (the engine's worker sets 200 us with the lane)")
     a = ap.parse_args()
@@ -131,8 +139,10 @@ def main() -> None:
     cfg = get_config()
     if a.host_reserve:
         cfg = cfg.replace(host_reserve=parse_bytes(a.host_reserve))
-        set_config(cfg)
-    nb = math.ceil(max(ctxs) / bs)
+    if a.segment:
+        cfg = cfg.replace(segment=a.segment)
+    set_config(cfg)
+    nb = math.ceil(max(ctxs + [a.prefill]) / bs)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     # the paged cache as read_kv's "flash" layout sees it: [blocks, KV heads, block size, 2 D]
@@ -248,9 +258,61 @@ def main() -> None:
               f"(enqueue p99 {sd['enqueue']['p99_ms']:.2f} max {sd['enqueue']['max_ms']:.2f} ms)",
               flush=True)
     hand.close()
+    if a.prefill > cfg.sink:
+        res["prefill"] = prefill_moves(a.prefill, host, layers, steps, cfg, bs, not a.no_warm)
     with open(os.path.join(a.out, "handoff.json"), "w") as f:
         json.dump(res, f, indent=1)
     plot(res, os.path.join(a.out, "handoff.png"))
+
+
+def prefill_moves(n: int, host, layers, steps: Steps, cfg, bs: int, warm: bool) -> dict:
+    """A long prompt's hand-off as its prefill submits it, all segments at once (the backlog at its end):
+    the time to the last move's completion with one thread and with the stage ahead (handoff.py, 1),
+    synthetic steps beside; the two stores compared (the same parts: the k-means made ahead is the same)."""
+    seg = cfg.segment
+    ranges, lo = [], cfg.sink  # [sink, segment), then whole segments (the engine's moves of a prompt, less its tail pieces)
+    while lo < n:
+        ranges.append((lo, min(n, (lo // seg + 1) * seg)))
+        lo = ranges[-1][1]
+    blocks = list(range(math.ceil(n / bs)))
+    out: dict = {"tokens": n, "moves": len(ranges), "segment": seg}
+    stored = {}
+    for ahead in (False, True):
+        ends: list[float] = []
+        hand = Handoff(host, layers, bs, cfg.sink, read_kv, on_done=lambda rid, hi, gen: ends.append(time.perf_counter()),
+                       ahead=ahead)
+        if warm:
+            hand.warm(min(seg, n))
+        rid = f"prefill_{'ahead' if ahead else 'serial'}"
+        stop = threading.Event()
+        box: dict = {}
+        th = threading.Thread(target=lambda: box.setdefault("s", steps.run_until(stop, min_steps=3)))
+        th.start()
+        time.sleep(0.05)
+        t = time.perf_counter()
+        hand.submit([(rid, blocks, lo, hi) for lo, hi in ranges])
+        hand.wait_all()
+        stop.set()
+        th.join()
+        if len(ends) != len(ranges):
+            raise RuntimeError(f"prefill hand-off ({'ahead' if ahead else 'one thread'}): {len(ends)} of "
+                               f"{len(ranges)} moves reported")
+        hand.ready(rid, n)
+        stored[ahead] = [(ckv.perm, ckv.csize) for ckv in host.reqs[rid].layers]
+        hand.drop(rid)
+        hand.close()
+        host.free(rid)
+        key = "ahead" if ahead else "serial"
+        out[f"{key}_s"] = ends[-1] - t
+        out[f"{key}_per_move_s"] = (ends[-1] - t) / len(ranges)
+        out[f"{key}_steps_during"] = step_stats([x for _, x, _ in box["s"]])
+    out["speedup"] = out["serial_s"] / out["ahead_s"]
+    out["same_parts"] = all(torch.equal(a, b) for x, y in zip(stored[False], stored[True]) for a, b in zip(x, y))
+    print(f"[handoff] prefill of {n} tokens, {len(ranges)} moves back to back: one thread {out['serial_s']:.2f} s "
+          f"({out['serial_per_move_s']:.3f} s a move), ahead {out['ahead_s']:.2f} s ({out['ahead_per_move_s']:.3f}), "
+          f"x{out['speedup']:.2f}; steps p99 {out['serial_steps_during']['p99_ms']:.2f} / "
+          f"{out['ahead_steps_during']['p99_ms']:.2f} ms; same parts: {out['same_parts']}", flush=True)
+    return out
 
 
 def plot(res: dict, path: str) -> None:

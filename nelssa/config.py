@@ -229,6 +229,13 @@ class NelssaConfig:
     kmeans_kernel: bool = True    # CUDA: k-means as Triton kernels (sparse/kmeans_kernel.py: ~3 launches an
                                   # iteration, no logits in memory); false: torch (a bmm and an argmax over
                                   # fp32 logits, ~10 launches an iteration)
+    handoff_ahead: bool | None = None  # a move's read and k-means run on a thread (and CUDA stream) of their own, one
+                                  # move ahead of the packing and store of the move before it (vllm_plugin/
+                                  # handoff.py, 1): on CUDA the k-means is device work, the packing a thread's
+                                  # launches (H100 hol run 119p: 183 ms of k-means kernels, 35 ms of packing
+                                  # spread over ~0.3 s), done one after the other they left the first 100K
+                                  # prompt's hand-off 3-4 moves behind its prefill (runs 116-118). None: on
+                                  # with CUDA, off on CPU (both stages would compute on the same cores)
     seed: int = 0
     use_cpp: bool = True          # C++ kernels (False: pure-torch reference path)
     pool_threads: int = field(default_factory=_default_threads)
@@ -370,6 +377,7 @@ ENV: dict[str, tuple[str, Any]] = {
     "NELSSA_GRAPHS": ("graphs", _bool),
     "NELSSA_SELECT_KERNEL": ("select_kernel", _bool),
     "NELSSA_KMEANS_KERNEL": ("kmeans_kernel", _bool),
+    "NELSSA_HANDOFF_AHEAD": ("handoff_ahead", _bool),
     "NELSSA_LANE": ("lane", _bool),
     "NELSSA_STALL_LOG_MS": ("stall_log_ms", float),
     "NELSSA_SINK": ("sink", int),
@@ -470,7 +478,8 @@ def vllm_nelssa_config(additional_config: Mapping[str, Any] | None,
     """The config when NELSSA is enabled for a vLLM instance: a "nelssa" section in its
     additional_config and NELSSA_OFF unset. None means stock vLLM (the baseline).
 
-    ``device_type`` (vLLM's ``device_config.device_type``): ``lane`` left unset is on with "cuda" —
+    ``device_type`` (vLLM's ``device_config.device_type``): ``handoff_ahead`` left unset is on with "cuda"
+    only, and ``lane`` left unset is on with "cuda" —
     without the lane every step that carries a long request's row waits for the host tier each layer
     (on the H200 72 ms for everyone in the step against 6) — and off elsewhere (on CPU the lane's thread
     computes on the engine's own cores) and on a prefill instance that hands its long prompts over
@@ -490,6 +499,8 @@ def vllm_nelssa_config(additional_config: Mapping[str, Any] | None,
         cfg = cfg.replace(sink=-(-cfg.sink // block_size) * block_size)
     if cfg.lane is None:
         cfg = cfg.replace(lane=device_type == "cuda" and not cfg.handover)
+    if cfg.handoff_ahead is None:
+        cfg = cfg.replace(handoff_ahead=device_type == "cuda")
     return cfg
 
 

@@ -1034,14 +1034,20 @@ def test_handoff_bench_moves_every_token(tmp_path):
     argv, switch = sys.argv, sys.getswitchinterval()
     sys.argv = ["bench_handoff.py", "--out", str(tmp_path), "--contexts", "600,600,1200", "--layers", "2",
                 "--kv-heads", "2", "--head-dim", "64", "--dtype", "float32", "--step-gb", "0.001",
-                "--idle-steps", "5", "--device", "cpu"]
+                "--idle-steps", "5", "--device", "cpu", "--prefill", "2500", "--segment", "512"]
+    from nelssa.config import get_config, set_config
+    cfg = get_config()
     try:
         runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_handoff.py"),
                        run_name="__main__")
     finally:
         sys.argv = argv
         sys.setswitchinterval(switch)  # the bench sets the engine's
+        set_config(cfg)  # and its segment
     d = json.loads((tmp_path / "handoff.json").read_text())
+    p = d["prefill"]  # 2,500 tokens in moves of the 512-token segment, by one thread and with the stage ahead
+    assert p["moves"] == 5 and p["segment"] == 512 and p["serial_s"] > 0 and p["ahead_s"] > 0 and p["same_parts"]
+    assert p["serial_steps_during"]["n"] >= 3 and p["ahead_steps_during"]["n"] >= 3
     assert [r["context"] for r in d["contexts"]] == [600, 600, 1200]  # a repeated context is its own move
     for r in d["contexts"]:
         assert r["move_s"] > 0 and r["steps_during"]["n"] >= 3 and r["worst_steps"]
@@ -1080,9 +1086,9 @@ def test_host_call_bench_paced_on_cpu(tmp_path):
         assert (r["split_us"]["items"] > 0) == (case != "empty"), (case, r)
 
 
-def _handoff(device, blocks: int):
-    """A Handoff over two fake layers of a paged cache of ``blocks`` blocks (FlashAttention's layout), an
-    in-process host tier -> (cfg, handoff, host, layers, (KH, D, block size))."""
+def _handoff(device, blocks: int, ahead: bool | None = None, layers=None):
+    """A Handoff over two fake layers of a paged cache of ``blocks`` blocks (FlashAttention's layout; or over
+    ``layers``), an in-process host tier -> (cfg, handoff, host, layers, (KH, D, block size))."""
     from types import SimpleNamespace
 
     from nelssa.config import get_config
@@ -1091,11 +1097,101 @@ def _handoff(device, blocks: int):
     from nelssa.vllm_plugin.handoff import Handoff
 
     cfg, L, KH, D, bs = get_config(), 2, 2, 64, 16
-    layers = [SimpleNamespace(kv_cache=torch.randn(blocks, KH, bs, 2 * D, device=device),
-                              impl=SimpleNamespace(nelssa_kv_layout="flash"), num_kv_heads=KH, head_size=D)
-              for _ in range(L)]
+    layers = layers or [SimpleNamespace(kv_cache=torch.randn(blocks, KH, bs, 2 * D, device=device),
+                                        impl=SimpleNamespace(nelssa_kv_layout="flash"), num_kv_heads=KH, head_size=D)
+                        for _ in range(L)]
     host = LocalHostTier(cfg, num_layers=L)
-    return cfg, Handoff(host, layers, bs, cfg.sink, read_kv), host, layers, (KH, D, bs)
+    return cfg, Handoff(host, layers, bs, cfg.sink, read_kv, ahead=ahead), host, layers, (KH, D, bs)
+
+
+def _host_parts(host, rid: str) -> list:
+    """Every layer's committed host KV of ``rid``: per part its packed rows, and the cluster tables, perm,
+    centroids and sizes."""
+    out = []
+    for ckv in host.reqs[rid].layers:
+        out += [p.kv for p in ckv.parts]
+        out += [ckv.cstart, ckv.csize, ckv.cpart, ckv.perm, ckv.centroids.cpu(), ckv.sizes.cpu(), ckv.vmeans.cpu()]
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_handoff_ahead_stores_what_one_thread_stores(device, monkeypatch, caplog):
+    """Handoff with ``ahead`` (handoff.py, 1): a request's back-to-back moves are read and clustered on the
+    ahead thread while the one before packs, reported in order, and the host tier holds exactly what the
+    one-thread hand-off stores from the same blocks (the k-means made ahead is the same part's). A request
+    whose host tier held a part already (the predicted part index is wrong) is clustered again there, and
+    stored as one thread stores it; so is a request after a failed move's (its moves skipped, the
+    semaphore of moves ahead not leaked: later moves of others still run)."""
+    import logging
+    import threading
+
+    import nelssa.node.local as local_tier
+    import nelssa.vllm_plugin.handoff as handoff_mod
+    from nelssa.sparse.clustered import cluster_part
+    made, used = [], []  # (thread, part) of each k-means made ahead; (part, the ahead one's) of each store
+
+    def ahead_spy(keys, cfg, part, ahead=None):
+        made.append((threading.current_thread().name.rsplit("_", 1)[0], part))
+        return cluster_part(keys, cfg, part, ahead)
+
+    def store_spy(keys, cfg, part, ahead=None):
+        used.append((part, None if ahead is None else ahead[0]))
+        return cluster_part(keys, cfg, part, ahead)
+
+    monkeypatch.setattr(handoff_mod, "cluster_part", ahead_spy)
+    monkeypatch.setattr(local_tier, "cluster_part", store_spy)
+    caplog.set_level(logging.INFO, logger="vllm.nelssa")
+    cfg, one, host1, layers, (KH, D, bs) = _handoff(device, 200, ahead=False)
+    _, two, host2, _, _ = _handoff(device, 200, ahead=True, layers=layers)
+    ranges = [(cfg.sink, 640), (640, 1280), (1280, 1920), (1920, 2400), (2400, 3000)]
+    blocks = list(range(-(-3000 // bs)))
+    try:
+        for hand, host in ((one, host1), (two, host2)):
+            seen = []
+            hand._on_done = lambda rid, hi, gen, seen=seen: seen.append((rid, hi))
+            hand.submit([("r", blocks, lo, hi) for lo, hi in ranges])
+            hand.wait_all()
+            assert seen == [("r", hi) for _, hi in ranges]  # in order, every one
+            hand.ready("r", ranges[-1][1])
+            assert host.committed("r") == ranges[-1][1] - cfg.sink
+        assert made == [("nelssa-cluster", i) for i in range(len(ranges))]  # the ahead thread's, two's only
+        assert used == [(i, None) for i in range(len(ranges))] + [(i, i) for i in range(len(ranges))]
+        for a, b in zip(_host_parts(host1, "r"), _host_parts(host2, "r"), strict=True):
+            assert torch.equal(a, b)
+        # a request with a part in the host tier before its first move: part 1, not the predicted 0
+        ks = [torch.randn(KH, 64, D, device=device) for _ in layers]
+        for host in (host1, host2):
+            host.put_layers("q", ks, ks, commit=True, ahead=(0, *cluster_part(ks, cfg, 0)))
+        for hand in (one, two):
+            hand.submit([("q", blocks, cfg.sink, 640)])
+            hand.wait_all()
+            hand.ready("q", 640 + 64)  # (its first part's 64 tokens, then the move's)
+        for a, b in zip(_host_parts(host1, "q"), _host_parts(host2, "q"), strict=True):
+            assert torch.equal(a, b)
+        assert used[-1] == (1, 0) and "clustered ahead as part 0 is part 1 of its request" in caplog.text
+        # a failed move: its later moves skipped, none reported, the moves ahead given back
+        seen = []
+        two._on_done = lambda rid, hi, gen: seen.append((rid, hi))
+        real = host2.put_layers
+
+        def failing(rid, *args, **kw):
+            if rid == "f":
+                raise RuntimeError("host tier full (test)")
+            return real(rid, *args, **kw)
+
+        host2.put_layers = failing
+        two.submit([("f", blocks, lo, hi) for lo, hi in ranges])
+        two.wait_all()
+        assert seen == [] and host2.stats.totals.get("handoff_failures", 0) >= 1
+        two.submit([("g", blocks, lo, hi) for lo, hi in ranges])
+        done = threading.Thread(target=two.wait_all, daemon=True)
+        done.start()
+        done.join(60)
+        assert not done.is_alive(), "moves after a failed request's hang: the moves-ahead semaphore leaked"
+        assert seen == [("g", hi) for _, hi in ranges]
+    finally:
+        one.close()
+        two.close()
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))

@@ -608,7 +608,7 @@ class NodeHostTier:
             self._slot_pinned = hostmem.pin(slot.data, device)
 
     def put_layers(self, req_id: str, keys: list[torch.Tensor], values: list[torch.Tensor],
-                   commit: bool = True) -> None:
+                   commit: bool = True, ahead: tuple | None = None) -> None:
         """As LocalHostTier.put_layers; the packed K/V goes to the node (one store per call, all layers:
         through the store slot on the node's host, else streamed over gRPC), the centroids stay here."""
         cfg = self.cfg
@@ -624,7 +624,7 @@ class NodeHostTier:
         if dtype not in DTYPE_IDS or any(k.shape != (H, n, D) or v.shape != k.shape for k, v in zip(keys, values)):
             raise HostError(f"put_layers: every layer's keys/values must be [{H}, {n}, {D}] of bf16/fp16/fp32")
         part = r.parts
-        labels, kmeans_s = cluster_part(keys, cfg, part)
+        labels, kmeans_s = cluster_part(keys, cfg, part, ahead)
         t1 = time.perf_counter()
         stats = parts_stats(keys, values, labels)
         header = pb.StoreHeader(client_id=self.client_id, req_id=req_id, part=part, num_layers=self.num_layers,

@@ -195,11 +195,11 @@ class LocalHostTier:
         return rkv
 
     def put_layers(self, req_id: str, keys: list[torch.Tensor], values: list[torch.Tensor],
-                   commit: bool = True) -> None:
+                   commit: bool = True, ahead: tuple | None = None) -> None:
         """Cluster tokens [H, n, D] of every layer (layer order) into the request's store (first call) or
         append them; k-means runs over the layers together (``cluster_layers``), far fewer launches
         than layer by layer. ``commit=False``: prepared in the background, invisible to attention
-        until ``commit``."""
+        until ``commit``. ``ahead``: their k-means done before (``cluster_part``'s)."""
         cfg = self.cfg
         if cfg.fault == "store":
             raise HostError("injected host-tier fault (NELSSA_FAULT=store)")
@@ -207,7 +207,7 @@ class LocalHostTier:
         if len(keys) != self.num_layers or len(values) != self.num_layers:
             raise HostError(f"put_layers: {len(keys)} layers given, the host tier has {self.num_layers}")
         part = 0 if rkv.layers[0] is None else rkv.layers[0].num_parts
-        labels, kmeans_s = cluster_part(keys, cfg, part)
+        labels, kmeans_s = cluster_part(keys, cfg, part, ahead)
         t = time.perf_counter()
         stats = parts_stats(keys, values, labels, cpu=True)
         kvs = pack_parts(keys, values, [st[1] for st in stats])

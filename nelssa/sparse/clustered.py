@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from nelssa.config import get_config
 from nelssa.sparse import hostmem
 from nelssa.sparse.hostmem import host_empty
 from nelssa.sparse.kmeans import kernels_for, segmented_kmeans
+
+log = logging.getLogger("vllm.nelssa")
 
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -502,10 +505,17 @@ def cluster_kv(keys: torch.Tensor, values: torch.Tensor, *, seed: int | None = N
     return ckv
 
 
-def cluster_part(keys: list[torch.Tensor], cfg, part: int) -> tuple[list[tuple[torch.Tensor, int]], float]:
+def cluster_part(keys: list[torch.Tensor], cfg, part: int, ahead: tuple | None = None
+                 ) -> tuple[list[tuple[torch.Tensor, int]], float]:
     """A request's part ``part`` (its moves' count so far) clustered as every host tier clusters it (the
     in-process tier and nelssa-node's client must agree: the same seed for the same part) -> (per layer
-    (labels, C), seconds until the device finished the k-means: a move's ``kmeans`` part)."""
+    (labels, C), seconds until the device finished the k-means: a move's ``kmeans`` part). ``ahead``:
+    (part, labels, seconds) of this function's call for these keys made before (the hand-off's thread
+    ahead, vllm_plugin/handoff.py 1), used when it was for this part; another part's is clustered again."""
+    if ahead is not None:
+        if ahead[0] == part:
+            return ahead[1], ahead[2]
+        log.info("NELSSA: a move clustered ahead as part %d is part %d of its request: clustered again", ahead[0], part)
     t = time.perf_counter()
     labels = cluster_layers(keys, seed=cfg.seed + 1000 * part, cluster_size=cfg.cluster_size,
                             segment=cfg.segment, iters=cfg.iters)

@@ -13,6 +13,12 @@ Contract (worker side; the ranges come from policy.Policy, the switch from the s
      *prepared* part (``commit=False``): attention does not see it yet. Ranges of a request are
      submitted in order and back to back; ``end(rid)`` is where the next one starts. When a move is
      complete, ``on_done(rid, hi, generation)`` reports it (to the scheduler, through the connector).
+     With ``ahead`` (config ``handoff_ahead``; by default on CUDA) a move is two stages: its read and
+     k-means on a thread and side stream of their own, then its packing and store on the thread above,
+     which runs everything else here in submission order. So the next move's k-means (device work)
+     runs while this one packs (a thread's launches), at most ``AHEAD_MOVES`` moves' K/V on the device
+     at once. The k-means made ahead is for the part index the request's moves predict (its moves
+     since its first, none of them an adoption); the host tier clusters again if the part is another.
   2. ``ready(rid, h)`` before the forward of a step whose attention uses the host range [sink, h)
      (the scheduler chose h from reported completions, so nothing is waited for; a wait would be
      counted as ``handoff_wait_s``): commits the prepared parts so exactly h - sink tokens are
@@ -40,12 +46,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from nelssa.sparse.clustered import cluster_layers, pack, part_stats, settled
+from nelssa.sparse.clustered import cluster_layers, cluster_part, pack, part_stats, settled
 from nelssa.sparse.kmeans import to_device
 from nelssa.vllm_plugin import handover
 from nelssa.vllm_plugin.attention import write_kv
@@ -71,13 +78,25 @@ class HandoffFailed(RuntimeError):
     """A move of a request whose earlier move failed (it stays on its device blocks)."""
 
 
+AHEAD_MOVES = 2  # with ``ahead``: moves read (their K/V on the device) and not yet stored: the one packing and
+                 # the one read and clustered ahead of it (~1 GiB each for 8K tokens of a Llama-3.1-8B)
+
+
 class Handoff:
-    def __init__(self, host, layers: list, block_size: int, sink: int, read_kv, on_done=None):
+    def __init__(self, host, layers: list, block_size: int, sink: int, read_kv, on_done=None,
+                 ahead: bool | None = None):
         self.host, self.layers, self.block_size, self.sink = host, layers, block_size, sink
         self._read_kv, self._on_done = read_kv, on_done
         self._gen: dict[str, int] = {}                      # request -> preemptions seen
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="nelssa-handoff")
         self._side = None                                   # CUDA side stream, made on first use
+        if ahead is None:  # config handoff_ahead unset: by the device (config.vllm_nelssa_config)
+            ahead = layers[0].kv_cache.is_cuda
+        # 1, ahead: the moves' read and k-means, their own thread and stream; a semaphore of AHEAD_MOVES
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="nelssa-cluster") if ahead else None
+        self._ahead_side = None
+        self._room = threading.Semaphore(AHEAD_MOVES)
+        self._parts: dict[str, int | None] = {}            # request -> its next move's part (None: unknown)
         self._end: dict[str, int] = {}                      # request -> end of its submitted ranges
         self._moves: dict[str, list[tuple[int, Future]]] = {}
         self._failed: set[str] = set()                      # requests with a failed move: no more moves
@@ -99,8 +118,23 @@ class Handoff:
                 raise RuntimeError(f"hand-off of {rid}: range [{lo}, {hi}) does not follow {self.end(rid)}")
             self._end[rid] = hi
             handle = adopt.pop(rid, None) if adopt and lo == self.sink else None
-            fut = self._pool.submit(self._run, ev, rid, list(blocks), lo, hi, self._gen.get(rid, 0), handle)
+            part = self._next_part(rid, handle)
+            pre = (self._ahead.submit(self._cluster_ahead, ev, rid, list(blocks), lo, hi, part)
+                   if self._ahead is not None and part is not None else None)
+            fut = self._pool.submit(self._run, ev, rid, list(blocks), lo, hi, self._gen.get(rid, 0), handle, pre)
             self._moves.setdefault(rid, []).append((hi, fut))
+
+    def _next_part(self, rid: str, handle: str | None) -> int | None:
+        """The part index a move of ``rid`` submitted now will have in the host tier (its moves since its first:
+        one part each), or None where that is not known: a request whose first move adopts a hand-over
+        (its parts are its prefill instance's)."""
+        if handle is not None:
+            self._parts[rid] = None
+            return None
+        part = self._parts.get(rid, 0)
+        if part is not None:
+            self._parts[rid] = part + 1
+        return part
 
     def adopt(self, rid: str, handle: str, hi: int, on_fail) -> None:
         """D, a window admission (handover.py, 6): adopt the node's request as [sink, hi) now, on the hand-off
@@ -109,6 +143,7 @@ class Handoff:
         if self.end(rid) != self.sink:
             raise RuntimeError(f"adoption of {rid}: it has hand-offs up to {self.end(rid)} already")
         self._end[rid] = hi
+        self._parts[rid] = None
         fut = self._pool.submit(self._adopt, rid, handle, hi, self._gen.get(rid, 0), on_fail)
         self._moves.setdefault(rid, []).append((hi, fut))
 
@@ -131,39 +166,83 @@ class Handoff:
         self._side_stream()
         return ev
 
-    def _on_side(self, ev, fn, *args) -> None:
-        """``fn(*args)`` on this thread: on CUDA on the side stream after ``ev``, done when this returns."""
+    def _on_side(self, ev, fn, *args, stream=None):
+        """``fn(*args)`` on this thread: on CUDA on the side stream (or ``stream``) after ``ev``, done when this
+        returns -> fn's result."""
         if ev is None:
-            fn(*args)
-            return
-        self._side.wait_event(ev)
-        with torch.cuda.stream(self._side):
-            fn(*args)
-        self._side.synchronize()
+            return fn(*args)
+        side = stream or self._side
+        side.wait_event(ev)
+        with torch.cuda.stream(side):
+            out = fn(*args)
+        side.synchronize()
+        return out
 
     def _side_stream(self) -> torch.cuda.Stream:
         """The moves' CUDA stream, made on first use (the paged cache exists only once vLLM bound it), at
         torch's lowest priority: the engine's step stream (config step_priority) and the lane's go first,
-        a move's k-means fills the device's idle time."""
+        a move's k-means fills the device's idle time. With ``ahead`` the read and k-means have a stream of
+        their own at the same priority (``_ahead_side``)."""
         if self._side is None:
             self._side = torch.cuda.Stream(priority=0)
+            if self._ahead is not None:
+                self._ahead_side = torch.cuda.Stream(priority=0)
         return self._side
 
-    def _run(self, ev, rid: str, blocks: list[int], lo: int, hi: int, gen: int, handle: str | None = None) -> None:
-        if rid in self._failed:
-            raise HandoffFailed(f"hand-off of {rid}: an earlier move failed")
-        if handle is not None and self._adopted(rid, handle, lo, hi, gen, fallback=True):
-            return
-        if handle is not None and rid in self._dropping:
-            return  # not adopted, and the request is gone: nothing to cluster for
+    def _cluster_ahead(self, ev, rid: str, blocks: list[int], lo: int, hi: int, part: int):
+        """1, ahead: a move's read and k-means (as part ``part``) on the ahead thread, once fewer than
+        AHEAD_MOVES moves' K/V are on the device -> (keys, values, read seconds, cluster_part's (part, labels,
+        seconds), this thread's clock deltas), or None for a request whose earlier move failed. Holds one
+        ``_room`` until ``_run`` has stored the move (released here if this raises or returns None)."""
+        self._room.acquire()
         try:
-            self._on_side(ev, self._copy, rid, blocks, lo, hi)
-        except Exception as e:
-            self._failed.add(rid)
-            self.host.stats.add(handoff_failures=1)
-            log.error("NELSSA: moving tokens [%d, %d) of %s to the host tier failed (%s: %s); it stays on its "
-                      "device blocks", lo, hi, rid, type(e).__name__, e)
+            if rid in self._failed:
+                self._room.release()
+                return None
+            c0 = thread_clock()
+            ks, vs, read_s, ahead = self._on_side(ev, self._read_cluster, blocks, lo, hi, part, stream=self._ahead_side)
+            c1 = thread_clock()
+            clock = (c1[0] - c0[0], c1[1] - c0[1], c1[2] - c0[2] if c0[2] is not None and c1[2] is not None else 0.0)
+            return ks, vs, read_s, ahead, clock
+        except BaseException:
+            self._room.release()
             raise
+
+    def _read_cluster(self, blocks: list[int], lo: int, hi: int, part: int):
+        t = time.perf_counter()
+        ks, vs = self._read(blocks, lo, hi)
+        read_s = settled(ks[0]) - t
+        return ks, vs, read_s, (part, *cluster_part(ks, self.host.cfg, part))
+
+    def _run(self, ev, rid: str, blocks: list[int], lo: int, hi: int, gen: int, handle: str | None = None,
+             pre: Future | None = None) -> None:
+        state = err = None
+        if pre is not None:  # this move's read and k-means, made ahead (1)
+            try:
+                state = pre.result()
+            except Exception as e:  # a failure of the move, as one of its store below
+                err = e
+        try:
+            if rid in self._failed:
+                raise HandoffFailed(f"hand-off of {rid}: an earlier move failed")
+            if handle is not None and self._adopted(rid, handle, lo, hi, gen, fallback=True):
+                return
+            if handle is not None and rid in self._dropping:
+                return  # not adopted, and the request is gone: nothing to cluster for
+            try:
+                if err is not None:
+                    raise err
+                self._on_side(ev, self._copy, rid, blocks, lo, hi, state)
+            except Exception as e:
+                self._failed.add(rid)
+                self.host.stats.add(handoff_failures=1)
+                log.error("NELSSA: moving tokens [%d, %d) of %s to the host tier failed (%s: %s); it stays on its "
+                          "device blocks", lo, hi, rid, type(e).__name__, e)
+                raise
+        finally:
+            if state is not None:
+                del state
+                self._room.release()
         if self._on_done is not None:
             self._on_done(rid, hi, gen)
 
@@ -178,16 +257,26 @@ class Handoff:
             self._on_done(rid, hi, gen)
         return True
 
-    def _copy(self, rid: str, blocks: list[int], lo: int, hi: int) -> None:
-        """Read [lo, hi) of every layer from the paged cache, cluster, prepare it on the host."""
+    def _copy(self, rid: str, blocks: list[int], lo: int, hi: int, state: tuple | None = None) -> None:
+        """Read [lo, hi) of every layer from the paged cache, cluster, prepare it on the host; with ``state``
+        (``_cluster_ahead``'s) the read and k-means were made ahead: only the store here. The move's seconds
+        (``cluster_s``, ``move_thread_s``) are both stages' own, not the wait between them."""
         c0 = thread_clock()
         t = c0[0]
-        ks, vs = self._read(blocks, lo, hi)
-        self.host.stats.add(move_split_s={"read": settled(ks[0]) - t})
-        self.host.put_layers(rid, ks, vs, commit=False)  # adds its parts (kmeans, pack[, store])
+        if state is None:
+            ks, vs = self._read(blocks, lo, hi)
+            read_s, ahead, before = settled(ks[0]) - t, None, (0.0, 0.0, 0.0)
+        else:
+            ks, vs, read_s, ahead, before = state
+            if ks[0].is_cuda:  # made on the ahead stream, used on this one: not reused before this one is done
+                cur = torch.cuda.current_stream(ks[0].device)
+                for x in (*ks, *vs, *(lab for lab, _ in ahead[1])):
+                    x.record_stream(cur)
+        self.host.stats.add(move_split_s={"read": read_s})
+        self.host.put_layers(rid, ks, vs, commit=False, ahead=ahead)  # adds its parts (kmeans, pack[, store])
         c1 = thread_clock()
-        wall, cpu = c1[0] - t, c1[1] - c0[1]
-        runq = c1[2] - c0[2] if c0[2] is not None and c1[2] is not None else 0.0
+        wall, cpu = c1[0] - t + before[0], c1[1] - c0[1] + before[1]
+        runq = (c1[2] - c0[2] if c0[2] is not None and c1[2] is not None else 0.0) + before[2]
         self.host.stats.add(cluster_s=wall, moved_tokens=hi - lo,
                             moved_bytes=sum(2 * k.numel() * k.element_size() for k in ks),
                             move_thread_s={"cpu": cpu, "runq": runq, "blocked": max(0.0, wall - cpu - runq)})
@@ -245,13 +334,21 @@ class Handoff:
         190-205 ms on the host side, beside the next one 11 ms at most (bench_handoff); the runner warms
         on CUDA only. The k-means runs on random keys of the cache's shape (uninitialised blocks may
         hold NaNs; what they hold is never used)."""
-        return self._pool.submit(self._warm, tokens).result() if tokens > 0 else 0.0
-
-    def _warm(self, tokens: int) -> float:
+        if tokens <= 0:
+            return 0.0
         t = time.perf_counter()
+        if self._ahead is not None:  # its thread's set-up too (1: the moves' read and k-means run there)
+            self._ahead.submit(self._warm, tokens, True).result()
+        self._pool.submit(self._warm, tokens).result()
+        return time.perf_counter() - t
+
+    def _warm(self, tokens: int, ahead: bool = False) -> None:
         cuda = self.layers[0].kv_cache.is_cuda
         cfg = self.host.cfg
-        with torch.cuda.stream(self._side_stream()) if cuda else contextlib.nullcontext():
+        if cuda:
+            self._side_stream()
+        side = self._ahead_side if ahead else self._side
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
             k0, _ = self._read([0], 0, 1)  # the gather's kernels
             gen = torch.Generator(device=k0[0].device).manual_seed(cfg.seed)
             ks = [torch.randn(k.shape[0], tokens, k.shape[2], generator=gen, device=k.device).to(k.dtype)
@@ -261,8 +358,7 @@ class Handoff:
             lab, C = labels[0]
             pack(ks[0], ks[0], part_stats(ks[0], ks[0], lab, C)[1])
         if cuda:
-            self._side.synchronize()
-        return time.perf_counter() - t
+            side.synchronize()
 
     # ------------------------------------------------------------------ 2. ready
     def ready(self, rid: str, h: int) -> None:
@@ -289,6 +385,7 @@ class Handoff:
             fut.exception()  # wait; the request is gone, its failure no longer matters
         self._dropping.discard(rid)
         self._end.pop(rid, None)
+        self._parts.pop(rid, None)  # its host KV is freed by the caller: a later move is part 0 again
         self._failed.discard(rid)
         if preempted:
             self._gen[rid] = self._gen.get(rid, 0) + 1
@@ -302,6 +399,7 @@ class Handoff:
         step thread does not wait (handover.py, 3)."""
         self._moves.pop(rid, None)
         self._end.pop(rid, None)
+        self._parts.pop(rid, None)
         self._gen.pop(rid, None)
         self._pool.submit(self._handover, rid, handle, on_end, time.monotonic())
 
@@ -325,4 +423,6 @@ class Handoff:
                 fut.exception()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)  # its moves wait for their stage ahead (1)
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=True)

@@ -80,7 +80,7 @@ class NelssaRunnerMixin:
         set_config(cfg)
         self.nelssa_host = host_tier(cfg, num_layers=len(layers))  # engine local | node
         self.nelssa_handoff = Handoff(self.nelssa_host, self._nelssa_layers, bs, cfg.sink, read_kv,
-                                      on_done=runtime.handoff_done)
+                                      on_done=runtime.handoff_done, ahead=cfg.handoff_ahead)
         runtime.set_host(self.nelssa_host)
         self._nelssa_graphs = None
         if cfg.graphs and self.device.type == "cuda":
