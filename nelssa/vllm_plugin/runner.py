@@ -127,7 +127,9 @@ class NelssaRunnerMixin:
                 raise RuntimeError(f"NELSSA: the hand-off's warm-up (a {tokens}-token move, k-means scratch up to "
                                    "~1 GiB) found no device memory beside vLLM's: every move would fail; lower "
                                    "gpu_memory_utilization") from e
-            log.info("NELSSA: hand-off warmed (a %d-token move's work, nothing stored) in %.2f s", tokens, secs)
+            log.info("NELSSA: hand-off warmed (a %d-token move's work, nothing stored) in %.2f s; %s", tokens, secs,
+                     "a move's read and k-means one move ahead of its packing (handoff_ahead: up to two moves' K/V "
+                     "on the device)" if self.nelssa_cfg.handoff_ahead else "one move at a time")
         self._nelssa_register_host_memory()
         return out
 
