@@ -1060,6 +1060,8 @@ def test_handoff_bench_moves_every_token(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "## Hand-off time vs context (cpu)" in md and "| 1,200 |" in md and "![hand-off](handoff.png)" in md
     assert "store alone s (parts in new mappings)" in md and "host memory reserved 0.0 GiB" in md
+    assert "A 2,500-token prompt's hand-off, its 5 moves of 512 tokens" in md and "| one thread |" in md
+    assert "the two stores equal" in md
 
 
 def test_host_call_bench_paced_on_cpu(tmp_path):

@@ -255,6 +255,16 @@ def handoff_md(r: dict, rel: str) -> list[str]:
         store = f"{_f(c['put_s'], 2)} ({c.get('put_new_mappings', '-')})" if "put_s" in c else "-"
         out.append(f"| {c['context']:,} | {_f(c['move_s'], 2)} | {_f(c['read_s'], 3)} | {_f(c['cluster_s'], 2)} | "
                    f"{store} | {st['n']}, {_f(st['p50_ms'], 2)} / {_f(st['p99_ms'])} / {_f(st['max_ms'])} |")
+    p = r.get("prefill")
+    if p:  # a prompt's moves back to back: one thread against the stage ahead (handoff.py, 1)
+        out += ["", f"A {p['tokens']:,}-token prompt's hand-off, its {p['moves']} moves of {p['segment']:,} tokens "
+                    "submitted at once, to the last one's end:", "",
+                "| hand-off | seconds | per move | steps beside it: n, p50 / p99 / max ms |", "|---|---|---|---|"]
+        for key, name in (("serial", "one thread"), ("ahead", "read and k-means ahead (`handoff_ahead`)")):
+            st = p[f"{key}_steps_during"]
+            out.append(f"| {name} | {_f(p[f'{key}_s'], 2)} | {_f(p[f'{key}_per_move_s'], 3)} | {st['n']}, "
+                       f"{_f(st['p50_ms'], 2)} / {_f(st['p99_ms'])} / {_f(st['max_ms'])} |")
+        out += ["", f"Speed-up x{_f(p['speedup'], 2)}; the two stores {'equal' if p['same_parts'] else '**differ**'}."]
     return out + ["", _img(os.path.join(rel, "handoff.png"), "hand-off"), ""]
 
 
