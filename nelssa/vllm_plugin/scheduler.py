@@ -457,6 +457,9 @@ class NelssaScheduler(Scheduler):
         cfg, pol = self.nelssa, self.nelssa_policy
         if not cfg.migrate or any(rid in self.requests and not self._host_end.get(rid) for rid in self._anchor):
             return  # off, or one in progress
+        why = self._pressure()  # first: a few counters, where the candidates are a pass over every running request
+        if not why:
+            return
         cands = []  # (anchor, request): a long prompt's length while it prefills, else its tokens with KV
         for r in self.running:
             if r.status != RequestStatus.RUNNING or r.request_id in self._anchor or device_only(r.sampling_params) \
@@ -469,9 +472,6 @@ class NelssaScheduler(Scheduler):
                     self._end(r) - r.num_tokens, self._handoff_s, self._step_s):
                 cands.append((r.num_computed_tokens, r))
         if not cands:
-            return
-        why = self._pressure()
-        if not why:
             return
         anchor, r = max(cands, key=lambda x: x[0])
         long = pol.is_long(r.num_prompt_tokens)
@@ -919,7 +919,7 @@ class NelssaScheduler(Scheduler):
             if hidden or spared or plan:  # the running list's own order back; vLLM's new requests after it
                 n = len(order)
                 self.running = sorted(self.running + hidden, key=lambda r: order.get(id(r), n))
-        if self.nelssa.lane:
+        if self.nelssa.lane and (self._host_end or self._switching):
             self._busy.update(r for r in out.num_scheduled_tokens if self._host_end.get(r) or r in self._switching)
             self._switched.update(r for r in out.num_scheduled_tokens if r in self._switching)
         return out
@@ -1037,13 +1037,13 @@ class NelssaScheduler(Scheduler):
         """policy.chunk_budget: ``long_chunk_solo`` (in effect: NelssaConfig.chunk_solo) while no running request
         decodes from the host tier (its host range in use), else ``long_chunk``."""
         cfg = self.nelssa
-        decoding = bool(cfg.chunk_solo) and any(self._host_end.get(r.request_id) for r in self.running)
+        decoding = bool(cfg.chunk_solo and self._host_end) and any(self._host_end.get(r.request_id) for r in self.running)
         return chunk_budget(cfg.long_chunk, cfg.chunk_solo, decoding)
 
     def _long_chunk(self, thr: int, budget: int) -> int:
         """This step's cap on a prefill chunk: policy.prefill_chunk at ``budget`` (``_chunk_budget``) at the
         deepest running long prefill's context while a short request decodes; else vLLM's threshold ``thr``."""
-        if not budget:
+        if not budget or not self._reserved:  # every long request in vLLM's queues was admitted here (_reserved)
             return thr
         done, short_decoding = None, False
         for r in self.running:

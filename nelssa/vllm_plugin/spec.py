@@ -77,7 +77,11 @@ class NelssaManager(FullAttentionManager):
         first, last = self.policy.freed_blocks(h)
         return first, max(first, min(last, upto_blocks))
 
+    # (these run for every scheduled request in every step: with no host range or window admission anywhere
+    # they are vLLM's own calls, no lookups, so a step with only short requests costs what stock's does)
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, **kwargs) -> int:
+        if not self.host_ends and not self.window_ends:
+            return super().get_num_blocks_to_allocate(request_id, num_tokens, *args, **kwargs)
         n = super().get_num_blocks_to_allocate(request_id, self._slots(request_id, num_tokens), *args, **kwargs)
         if request_id in self.num_cached_block:  # allocated already: its nulls are among its blocks
             return n
@@ -85,7 +89,9 @@ class NelssaManager(FullAttentionManager):
         return max(0, n - (last - first))
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
-        return super().allocate_new_blocks(request_id, self._slots(request_id, num_tokens), num_tokens_main_model)
+        if self.ahead and self.host_ends:
+            num_tokens = self._slots(request_id, num_tokens)
+        return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
                                           num_external_computed_tokens: int) -> None:
@@ -133,7 +139,7 @@ class NelssaManager(FullAttentionManager):
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        h = self.host_ends.get(request_id, 0)
+        h = self.host_ends.get(request_id, 0) if self.host_ends else 0
         if num_prompt_tokens is None or not h:
             return super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
         first, last = self.policy.freed_blocks(h)
