@@ -86,6 +86,21 @@ class Steps:
             torch.cuda.current_stream(self.dev).synchronize()
         return time.perf_counter() - t, launched
 
+    def beside(self, fn):
+        """``fn()`` with steps running back to back on another thread (started 50 ms before it) -> (fn's result,
+        the steps' (start, seconds, enqueue seconds), at least three)."""
+        stop = threading.Event()
+        box: dict = {}
+        th = threading.Thread(target=lambda: box.setdefault("s", self.run_until(stop, min_steps=3)))
+        th.start()
+        time.sleep(0.05)
+        try:
+            out = fn()
+        finally:
+            stop.set()
+            th.join()
+        return out, box["s"]
+
     def run_until(self, stop: threading.Event, min_steps: int = 0) -> list[tuple[float, float, float]]:
         """(start, seconds, enqueue seconds) of each step until ``stop`` (and at least ``min_steps``)."""
         out: list[tuple[float, float, float]] = []
@@ -207,24 +222,21 @@ def main() -> None:
         del ks, vs, kvs, pos, b, o
         # the move, steps running beside it
         rid = f"ctx{n}_{i}"  # a context may repeat (the first move vs the next)
-        stop = threading.Event()
-        box: dict = {}
-        th = threading.Thread(target=lambda: box.setdefault("s", steps.run_until(stop, min_steps=3)))
         prof = None
         if a.profile == n:
             from torch.profiler import ProfilerActivity, profile
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
             prof = profile(activities=acts, with_stack=False, record_shapes=False)
             prof.__enter__()
-        th.start()
-        time.sleep(0.05)
-        states0 = {p: host.stats.totals.get(f"move_thread_s:{p}", 0.0) for p in THREAD_STATES}
-        t = time.perf_counter()
-        hand.submit([(rid, blocks, cfg.sink, n)])
-        hand.wait_all()
-        end = done.get(rid, time.perf_counter())
-        stop.set()
-        th.join()
+
+        def move():
+            states0 = {p: host.stats.totals.get(f"move_thread_s:{p}", 0.0) for p in THREAD_STATES}
+            t = time.perf_counter()
+            hand.submit([(rid, blocks, cfg.sink, n)])
+            hand.wait_all()
+            return states0, t, done.get(rid, time.perf_counter())
+
+        (states0, t, end), during = steps.beside(move)
         if prof is not None:
             prof.__exit__(None, None, None)
             prof.export_chrome_trace(os.path.join(a.out, f"profile_{n}.json.gz"))  # .gz: torch compresses it
@@ -243,11 +255,11 @@ def main() -> None:
                "cluster_s": cluster_s["default"], "cluster_torch_s": cluster_s["torch"],
                "cluster_fp32_s": cluster_s["fp32"], "put_s": put_s,
                "pack_s": put_s - cluster_s["default"], "move_thread_s": thread_s, "put_new_mappings": put_mappings, "bytes": 2 * L * KH * D * (n - cfg.sink) * torch.finfo(dtype).bits // 8,
-               "steps_during": {**step_stats([x for _, x, _ in box["s"]]),
-                                "enqueue": step_stats([e for _, _, e in box["s"]])},
+               "steps_during": {**step_stats([x for _, x, _ in during]),
+                                "enqueue": step_stats([e for _, _, e in during])},
                # the slowest steps beside the move: (start - submit, ms, of which enqueue ms), to place them
                # in its phases and on a side (host: enqueue; device: the wait after it)
-               "worst_steps": sorted(((st - t, 1e3 * x, 1e3 * e) for st, x, e in box["s"]), key=lambda y: -y[1])[:10]}
+               "worst_steps": sorted(((st - t, 1e3 * x, 1e3 * e) for st, x, e in during), key=lambda y: -y[1])[:10]}
         res["contexts"].append(row)
         sd = row["steps_during"]
         print(f"[handoff] {n:>7} tokens: move {move_s:.2f} s (thread: " +
@@ -284,16 +296,13 @@ def prefill_moves(n: int, host, layers, steps: Steps, cfg, bs: int, warm: bool) 
         if warm:
             hand.warm(min(seg, n))
         rid = f"prefill_{'ahead' if ahead else 'serial'}"
-        stop = threading.Event()
-        box: dict = {}
-        th = threading.Thread(target=lambda: box.setdefault("s", steps.run_until(stop, min_steps=3)))
-        th.start()
-        time.sleep(0.05)
-        t = time.perf_counter()
-        hand.submit([(rid, blocks, lo, hi) for lo, hi in ranges])
-        hand.wait_all()
-        stop.set()
-        th.join()
+        def moves() -> float:
+            t = time.perf_counter()
+            hand.submit([(rid, blocks, lo, hi) for lo, hi in ranges])
+            hand.wait_all()
+            return t
+
+        t, during = steps.beside(moves)
         if len(ends) != len(ranges):
             raise RuntimeError(f"prefill hand-off ({'ahead' if ahead else 'one thread'}): {len(ends)} of "
                                f"{len(ranges)} moves reported")
@@ -305,7 +314,7 @@ def prefill_moves(n: int, host, layers, steps: Steps, cfg, bs: int, warm: bool) 
         key = "ahead" if ahead else "serial"
         out[f"{key}_s"] = ends[-1] - t
         out[f"{key}_per_move_s"] = (ends[-1] - t) / len(ranges)
-        out[f"{key}_steps_during"] = step_stats([x for _, x, _ in box["s"]])
+        out[f"{key}_steps_during"] = step_stats([x for _, x, _ in during])
     out["speedup"] = out["serial_s"] / out["ahead_s"]
     out["same_parts"] = all(torch.equal(a, b) for x, y in zip(stored[False], stored[True]) for a, b in zip(x, y))
     print(f"[handoff] prefill of {n} tokens, {len(ranges)} moves back to back: one thread {out['serial_s']:.2f} s "

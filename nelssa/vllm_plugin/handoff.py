@@ -74,6 +74,13 @@ def thread_clock() -> tuple[float, float, float | None]:
         return wall, time.thread_time(), None
 
 
+def clock_since(c0: tuple[float, float, float | None]) -> tuple[float, float, float]:
+    """(wall, CPU, runqueue) seconds of the calling thread since ``thread_clock()`` gave ``c0`` (runqueue 0
+    where Linux's schedstat is not there)."""
+    c1 = thread_clock()
+    return c1[0] - c0[0], c1[1] - c0[1], c1[2] - c0[2] if c0[2] is not None and c1[2] is not None else 0.0
+
+
 class HandoffFailed(RuntimeError):
     """A move of a request whose earlier move failed (it stays on its device blocks)."""
 
@@ -201,9 +208,7 @@ class Handoff:
                 return None
             c0 = thread_clock()
             ks, vs, read_s, ahead = self._on_side(ev, self._read_cluster, blocks, lo, hi, part, stream=self._ahead_side)
-            c1 = thread_clock()
-            clock = (c1[0] - c0[0], c1[1] - c0[1], c1[2] - c0[2] if c0[2] is not None and c1[2] is not None else 0.0)
-            return ks, vs, read_s, ahead, clock
+            return ks, vs, read_s, ahead, clock_since(c0)
         except BaseException:
             self._room.release()
             raise
@@ -241,7 +246,6 @@ class Handoff:
                 raise
         finally:
             if state is not None:
-                del state
                 self._room.release()
         if self._on_done is not None:
             self._on_done(rid, hi, gen)
@@ -274,9 +278,7 @@ class Handoff:
                     x.record_stream(cur)
         self.host.stats.add(move_split_s={"read": read_s})
         self.host.put_layers(rid, ks, vs, commit=False, ahead=ahead)  # adds its parts (kmeans, pack[, store])
-        c1 = thread_clock()
-        wall, cpu = c1[0] - t + before[0], c1[1] - c0[1] + before[1]
-        runq = (c1[2] - c0[2] if c0[2] is not None and c1[2] is not None else 0.0) + before[2]
+        wall, cpu, runq = (x + y for x, y in zip(clock_since(c0), before))
         self.host.stats.add(cluster_s=wall, moved_tokens=hi - lo,
                             moved_bytes=sum(2 * k.numel() * k.element_size() for k in ks),
                             move_thread_s={"cpu": cpu, "runq": runq, "blocked": max(0.0, wall - cpu - runq)})
