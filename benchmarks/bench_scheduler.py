@@ -56,7 +56,7 @@ def child(mode: str, n: int, tokens: int) -> dict:
     llm.generate([{"prompt_token_ids": list(range(100 + i, 164 + i))} for i in range(n)], sp, use_tqdm=False)
     out = {"scheduler": type(sched).__name__}
     for name, v in times.items():
-        v = v[5:]  # the prompts' steps (one step admits and prefills them) left out
+        v = v[5:]  # the first five steps (the prompts' admission and prefill) left out
         out[name] = {"steps": len(v), "mean_us": 1e6 * statistics.fmean(v), "p50_us": 1e6 * statistics.median(v)}
     return out
 

@@ -89,9 +89,7 @@ class NelssaManager(FullAttentionManager):
         return max(0, n - (last - first))
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
-        if self.ahead and self.host_ends:
-            num_tokens = self._slots(request_id, num_tokens)
-        return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+        return super().allocate_new_blocks(request_id, self._slots(request_id, num_tokens), num_tokens_main_model)
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
                                           num_external_computed_tokens: int) -> None:
@@ -139,7 +137,7 @@ class NelssaManager(FullAttentionManager):
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        h = self.host_ends.get(request_id, 0) if self.host_ends else 0
+        h = self.host_ends.get(request_id, 0)
         if num_prompt_tokens is None or not h:
             return super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
         first, last = self.policy.freed_blocks(h)
